@@ -1,0 +1,74 @@
+"""The one module that talks to storage: local and NFS paths, ``file://``, ``memory://``, ``s3://`` and any
+other fsspec URL. Everything else in the project passes path strings and calls these functions.
+
+Object-store options (endpoint, credentials) come from the usual environment (AWS_*, FSSPEC_S3_*), or
+from ``storage_options`` registered with :func:`set_options` for a URL scheme.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Any
+
+import fsspec
+from fsspec.core import url_to_fs
+
+_OPTIONS: dict[str, dict[str, Any]] = {}
+
+
+def set_options(protocol: str, **options: Any) -> None:
+    """Register fsspec storage options for every later call on ``protocol`` (e.g. ``s3``)."""
+    _OPTIONS[protocol] = dict(options)
+
+
+def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem serving ``path`` and the path in that filesystem's terms."""
+    protocol = path.split("://", 1)[0] if "://" in path else "file"
+    return url_to_fs(path, **_OPTIONS.get(protocol, {}))
+
+
+def join(base: str, *names: str) -> str:
+    """Join path components, keeping a URL's scheme intact."""
+    if "://" in base:
+        scheme, rest = base.split("://", 1)
+        return f"{scheme}://{posixpath.join(rest, *names)}"
+    return posixpath.join(base, *names)
+
+
+def exists(path: str) -> bool:
+    fs, p = filesystem(path)
+    return fs.exists(p)
+
+
+def isdir(path: str) -> bool:
+    fs, p = filesystem(path)
+    return fs.isdir(p)
+
+
+def size(path: str) -> int:
+    fs, p = filesystem(path)
+    return int(fs.size(p))
+
+
+def listdir(path: str) -> list[str]:
+    """Base names of the entries of a directory, sorted."""
+    fs, p = filesystem(path)
+    return sorted(posixpath.basename(e.rstrip("/")) for e in fs.ls(p, detail=False))
+
+
+def read_bytes(path: str) -> bytes:
+    fs, p = filesystem(path)
+    with fs.open(p, "rb") as f:
+        return f.read()
+
+
+def read_range(path: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of a file, with one ranged read (one HTTP range request on object storage)."""
+    fs, p = filesystem(path)
+    return fs.cat_file(p, start=start, end=end)
+
+
+def open_read(path: str):
+    """A seekable binary file object; use for many small ranged reads of the same file."""
+    fs, p = filesystem(path)
+    return fs.open(p, "rb")
