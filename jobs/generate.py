@@ -1,0 +1,59 @@
+"""Answer a prompt with the float model: ``python -m jobs.generate "What's deep learning?"``.
+
+With no --model-path it runs the embedded default model. Greedy by default; --temperature/--top-p/
+--top-k/--seed sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m jobs.generate", description=__doc__.split("\n")[0])
+    ap.add_argument("prompt", nargs="?", default="What's deep learning?")
+    ap.add_argument("--model-path", "--model_path", dest="model_path", default=None,
+                    help="checkpoint directory or fsspec URL (default: the embedded model)")
+    ap.add_argument("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=1.0)
+    ap.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--raw", action="store_true", help="no chat template: continue the text as is")
+    ap.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from pipeline.embedded import EMBEDDED_MODEL_DIR
+    from pipeline.generate import generate_text
+    from pipeline.loading import load_model
+    from pipeline.sampling import SamplingParams
+    from pipeline.tokenizer import Tokenizer
+
+    path = args.model_path or EMBEDDED_MODEL_DIR
+    try:
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        t0 = time.time()
+        model = load_model(path, dtype=args.dtype, device=args.device, with_mtp=False)
+        tok = Tokenizer.from_dir(path)
+        t1 = time.time()
+        text = generate_text(model, tok, args.prompt, params, chat=not args.raw)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"> {args.prompt}\n{text.strip()}")
+    print(f"[{path}: loaded in {t1 - t0:.1f}s, generated in {time.time() - t1:.1f}s]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

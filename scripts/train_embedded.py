@@ -1,0 +1,222 @@
+"""Train the embedded default model (pipeline/assets/dsv3-tiny-pydoc) on CPU.
+
+The architecture is DeepSeek-V3's, built by pipeline.model (the same code the project serves and
+quantizes): MLA with the real widths (kv_lora_rank 512, qk_rope_head_dim 64), one dense layer then MoE
+layers with the noaux_tc router (aux-loss-free balancing through e_score_correction_bias), and one MTP
+layer trained with the next-next-token loss (weight 0.3). The MTP layer shares the main embedding and
+head during training, as in DeepSeek-V3; the checkpoint stores copies, as the release does.
+
+Text: pipeline.corpus (CPython's documentation topics and stdlib docstrings, plus chat-formatted
+question/answer samples from the same documents); the held-out split is never trained on.
+
+    python scripts/train_embedded.py --steps 1500 --out pipeline/assets/dsv3-tiny-pydoc
+
+Writes model.safetensors (bf16), config.json and training_report.json (held-out perplexity) next to the
+tokenizer files that scripts/train_tokenizer.py wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline import corpus  # noqa: E402
+from pipeline.config import DeepseekV3Config  # noqa: E402
+from pipeline.embedded import EMBEDDED_CONFIG, EMBEDDED_MODEL_DIR  # noqa: E402
+from pipeline.model import DeepseekV3ForCausalLM, build_model  # noqa: E402
+from pipeline.model.ffn import MoE  # noqa: E402
+from pipeline.tokenizer import Tokenizer  # noqa: E402
+
+
+def token_stream(tok: Tokenizer, texts: list[str]) -> torch.Tensor:
+    """Every text as bos + tokens + eos, concatenated."""
+    ids: list[int] = []
+    for t in texts:
+        ids.extend(tok.encode(t, add_bos=True))
+        ids.append(tok.eos_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def init_weights(model: DeepseekV3ForCausalLM, std: float) -> None:
+    for name, p in model.named_parameters():
+        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+            torch.nn.init.ones_(p)
+        else:
+            torch.nn.init.normal_(p, std=std)
+    # residual-output projections scaled down with depth (GPT-2 style) for a stable start
+    n = model.config.num_hidden_layers + model.config.num_nextn_predict_layers
+    for name, p in model.named_parameters():
+        if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+            p.data.mul_(1 / math.sqrt(2 * n))
+
+
+def tie_mtp(model: DeepseekV3ForCausalLM) -> None:
+    for layer in model.mtp_layers:
+        layer.embed_tokens.weight = model.model.embed_tokens.weight
+        layer.shared_head.head.weight = model.lm_head.weight
+
+
+def balance_router(model: DeepseekV3ForCausalLM, rate: float) -> None:
+    """Aux-loss-free balancing: raise the bias of under-loaded experts, lower the over-loaded."""
+    for mod in model.modules():
+        if isinstance(mod, MoE) and mod.last_load is not None:
+            load = mod.last_load.float()
+            mod.gate.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+
+
+def losses(model: DeepseekV3ForCausalLM, batch: torch.Tensor, mtp_weight: float):
+    x = batch[:, :-1]
+    logits, h = model(x, return_hidden=True)
+    main = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    if not model.mtp_layers or mtp_weight == 0:
+        return main, torch.zeros(())
+    mlogits, _ = model.mtp(h[:, :-1], batch[:, 1:-1])
+    mtp = F.cross_entropy(mlogits.flatten(0, 1), batch[:, 2:].flatten())
+    return main, mtp
+
+
+@torch.no_grad()
+def evaluate(model: DeepseekV3ForCausalLM, stream: torch.Tensor, seq: int, batch: int = 8) -> dict:
+    """Perplexity of the main model (and top-1 accuracy of the MTP head) over non-overlapping windows."""
+    model.eval()
+    n = (len(stream) - 1) // seq
+    windows = stream[: n * seq + 1]
+    nll = mtp_nll = 0.0
+    tokens = mtp_tokens = mtp_hits = 0
+    for i in range(0, n, batch):
+        rows = [windows[j * seq: j * seq + seq + 1] for j in range(i, min(n, i + batch))]
+        b = torch.stack(rows)
+        logits, h = model(b[:, :-1], return_hidden=True)
+        nll += F.cross_entropy(logits.flatten(0, 1), b[:, 1:].flatten(), reduction="sum").item()
+        tokens += b[:, 1:].numel()
+        if model.mtp_layers:
+            ml, _ = model.mtp(h[:, :-1], b[:, 1:-1])
+            mtp_nll += F.cross_entropy(ml.flatten(0, 1), b[:, 2:].flatten(), reduction="sum").item()
+            mtp_tokens += b[:, 2:].numel()
+            mtp_hits += (ml.argmax(-1) == b[:, 2:]).sum().item()
+    model.train()
+    out = {"tokens": tokens, "perplexity": math.exp(nll / tokens)}
+    if mtp_tokens:
+        out.update(mtp_perplexity=math.exp(mtp_nll / mtp_tokens), mtp_top1=mtp_hits / mtp_tokens)
+    return out
+
+
+def save(model: DeepseekV3ForCausalLM, out: Path, cfg_dict: dict) -> None:
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    tensors = {k: (v if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16)) for k, v in state.items()}
+    tmp = out / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=EMBEDDED_MODEL_DIR)
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--mtp-weight", type=float, default=0.3)
+    ap.add_argument("--balance-rate", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--eval-every", type=int, default=250)
+    args = ap.parse_args(argv)
+
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    tok = Tokenizer.from_dir(str(out))
+    cfg = DeepseekV3Config.from_dict(EMBEDDED_CONFIG)
+    if tok.vocab_size != cfg.vocab_size:
+        raise SystemExit(f"tokenizer vocab {tok.vocab_size} != config vocab_size {cfg.vocab_size}")
+
+    train_docs, held_docs = corpus.split(corpus.documents())
+    train_texts = [d.text for d in train_docs] + [tok.apply_chat_template(m, add_generation_prompt=False)
+                                                  for m in corpus.chat_samples(train_docs)]
+    random.Random(args.seed).shuffle(train_texts)
+    train = token_stream(tok, train_texts)
+    held = token_stream(tok, [d.text for d in held_docs])
+    print(f"train tokens {len(train):,}  held-out tokens {len(held):,}", flush=True)
+
+    model = DeepseekV3ForCausalLM(cfg, dtype=torch.float32)
+    init_weights(model, cfg.extra.get("initializer_range", 0.02))
+    tie_mtp(model)
+    model.train()
+    params = [p for p in model.parameters()]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95))
+
+    def lr_at(step: int) -> float:
+        if step < args.warmup:
+            return args.lr * (step + 1) / args.warmup
+        t = (step - args.warmup) / max(1, args.steps - args.warmup)
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+    gen = torch.Generator().manual_seed(args.seed)
+    history = []
+    t0 = time.time()
+    for step in range(args.steps):
+        starts = torch.randint(0, len(train) - args.seq - 2, (args.batch,), generator=gen)
+        batch = torch.stack([train[s: s + args.seq + 2] for s in starts.tolist()])
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        main_loss, mtp_loss = losses(model, batch, args.mtp_weight)
+        loss = main_loss + args.mtp_weight * mtp_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        with torch.no_grad():
+            balance_router(model, args.balance_rate)
+        if step % 25 == 0 or step == args.steps - 1:
+            el = time.time() - t0
+            print(f"step {step:5d}  loss {main_loss.item():.3f}  mtp {mtp_loss.item():.3f}  lr {lr_at(step):.2e}"
+                  f"  {el / (step + 1):.2f}s/step  elapsed {el / 60:.1f} min", flush=True)
+        if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
+            ev = evaluate(model, held, args.seq)
+            history.append({"step": step + 1, **ev})
+            print(f"  held-out: {ev}", flush=True)
+            save(model, out, EMBEDDED_CONFIG)
+
+    # The shipped numbers: reload the bf16 checkpoint as a user would, evaluate in float32.
+    from safetensors.torch import load_file
+
+    shipped = build_model(cfg, load_file(str(out / "model.safetensors")), dtype=torch.float32)
+    final = evaluate(shipped, held, args.seq)
+    report = {
+        "python_version": sys.version.split()[0],
+        "torch_version": torch.__version__,
+        "args": vars(args),
+        "train_tokens": len(train),
+        "heldout_tokens": len(held),
+        "train_minutes": round((time.time() - t0) / 60, 1),
+        "heldout_eval_seq": args.seq,
+        "final_heldout_bf16_weights": final,
+        "history_fp32_weights": history,
+    }
+    (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report["final_heldout_bf16_weights"]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
