@@ -102,5 +102,6 @@ def layer_of(name: str) -> int | None:
 
 def is_fp8_quantizable(name: str) -> bool:
     """Tensors the DeepSeek release stores as FP8 e4m3 with a ``_scale_inv`` sibling: every
-    ``*_proj.weight`` under self_attn and mlp (not the router, norms, eh_proj, embeddings or heads)."""
-    return name.endswith("_proj.weight") and (".self_attn." in name or ".mlp." in name)
+    ``*_proj.weight`` under self_attn and mlp, ``kv_a_proj_with_mqa.weight`` included (not the router,
+    norms, eh_proj, embeddings or heads)."""
+    return name.endswith(("_proj.weight", "_proj_with_mqa.weight")) and (".self_attn." in name or ".mlp." in name)
