@@ -8,7 +8,9 @@ from ``storage_options`` registered with :func:`set_options` for a URL scheme.
 from __future__ import annotations
 
 import posixpath
-from typing import Any
+import uuid
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -72,3 +74,43 @@ def open_read(path: str):
     """A seekable binary file object; use for many small ranged reads of the same file."""
     fs, p = filesystem(path)
     return fs.open(p, "rb")
+
+
+@contextmanager
+def atomic_write(path: str) -> Iterator[Any]:
+    """A binary file object that streams to a hidden temporary name beside ``path`` and is renamed to
+    ``path`` only when the ``with`` block ends without an exception; on failure the temporary is removed
+    and ``path`` is left as it was. Parent directories are created.
+
+    The rename is atomic on local and NFS paths; on object stores fsspec moves by copy-then-delete, and the
+    final object still appears only once complete.
+    """
+    fs, p = filesystem(path)
+    parent, base = posixpath.split(p)
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    tmp = posixpath.join(parent, f".{base}.tmp-{uuid.uuid4().hex[:12]}")
+    f = fs.open(tmp, "wb")
+    try:
+        yield f
+        f.close()
+        fs.mv(tmp, p)
+    except BaseException:
+        try:
+            f.close()
+            if fs.exists(tmp):
+                fs.rm(tmp)
+        except Exception:  # the original error is the one to report
+            pass
+        raise
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Write a whole (small) file atomically."""
+    with atomic_write(path) as f:
+        f.write(data)
+
+
+def copy_file(src: str, dst: str) -> None:
+    """Copy a small file, possibly across filesystems (e.g. local -> s3), atomically at ``dst``."""
+    write_bytes(dst, read_bytes(src))

@@ -1,0 +1,31 @@
+"""Write an FP8 block-quantized copy of a checkpoint in the DeepSeek-V3 release's layout.
+
+    python -m jobs.make_fp8 --src DIR --dst DIR [--shards N]
+
+DIR may be a local path or any fsspec URL (file://, s3://, memory://).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional, Sequence
+
+from pipeline.fp8_copy import write_fp8_copy
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jobs.make_fp8", description=__doc__.splitlines()[0])
+    p.add_argument("--src", required=True, help="source checkpoint directory (bf16 or FP8)")
+    p.add_argument("--dst", required=True, help="destination directory for the FP8 copy")
+    p.add_argument("--shards", type=int, default=None,
+                   help="number of shard files (default: about 4 GiB each)")
+    args = p.parse_args(argv)
+    index = write_fp8_copy(args.src, args.dst, shards=args.shards)
+    n_files = len(set(index["weight_map"].values()))
+    print(f"{args.dst}: {len(index['weight_map'])} tensors, {index['metadata']['total_size']} bytes "
+          f"in {n_files} shards")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,80 @@
+"""FP8 e4m3 block quantization in the DeepSeek-V3 release's convention: pure tensor functions.
+
+A weight W [out, in] is stored as Wq (float8_e4m3fn, same shape) and ``scale_inv`` s (float32,
+[ceil(out / b0), ceil(in / b1)]), one scale per b0 x b1 block (128 x 128 in the release), so that
+
+    W[i, j] = float(Wq[i, j]) * s[i // b0, j // b1]
+
+The last block row/column may be partial ("ragged": kv_a_proj_with_mqa is [576, 7168], 576 = 4.5 * 128,
+scale [5, 56]); it has a scale of its own like any other block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448 = 1.75 * 2^8, e4m3fn's largest finite value
+DEFAULT_BLOCK = (128, 128)
+
+
+def scale_shape(shape: tuple[int, ...] | torch.Size, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[int, int]:
+    """[ceil(out / b0), ceil(in / b1)]: the scale_inv shape of a 2-D weight."""
+    if len(shape) != 2:
+        raise ValueError(f"FP8 block quantization needs a 2-D weight, got shape {list(shape)}")
+    return math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
+
+
+def expand_scale(scale_inv: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    """The per-element scale [out, in]: ``S[i, j] = s[i // b0, j // b1]`` (ragged edges cut off)."""
+    rows = scale_inv.repeat_interleave(block[0], dim=0)[: shape[0]]
+    return rows.repeat_interleave(block[1], dim=1)[:, : shape[1]]
+
+
+def dequantize_fp8_blocks(w_fp8: torch.Tensor, scale_inv: torch.Tensor,
+                          block: tuple[int, int] = DEFAULT_BLOCK, dtype: torch.dtype = torch.bfloat16,
+                          name: str = "weight") -> torch.Tensor:
+    """``W = float32(Wq) * S`` with ``S[i, j] = s[i // b0, j // b1]``, computed in float32, then cast to
+    ``dtype``. w_fp8: [out, in] float8_e4m3fn; scale_inv: [ceil(out / b0), ceil(in / b1)].
+
+    Raises ValueError naming ``name`` when the dtypes or the scale shape do not fit the weight.
+    """
+    if w_fp8.dtype != FP8_DTYPE:
+        raise ValueError(f"tensor {name!r}: expected {FP8_DTYPE}, got {w_fp8.dtype}")
+    if w_fp8.dim() != 2:
+        raise ValueError(f"tensor {name!r}: FP8 block weights are 2-D, got shape {list(w_fp8.shape)}")
+    want = scale_shape(w_fp8.shape, block)
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(
+            f"tensor {name!r}: scale_inv shape {list(scale_inv.shape)} does not match weight shape "
+            f"{list(w_fp8.shape)} with block {list(block)} (expected {list(want)})")
+    if not scale_inv.dtype.is_floating_point:
+        raise ValueError(f"tensor {name!r}: scale_inv must be floating point, got {scale_inv.dtype}")
+    w = w_fp8.to(torch.float32)
+    w.mul_(expand_scale(scale_inv.to(torch.float32), tuple(w.shape), block))
+    return w.to(dtype)
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK,
+                        name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantize a 2-D float weight [out, in] the way the release stores it.
+
+    Per block B: ``s_B = amax(|W_B|) / 448`` (float32; 1.0 for an all-zero block, whose values quantize
+    to 0 under any scale) and ``Wq_B = e4m3(clamp(W_B / s_B, -448, 448))`` (round to nearest even). The
+    block's largest magnitude maps to 448; the clamp only absorbs the last-bit rounding of the division.
+    Returns (w_fp8 [out, in] float8_e4m3fn, scale_inv [ceil(out / b0), ceil(in / b1)] float32).
+    """
+    if w.dim() != 2 or not w.dtype.is_floating_point:
+        raise ValueError(f"tensor {name!r}: expected a 2-D float weight, got {w.dtype} {list(w.shape)}")
+    x = w.to(torch.float32)
+    if not torch.isfinite(x).all():
+        raise ValueError(f"tensor {name!r}: cannot quantize non-finite values")
+    (out, inp), (r, c) = x.shape, scale_shape(x.shape, block)
+    padded = torch.zeros(r * block[0], c * block[1], dtype=torch.float32)  # zeros leave amax unchanged
+    padded[:out, :inp] = x
+    amax = padded.view(r, block[0], c, block[1]).abs().amax(dim=(1, 3))  # [r, c]
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (x / expand_scale(scale_inv, (out, inp), block)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale_inv
