@@ -111,7 +111,7 @@ def write_fp8_copy(src: str, dst: str, shards: Optional[int] = None,
                    block: tuple[int, int] = DEFAULT_BLOCK, shard_bytes: int = SHARD_BYTES) -> dict:
     """Write the FP8 copy of checkpoint ``src`` to directory ``dst``; returns the index written.
     ``shards``: the number of shard files (default: ceil(total bytes / ``shard_bytes``))."""
-    if storage.join(src).rstrip("/") == storage.join(dst).rstrip("/"):
+    if src.rstrip("/") == dst.rstrip("/"):
         raise ValueError(f"{dst}: the destination must differ from the source")
     reader = CheckpointReader(src)
     units = plan_units(reader, block)
@@ -121,6 +121,9 @@ def write_fp8_copy(src: str, dst: str, shards: Optional[int] = None,
     shard_of = assign_shards([s.nbytes for s in specs], n)
     names = [shard_name(k + 1, n) for k in range(n)]
     weight_map = {s.name: names[k] for s, k in zip(specs, shard_of)}
+    shard_specs: list[list[TensorSpec]] = [[] for _ in range(n)]
+    for s, k in zip(specs, shard_of):
+        shard_specs[k].append(s)
 
     with contextlib.ExitStack() as stack:  # one open shard at a time; aborted (no file) on error
         writer, current, i = None, -1, 0
@@ -130,9 +133,8 @@ def write_fp8_copy(src: str, dst: str, shards: Optional[int] = None,
                 if shard_of[i] != current:
                     stack.close()  # commits the previous shard
                     current = shard_of[i]
-                    shard_specs = [s for s, k in zip(specs, shard_of) if k == current]
                     writer = stack.enter_context(SafetensorsWriter(
-                        storage.join(dst, names[current]), shard_specs, metadata={"format": "pt"}))
+                        storage.join(dst, names[current]), shard_specs[current], metadata={"format": "pt"}))
                 writer.write(spec.name, tensors.pop(spec.name))
                 i += 1
 
