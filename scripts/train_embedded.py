@@ -36,16 +36,8 @@ from pipeline.config import DeepseekV3Config  # noqa: E402
 from pipeline.embedded import EMBEDDED_CONFIG, EMBEDDED_MODEL_DIR  # noqa: E402
 from pipeline.model import DeepseekV3ForCausalLM, build_model  # noqa: E402
 from pipeline.model.ffn import MoE  # noqa: E402
+from pipeline.perplexity import perplexity, token_stream  # noqa: E402
 from pipeline.tokenizer import Tokenizer  # noqa: E402
-
-
-def token_stream(tok: Tokenizer, texts: list[str]) -> torch.Tensor:
-    """Every text as bos + tokens + eos, concatenated."""
-    ids: list[int] = []
-    for t in texts:
-        ids.extend(tok.encode(t, add_bos=True))
-        ids.append(tok.eos_id)
-    return torch.tensor(ids, dtype=torch.long)
 
 
 def init_weights(model: DeepseekV3ForCausalLM, std: float) -> None:
@@ -86,32 +78,6 @@ def losses(model: DeepseekV3ForCausalLM, batch: torch.Tensor, mtp_weight: float)
     return main, mtp
 
 
-@torch.no_grad()
-def evaluate(model: DeepseekV3ForCausalLM, stream: torch.Tensor, seq: int, batch: int = 8) -> dict:
-    """Perplexity of the main model (and top-1 accuracy of the MTP head) over non-overlapping windows."""
-    model.eval()
-    n = (len(stream) - 1) // seq
-    windows = stream[: n * seq + 1]
-    nll = mtp_nll = 0.0
-    tokens = mtp_tokens = mtp_hits = 0
-    for i in range(0, n, batch):
-        rows = [windows[j * seq: j * seq + seq + 1] for j in range(i, min(n, i + batch))]
-        b = torch.stack(rows)
-        logits, h = model(b[:, :-1], return_hidden=True)
-        nll += F.cross_entropy(logits.flatten(0, 1), b[:, 1:].flatten(), reduction="sum").item()
-        tokens += b[:, 1:].numel()
-        if model.mtp_layers:
-            ml, _ = model.mtp(h[:, :-1], b[:, 1:-1])
-            mtp_nll += F.cross_entropy(ml.flatten(0, 1), b[:, 2:].flatten(), reduction="sum").item()
-            mtp_tokens += b[:, 2:].numel()
-            mtp_hits += (ml.argmax(-1) == b[:, 2:]).sum().item()
-    model.train()
-    out = {"tokens": tokens, "perplexity": math.exp(nll / tokens)}
-    if mtp_tokens:
-        out.update(mtp_perplexity=math.exp(mtp_nll / mtp_tokens), mtp_top1=mtp_hits / mtp_tokens)
-    return out
-
-
 def save(model: DeepseekV3ForCausalLM, out: Path, cfg_dict: dict) -> None:
     from safetensors.torch import save_file
 
@@ -147,9 +113,9 @@ def main(argv=None) -> int:
     if tok.vocab_size != cfg.vocab_size:
         raise SystemExit(f"tokenizer vocab {tok.vocab_size} != config vocab_size {cfg.vocab_size}")
 
-    train_docs, held_docs = corpus.split(corpus.documents())
-    train_texts = [d.text for d in train_docs] + [tok.apply_chat_template(m, add_generation_prompt=False)
-                                                  for m in corpus.chat_samples(train_docs)]
+    train_docs, _ = corpus.split(corpus.documents())
+    _, held_docs = corpus.load_heldout(str(out))     # the shipped split (identical on the recorded Python)
+    train_texts = [d.text for d in train_docs] + corpus.chat_samples(train_docs)
     random.Random(args.seed).shuffle(train_texts)
     train = token_stream(tok, train_texts)
     held = token_stream(tok, [d.text for d in held_docs])
@@ -192,7 +158,7 @@ def main(argv=None) -> int:
             print(f"step {step:5d}  loss {main_loss.item():.3f}  mtp {mtp_loss.item():.3f}  lr {lr_at(step):.2e}"
                   f"  {el / (step + 1):.2f}s/step  elapsed {el / 60:.1f} min", flush=True)
         if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
-            ev = evaluate(model, held, args.seq)
+            ev = perplexity(model, held, args.seq)
             history.append({"step": step + 1, **ev})
             print(f"  held-out: {ev}", flush=True)
             save(model, out, EMBEDDED_CONFIG)
@@ -201,7 +167,7 @@ def main(argv=None) -> int:
     from safetensors.torch import load_file
 
     shipped = build_model(cfg, load_file(str(out / "model.safetensors")), dtype=torch.float32)
-    final = evaluate(shipped, held, args.seq)
+    final = perplexity(shipped, held, args.seq)
     report = {
         "python_version": sys.version.split()[0],
         "torch_version": torch.__version__,
