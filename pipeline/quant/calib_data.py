@@ -1,0 +1,120 @@
+"""Calibration data through fsspec: msModelSlim's ``calib_prompt.json`` form (a JSON list of strings),
+JSONL with a text field, or Parquet with a text column. The default is the embedded model's texts.
+
+Every problem is a :class:`CalibDataError` naming the file and the sample (index or line) at fault.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Sequence
+
+from pipeline import storage
+
+FORMATS = (".json", ".jsonl", ".parquet")
+
+
+class CalibDataError(ValueError):
+    """Calibration input that cannot be used; the message names the file and the sample."""
+
+
+def default_calib_path() -> str:
+    from pipeline.embedded import EMBEDDED_MODEL_DIR
+
+    return storage.join(EMBEDDED_MODEL_DIR, "calib.json")
+
+
+def load_texts(path: str | None = None, text_field: str = "text") -> list[str]:
+    """The calibration texts of ``path`` (default: the embedded model's), in file order."""
+    path = path or default_calib_path()
+    suffix = next((s for s in FORMATS if path.lower().endswith(s)), None)
+    if suffix is None:
+        raise CalibDataError(f"{path}: unknown calibration format; use one of {', '.join(FORMATS)}")
+    try:
+        raw = storage.read_bytes(path)
+    except FileNotFoundError:
+        raise CalibDataError(f"{path}: calibration file not found") from None
+    if suffix == ".json":
+        texts = _from_json(path, raw, text_field)
+    elif suffix == ".jsonl":
+        texts = _from_jsonl(path, raw, text_field)
+    else:
+        texts = _from_parquet(path, raw, text_field)
+    if not texts:
+        raise CalibDataError(f"{path}: no calibration samples")
+    for i, t in enumerate(texts):
+        if not t.strip():
+            raise CalibDataError(f"{path}: sample {i} is empty")
+    return texts
+
+
+def _text_of(path: str, where: str, item, text_field: str) -> str:
+    if isinstance(item, str):
+        return item
+    if isinstance(item, dict):
+        if text_field not in item:
+            raise CalibDataError(f"{path}: {where} has no '{text_field}' field (keys: {sorted(item)[:6]})")
+        item = item[text_field]
+        if isinstance(item, str):
+            return item
+    raise CalibDataError(f"{path}: {where} is {type(item).__name__}, expected a string")
+
+
+def _from_json(path: str, raw: bytes, text_field: str) -> list[str]:
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CalibDataError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, list):
+        raise CalibDataError(f"{path}: expected a JSON list of strings, got {type(data).__name__}")
+    return [_text_of(path, f"sample {i}", x, text_field) for i, x in enumerate(data)]
+
+
+def _from_jsonl(path: str, raw: bytes, text_field: str) -> list[str]:
+    out = []
+    for n, line in enumerate(raw.decode("utf-8", errors="strict").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise CalibDataError(f"{path}: line {n} is not valid JSON ({e})") from None
+        out.append(_text_of(path, f"line {n}", item, text_field))
+    return out
+
+
+def _from_parquet(path: str, raw: bytes, text_field: str) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(io.BytesIO(raw))
+    except (pa.ArrowInvalid, OSError) as e:
+        raise CalibDataError(f"{path}: not a readable Parquet file ({e})") from None
+    if text_field not in table.column_names:
+        raise CalibDataError(f"{path}: no '{text_field}' column (columns: {table.column_names})")
+    col = table.column(text_field)
+    if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+        raise CalibDataError(f"{path}: column '{text_field}' is {col.type}, expected strings")
+    values = col.to_pylist()
+    for i, v in enumerate(values):
+        if v is None:
+            raise CalibDataError(f"{path}: sample {i} is null")
+    return values
+
+
+def tokenize(texts: Sequence[str], tokenizer, max_tokens: int, truncate: bool = False,
+             add_bos: bool = True, source: str = "calibration data") -> list[list[int]]:
+    """Token ids per sample. A sample longer than ``max_tokens`` is an error naming it, unless
+    ``truncate`` (then it is cut to ``max_tokens``)."""
+    out = []
+    for i, t in enumerate(texts):
+        ids = tokenizer.encode(t, add_bos=add_bos)
+        if len(ids) > max_tokens:
+            if not truncate:
+                raise CalibDataError(f"{source}: sample {i} has {len(ids)} tokens, more than the limit of "
+                                     f"{max_tokens} (raise the limit or truncate)")
+            ids = ids[:max_tokens]
+        out.append(ids)
+    return out
