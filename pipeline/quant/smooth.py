@@ -1,0 +1,147 @@
+"""Anti-outlier smoothing that leaves the float model's function unchanged and keeps the format.
+
+SmoothQuant between an RMSNorm and the linears it feeds. With per-channel scales s [k]::
+
+    norm(x) * g  ->  norm(x) * (g / s)          (the activation's channel j shrinks by s_j)
+    W[:, j]      ->  W[:, j] * s_j              (every linear fed by that norm)
+    s_j = max|X_j|^alpha / max_i |W_ij|^(1 - alpha)    (max over all linears fed; clamped >= eps)
+
+applied to input_layernorm -> (q_a_proj, kv_a_proj_with_mqa) [or q_proj] and q_a_layernorm -> q_b_proj.
+
+Latent smoothing for FA3. The cached latent c = kv_a_layernorm(c_kv) is consumed only through the linear
+maps W_UK and W_UV (kv_b_proj), so with d [kv_lora_rank]::
+
+    kv_a_layernorm.weight -> weight / d        (c' = c / d: the int8 per-tensor scale sees balanced channels)
+    kv_b_proj.weight[:, j] -> kv_b_proj.weight[:, j] * d_j
+    d_j = max|c_j|^alpha / max_h |q_abs_hj|^(1 - alpha)     (q_abs = q_nope @ W_UK, the absorbed query)
+
+Both tensors stay FLOAT, so the output format is unchanged. All scales are computed in float32; the
+results are cast back to the weight dtype (the only change to the function is that rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+EPS = 1e-5
+
+
+@dataclass
+class ChannelAbsMax:
+    """Per-channel max |x| over every token seen; merges exactly (max is associative)."""
+
+    value: torch.Tensor | None = None
+
+    def observe(self, x: torch.Tensor) -> None:
+        m = x.detach().abs().flatten(0, -2).amax(0).float()
+        self.value = m if self.value is None else torch.maximum(self.value, m)
+
+    def merge(self, other: "ChannelAbsMax") -> "ChannelAbsMax":
+        if self.value is None or other.value is None:
+            return ChannelAbsMax(other.value if self.value is None else self.value)
+        return ChannelAbsMax(torch.maximum(self.value, other.value))
+
+
+def smooth_scales(act_absmax: torch.Tensor, weight_absmax: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """s = act^alpha / w^(1 - alpha), both [k] float32; channels with no signal keep s = 1."""
+    if act_absmax.shape != weight_absmax.shape:
+        raise ValueError(f"activation stats {tuple(act_absmax.shape)} and weight stats "
+                         f"{tuple(weight_absmax.shape)} must have the same shape")
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"smoothing alpha must be in [0, 1], got {alpha}")
+    a, w = act_absmax.float(), weight_absmax.float()
+    s = a.clamp_min(EPS).pow(alpha) / w.clamp_min(EPS).pow(1 - alpha)
+    dead = (a <= EPS) | (w <= EPS)
+    return torch.where(dead, torch.ones_like(s), s).clamp_min(EPS)
+
+
+def smooth_norm_linears(norm_weight: torch.Tensor, weights: list[torch.Tensor], act_absmax: torch.Tensor,
+                        alpha: float = 0.5) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """(norm weight / s, [W * s for each W], s) for a norm feeding ``weights`` ([n_i, k] each)."""
+    w_absmax = torch.stack([w.float().abs().amax(0) for w in weights]).amax(0)
+    s = smooth_scales(act_absmax, w_absmax, alpha)
+    new_norm = (norm_weight.float() / s).to(norm_weight.dtype)
+    return new_norm, [(w.float() * s).to(w.dtype) for w in weights], s
+
+
+def smooth_latent(kv_norm_weight: torch.Tensor, kv_b_weight: torch.Tensor, latent_absmax: torch.Tensor,
+                  q_abs_absmax: torch.Tensor, alpha: float = 0.5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(kv_a_layernorm.weight / d, kv_b_proj.weight * d over its input columns, d)."""
+    d = smooth_scales(latent_absmax, q_abs_absmax, alpha)
+    if kv_b_weight.shape[1] != d.shape[0]:
+        raise ValueError(f"kv_b_proj.weight has {kv_b_weight.shape[1]} input columns, latent stats {d.shape[0]}")
+    return (kv_norm_weight.float() / d).to(kv_norm_weight.dtype), (kv_b_weight.float() * d).to(kv_b_weight.dtype), d
+
+
+# ----- on a model -------------------------------------------------------------------------------------
+def _attn_prefixes(model) -> dict[str, torch.nn.Module]:
+    return {f"model.layers.{layer.layer_id}": layer for layer in model.model.layers}
+
+
+@torch.no_grad()
+def collect_smoothing_stats(model, samples: list[list[int]], layer_ids=None) -> dict[str, ChannelAbsMax]:
+    """Per-channel |max| of what smoothing balances, from float forwards of each sample (batch of one):
+    ``<layer>.attn_in`` (input_layernorm output), ``<layer>.q_b_in`` (q_a_layernorm output),
+    ``<layer>.latent`` (normed latent c) and ``<layer>.q_abs`` (absorbed query, max over heads)."""
+    stats: dict[str, ChannelAbsMax] = {}
+    handles = []
+    wanted = set(layer_ids) if layer_ids is not None else None
+
+    def observer(key):
+        stats.setdefault(key, ChannelAbsMax())
+        return lambda mod, inp, out=None: stats[key].observe(out if out is not None else inp[0])
+
+    for prefix, layer in _attn_prefixes(model).items():
+        if wanted is not None and layer.layer_id not in wanted:
+            continue
+        attn = layer.self_attn
+        handles.append(layer.input_layernorm.register_forward_hook(observer(f"{prefix}.attn_in")))
+        if hasattr(attn, "q_a_layernorm"):
+            handles.append(attn.q_a_layernorm.register_forward_hook(observer(f"{prefix}.q_b_in")))
+        handles.append(attn.kv_a_layernorm.register_forward_hook(observer(f"{prefix}.latent")))
+        q_abs = stats.setdefault(f"{prefix}.q_abs", ChannelAbsMax())
+
+        def on_query(mod, inp, out, attn=attn, q_abs=q_abs):
+            q_nope = out.unflatten(-1, (attn.H, attn.d_n + attn.d_r))[..., : attn.d_n]
+            w_uk, _ = attn.absorbed_weights()
+            q_abs.observe(torch.einsum("bshd,hdc->bshc", q_nope.float(), w_uk.float()).abs().amax(-2))
+
+        q_out = attn.q_b_proj if hasattr(attn, "q_b_proj") else attn.q_proj
+        handles.append(q_out.register_forward_hook(on_query))
+    try:
+        for ids in samples:
+            t = torch.tensor([ids], device=model.lm_head.weight.device)
+            logits, h = model(t, return_hidden=True)
+            if model.mtp_layers and len(ids) > 1 and (wanted is None or model.mtp_layers[0].layer_id in wanted):
+                model.mtp(h[:, :-1], t[:, 1:])
+    finally:
+        for hd in handles:
+            hd.remove()
+    return stats
+
+
+@torch.no_grad()
+def apply_smoothing(model, stats: dict[str, ChannelAbsMax], alpha: float = 0.5, latent: bool = True) -> None:
+    """Fold the smoothing scales into the model's norm and linear weights, in place."""
+    for prefix, layer in _attn_prefixes(model).items():
+        if f"{prefix}.attn_in" not in stats:
+            continue
+        attn = layer.self_attn
+        first = [attn.q_a_proj, attn.kv_a_proj_with_mqa] if hasattr(attn, "q_a_proj") else [attn.q_proj, attn.kv_a_proj_with_mqa]
+        g, ws, _ = smooth_norm_linears(layer.input_layernorm.weight, [m.weight for m in first],
+                                       stats[f"{prefix}.attn_in"].value, alpha)
+        layer.input_layernorm.weight.copy_(g)
+        for m, w in zip(first, ws):
+            m.weight.copy_(w)
+        if hasattr(attn, "q_a_layernorm"):
+            g, (w,), _ = smooth_norm_linears(attn.q_a_layernorm.weight, [attn.q_b_proj.weight],
+                                             stats[f"{prefix}.q_b_in"].value, alpha)
+            attn.q_a_layernorm.weight.copy_(g)
+            attn.q_b_proj.weight.copy_(w)
+        if latent:
+            g, w, _ = smooth_latent(attn.kv_a_layernorm.weight, attn.kv_b_proj.weight,
+                                    stats[f"{prefix}.latent"].value, stats[f"{prefix}.q_abs"].value, alpha)
+            attn.kv_a_layernorm.weight.copy_(g)
+            attn.kv_b_proj.weight.copy_(w)
