@@ -1,0 +1,37 @@
+"""Check a quantized checkpoint directory against spec/format.md and print the report.
+
+    python -m jobs.check PATH [--dialect seed|ascendV1] [--json]
+
+PATH may be a local path or any fsspec URL. Exit status: 0 clean, 1 any violation, 2 unreadable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+from pipeline.quant.checker import check_dir
+from pipeline.quant.description import DIALECTS
+from pipeline.safetensors_io import CheckpointError
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jobs.check", description=__doc__.splitlines()[0])
+    p.add_argument("path", help="the quantized checkpoint directory")
+    p.add_argument("--dialect", choices=DIALECTS, default=None,
+                   help="hold the directory to this dialect's rules (default: the one detected)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = p.parse_args(argv)
+    try:
+        report = check_dir(args.path, dialect=args.dialect)
+    except (CheckpointError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
