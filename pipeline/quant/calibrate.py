@@ -1,0 +1,127 @@
+"""Calibration: run the float model on each sample (batch of one) and observe the activations.
+
+    W8A8 linear p:      Stats[p]            = MinMax of p's input over all tokens (forward pre-hook)
+    FA3 attention a:    Stats[a + ".fa_q"]  = RecallWindow(q_ratio) of q_abs = q_nope @ W_UK, one row per
+                                              head: q_abs [1, S, H, C] -> [H, S * C]
+                        Stats[a + ".fa_k"]  = RecallWindow(k_ratio) of the latent c = kv_a_layernorm(c) [1, S*C]
+                        Stats[a + ".fa_v"]  = RecallWindow(v_ratio) of the same latent
+
+The activations are the float model's (one pass, all layers at once): what lets pipeline stages
+calibrate in parallel (spec/format.md). Run the model in the model dtype for msModelSlim parity. The MTP
+layer, when ``recipe.quantize_mtp``, sees ``model.mtp(hidden[:, :-1], ids[:, 1:])`` with ``hidden`` the
+main model's final normed hidden state. Statistics of separate runs (layer ranges, sample shards)
+merge exactly with ``Stats.merge``.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from typing import Iterable, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from pipeline import layout
+from pipeline.model import DeepseekV3ForCausalLM
+from pipeline.quant.observers import MinMax, RecallWindow, Stat, Stats
+from pipeline.quant.qparams import QuantError
+from pipeline.quant.recipe import FAQUANT, W8A8, Recipe
+
+
+class _Collector:
+    """Mutable accumulation of one run's statistics (merged in the order samples arrive)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, Stat] = {}
+
+    def add(self, name: str, stat: Stat) -> None:
+        self.entries[name] = self.entries[name].merge(stat) if name in self.entries else stat  # type: ignore
+
+    def stats(self) -> Stats:
+        return Stats(dict(sorted(self.entries.items())))
+
+
+def _linear_hook(col: _Collector, name: str):
+    def hook(module: nn.Module, args: tuple) -> None:
+        col.add(name, MinMax.observe(args[0], name=name))
+    return hook
+
+
+@contextmanager
+def _observe_attention(col: _Collector, attn: nn.Module, prefix: str, recipe: Recipe) -> Iterator[None]:
+    """Wrap the MLA's ``query`` and ``latent`` (instance attributes, removed on exit) to observe the
+    absorbed query per head and the latent."""
+    query, latent = attn.query, attn.latent
+
+    def observed_query(x, cos, sin):
+        q_nope, q_pe = query(x, cos, sin)
+        w_uk, _ = attn.absorbed_weights()
+        q_abs = torch.einsum("bshd,hdc->bshc", q_nope, w_uk)                      # [B, S, H, C]
+        for b in range(q_abs.shape[0]):
+            rows = q_abs[b].transpose(0, 1).reshape(q_abs.shape[2], -1)         # [H, S * C]
+            col.add(prefix + "fa_q", RecallWindow.observe(rows, recipe.q_ratio, prefix + "fa_q"))
+        return q_nope, q_pe
+
+    def observed_latent(x, cos, sin):
+        c, k_pe = latent(x, cos, sin)
+        for b in range(c.shape[0]):
+            row = c[b].reshape(1, -1)                                            # [1, S * C]
+            col.add(prefix + "fa_k", RecallWindow.observe(row, recipe.k_ratio, prefix + "fa_k"))
+            col.add(prefix + "fa_v", RecallWindow.observe(row, recipe.v_ratio, prefix + "fa_v"))
+        return c, k_pe
+
+    attn.query, attn.latent = observed_query, observed_latent
+    try:
+        yield
+    finally:
+        del attn.query, attn.latent
+
+
+def _check_samples(samples: Sequence[Sequence[int]], vocab: int) -> None:
+    if not samples:
+        raise QuantError("samples: no calibration samples")
+    for i, s in enumerate(samples):
+        if len(s) == 0:
+            raise QuantError(f"samples[{i}]: empty sample")
+        bad = [t for t in s if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise QuantError(f"samples[{i}]: token ids {bad[:5]} are not ints in [0, {vocab})")
+
+
+@torch.no_grad()
+def collect_stats(model: DeepseekV3ForCausalLM, samples: Sequence[Sequence[int]], recipe: Recipe,
+                  layers: Optional[Iterable[int]] = None) -> Stats:
+    """Statistics of every W8A8-static linear input and FA3 attention of ``layers`` (default: all main
+    layers, plus the MTP layer(s) when ``recipe.quantize_mtp``), each sample run alone."""
+    cfg = model.config
+    recipe.check_config(cfg)
+    have_mtp = len(model.mtp_layers) > 0
+    default = list(range(cfg.num_hidden_layers)) + (cfg.mtp_layer_ids if recipe.quantize_mtp else [])
+    layer_ids = sorted(set(default if layers is None else layers))
+    for i in layer_ids:
+        if i not in layout.all_layer_ids(cfg):
+            raise QuantError(f"layers: {i} is not a layer of the model ({layout.all_layer_ids(cfg)})")
+        if i >= cfg.num_hidden_layers and not have_mtp:
+            raise QuantError(f"layers: MTP layer {i} requested but the model was built without it")
+    _check_samples(samples, cfg.vocab_size)
+    modules = dict(model.named_modules())
+    col = _Collector()
+    run_mtp = any(i >= cfg.num_hidden_layers for i in layer_ids)
+    device = model.lm_head.weight.device
+    with ExitStack() as stack:
+        for i in layer_ids:
+            for prefix, kind in recipe.layer_types(cfg, i).items():
+                if kind == W8A8:
+                    stack.callback(modules[prefix].register_forward_pre_hook(_linear_hook(col, prefix)).remove)
+                elif kind == FAQUANT and prefix.endswith(".fa_q"):
+                    attn = prefix[: -len(".fa_q")]
+                    stack.enter_context(_observe_attention(col, modules[attn], attn + ".", recipe))
+        for s in samples:
+            ids = torch.tensor([list(s)], dtype=torch.long, device=device)
+            _, hidden = model(ids, return_hidden=True)
+            for depth in range(len(model.mtp_layers) if run_mtp else 0):
+                if ids.shape[1] <= depth + 1:
+                    break
+                # depth d predicts token t+d+2 from the previous depth's hidden at t and token t+d+1
+                _, hidden = model.mtp(hidden[:, :-1], ids[:, depth + 1:], depth=depth)
+    return col.stats()

@@ -1,0 +1,123 @@
+"""The quantization recipe and DeepSeek-V3/R1's type mix (spec/format.md, "Which layer gets which type").
+
+    W8A8          self_attn.{q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj} (q_proj when q_lora_rank is null)
+    W8A8_DYNAMIC  every Linear under mlp. (dense MLP, shared experts, routed experts); with ``dynamic``,
+                  the attention linears above too
+    FLOAT         self_attn.kv_b_proj, the router mlp.gate, every norm, embeddings, heads, eh_proj
+    FAQuant       self_attn.fa_q / fa_k / fa_v when ``fa_quant`` and the layer is not in ``fa_exclude_layers``
+
+The MTP layer (id >= num_hidden_layers) follows the same rules when ``quantize_mtp``, else it is all
+FLOAT (and gets no FA3). Its MTP-only modules (embed_tokens, enorm, hnorm, eh_proj, shared_head.*) are
+always FLOAT. ``smooth`` (the exact per-channel fold of the latent, spec/deepseek.md) changes only FLOAT
+tensors and is applied to the float weights before calibration, not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from pipeline import layout
+from pipeline.config import DeepseekV3Config
+from pipeline.quant.qparams import QuantError
+
+W8A8, W8A8_DYNAMIC, FLOAT, FAQUANT = "W8A8", "W8A8_DYNAMIC", "FLOAT", "FAQuant"
+DIALECTS = ("seed", "ascendV1")
+STATIC_ATTN = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "q_proj")
+FA_BRANCHES = ("fa_q", "fa_k", "fa_v")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    fa_quant: bool = True
+    dynamic: bool = False
+    fa_exclude_layers: tuple[int, ...] = ()
+    quantize_mtp: bool = False
+    dialect: str = "seed"
+    smooth: bool = False
+    q_ratio: float = 0.9999
+    k_ratio: float = 0.9999
+    v_ratio: float = 1.0
+
+    def __post_init__(self):
+        for f in ("fa_quant", "dynamic", "quantize_mtp", "smooth"):
+            if not isinstance(getattr(self, f), bool):
+                raise QuantError(f"recipe: field '{f}' must be a boolean, got {getattr(self, f)!r}")
+        if self.dialect not in DIALECTS:
+            raise QuantError(f"recipe: field 'dialect' must be one of {DIALECTS}, got {self.dialect!r}")
+        for f in ("q_ratio", "k_ratio", "v_ratio"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise QuantError(f"recipe: field '{f}' must be a number in (0, 1], got {v!r}")
+        ex = self.fa_exclude_layers
+        if not isinstance(ex, (tuple, list)) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                                                    for i in ex):
+            raise QuantError(f"recipe: field 'fa_exclude_layers' must be a list of layer ids >= 0, got {ex!r}")
+        if len(set(ex)) != len(ex):
+            raise QuantError(f"recipe: field 'fa_exclude_layers' repeats a layer: {list(ex)}")
+        object.__setattr__(self, "fa_exclude_layers", tuple(sorted(ex)))
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "Recipe":
+        """Strict: unknown keys raise; missing keys take the defaults."""
+        if not isinstance(raw, Mapping):
+            raise QuantError(f"recipe: expected a JSON object, got {type(raw).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise QuantError(f"recipe: unknown key(s) {unknown} (known: {sorted(known)})")
+        kw = dict(raw)
+        if isinstance(kw.get("fa_exclude_layers"), list):
+            kw["fa_exclude_layers"] = tuple(kw["fa_exclude_layers"])
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["fa_exclude_layers"] = list(self.fa_exclude_layers)
+        return d
+
+    def check_config(self, cfg: DeepseekV3Config) -> None:
+        """Every excluded layer must exist in the model."""
+        ids = layout.all_layer_ids(cfg)
+        bad = [i for i in self.fa_exclude_layers if i not in ids]
+        if bad:
+            raise QuantError(f"recipe: fa_exclude_layers {bad} not in the model "
+                             f"(layers 0..{ids[-1]}, MTP included)")
+
+    def fa_layer(self, cfg: DeepseekV3Config, layer_id: int) -> bool:
+        """Does ``layer_id`` get FA3 tensors?"""
+        return bool(self.fa_quant and layer_id not in self.fa_exclude_layers
+                    and (layer_id < cfg.num_hidden_layers or self.quantize_mtp))
+
+    def layer_types(self, cfg: DeepseekV3Config, layer_id: int) -> dict[str, str]:
+        """Module prefix (``model.layers.N.self_attn.q_a_proj``, ``...fa_q``) -> type, for every module
+        holding a tensor of the layer, plus the FA3 branches."""
+        self.check_config(cfg)
+        if layer_id not in layout.all_layer_ids(cfg):
+            raise QuantError(f"layer {layer_id} is not in the model (layers {layout.all_layer_ids(cfg)})")
+        p = layout.layer_prefix(layer_id)
+        quantized = layer_id < cfg.num_hidden_layers or self.quantize_mtp
+        out: dict[str, str] = {}
+        for name in layout.layer_shapes(cfg, layer_id):
+            prefix = name.rsplit(".", 1)[0]
+            if prefix in out:
+                continue
+            rest = prefix[len(p):]
+            kind = FLOAT
+            if quantized and rest.startswith("self_attn.") and rest.split(".", 1)[1] in STATIC_ATTN:
+                kind = W8A8_DYNAMIC if self.dynamic else W8A8
+            elif quantized and rest.startswith("mlp.") and rest.endswith("_proj"):
+                kind = W8A8_DYNAMIC
+            out[prefix] = kind
+            if rest == "self_attn.o_proj" and self.fa_layer(cfg, layer_id):
+                out.update({f"{p}self_attn.{b}": FAQUANT for b in FA_BRANCHES})
+        return out
+
+
+def module_types(cfg: DeepseekV3Config, recipe: Recipe, layer_ids) -> dict[str, str]:
+    """``layer_types`` over several layers."""
+    out: dict[str, str] = {}
+    for i in layer_ids:
+        out.update(recipe.layer_types(cfg, i))
+    return out
