@@ -245,6 +245,15 @@ def test_with_block_without_finish_removes_output(tmp_path):
     _assert_nothing_final(tmp_path)
 
 
+def test_abort_after_finish_keeps_the_output(tmp_path):
+    w = QuantizedWriter(str(tmp_path), SEED, model_dtype=torch.bfloat16)
+    for tensors, types in synthetic_model():
+        w.add(tensors, types)
+    w.finish(_cfg_dict())
+    w.abort()
+    assert check_dir(str(tmp_path)).ok
+
+
 def test_existing_output_needs_overwrite(tmp_path):
     write_model(str(tmp_path), ASCEND_V1)
     with pytest.raises(FileExistsError, match="overwrite=True"):

@@ -185,7 +185,10 @@ class QuantizedWriter:
         return False
 
     def abort(self) -> None:
-        """Remove everything this writer wrote (parts, renamed shards, copied files); idempotent."""
+        """Remove everything this writer wrote (parts, renamed shards, copied files); idempotent, and a
+        no-op once finish() has succeeded."""
+        if self._state == "finished":
+            return
         self._state = "aborted"
         self._pending, self._pending_bytes = [], 0
         for path in reversed(self._written + [p.path for p in self._parts]):
