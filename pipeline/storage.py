@@ -114,3 +114,16 @@ def write_bytes(path: str, data: bytes) -> None:
 def copy_file(src: str, dst: str) -> None:
     """Copy a small file, possibly across filesystems (e.g. local -> s3), atomically at ``dst``."""
     write_bytes(dst, read_bytes(src))
+
+
+def move(src: str, dst: str) -> None:
+    """Rename within one filesystem (atomic on local/NFS; copy-then-delete on object stores)."""
+    fs, s = filesystem(src)
+    fs.mv(s, filesystem(dst)[1])
+
+
+def remove(path: str) -> None:
+    """Delete a file, or a directory with everything under it; a missing path is not an error."""
+    fs, p = filesystem(path)
+    if fs.exists(p):
+        fs.rm(p, recursive=fs.isdir(p))

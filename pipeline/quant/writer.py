@@ -118,16 +118,6 @@ def _file_entry(data: bytes) -> dict:
     return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-# pipeline.storage has no rename or delete yet; these two reach its filesystem through storage.filesystem.
-def _move(src: str, dst: str) -> None:
-    fs, s = storage.filesystem(src)
-    fs.mv(s, storage.filesystem(dst)[1])
-
-
-def _remove(path: str) -> None:
-    fs, p = storage.filesystem(path)
-    if fs.exists(p):
-        fs.rm(p)
 
 
 @dataclass(frozen=True)
@@ -171,7 +161,7 @@ class QuantizedWriter:
             raise FileExistsError(f"{self.dst}: already holds quantized output ({', '.join(ours[:4])}); "
                                   "pass overwrite=True to replace it")
         for e in sorted(ours, key=lambda e: (e != DESCRIPTION_NAME, not e.endswith(".index.json"))):
-            _remove(storage.join(self.dst, e))
+            storage.remove(storage.join(self.dst, e))
 
     # ----- context manager ---------------------------------------------------------------------------
     def __enter__(self) -> "QuantizedWriter":
@@ -193,7 +183,7 @@ class QuantizedWriter:
         self._pending, self._pending_bytes = [], 0
         for path in reversed(self._written + [p.path for p in self._parts]):
             try:
-                _remove(path)
+                storage.remove(path)
             except Exception:  # best effort: the error that led here is the one to report
                 pass
         self._written, self._parts = [], []
@@ -292,7 +282,7 @@ class QuantizedWriter:
         total = sum(p.nbytes for p in self._parts)
         finals = self.naming.file_names(len(self._parts))
         for part, final in zip(self._parts, finals):
-            _move(part.path, storage.join(self.dst, final))
+            storage.move(part.path, storage.join(self.dst, final))
             self._written.append(storage.join(self.dst, final))
             files[final] = {"size": part.size, "sha256": part.sha256}
             weight_map.update(dict.fromkeys(part.names, final))
