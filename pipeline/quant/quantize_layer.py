@@ -1,0 +1,138 @@
+"""Quantize one decoder layer (or the globals) into the tensors of the format, in either dialect.
+
+For each module prefix p of ``Recipe.layer_types`` (spec/format.md, "Tensors"):
+
+    W8A8          W8, ws, wo = quantize_weight_per_channel(W);  s, o = static_activation_params(Stats[p])
+                  deq_scale, quant_bias = deq_scale_and_quant_bias(s, o, W8, ws)
+                  seed:     weight, input_scale, input_offset, quant_bias, deq_scale, weight_scale, weight_offset
+                  ascendV1: weight, quant_bias, input_scale, input_offset, deq_scale   (scales float32)
+    W8A8_DYNAMIC  weight, weight_scale, weight_offset          (ascendV1: scales float32)
+    FAQuant       fa_x.scale = fa_scale(Stats[fa_x]) [R, 1], fa_x.offset int8 zeros; R = heads for fa_q,
+                  1 for fa_k and fa_v (ascendV1: scales float32, and a description-only entry
+                  ``<layer>.self_attn.quant_type: "INT8"`` that names no tensor)
+    FLOAT         as given; ascendV1 writes the router correction bias in md and the MTP-only tensors
+                  (embed_tokens, enorm, hnorm, eh_proj, shared_head.*) in float32, as msModelSlim does
+
+deq_scale is float32 when md is bf16, else int64 holding the float32 bit pattern (both dialects).
+Returns (tensors, types): ``types`` maps every output tensor name (and, for ascendV1, the quant_type
+entry) to its type for quant_model_description.json.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import Tensor
+
+from pipeline import layout
+from pipeline.config import DeepseekV3Config
+from pipeline.quant.observers import Stats
+from pipeline.quant.qparams import (
+    MODEL_DTYPES, QuantError, check_float, deq_scale_and_quant_bias, fa_offset, fa_scale,
+    quantize_weight_per_channel, static_activation_params,
+)
+from pipeline.quant.recipe import FAQUANT, FLOAT, W8A8, W8A8_DYNAMIC, Recipe
+
+MTP_ONLY = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head")
+QUANT_TYPE_KEY, QUANT_TYPE_INT8 = "self_attn.quant_type", "INT8"
+
+
+def model_dtype(cfg: DeepseekV3Config) -> torch.dtype:
+    md = getattr(torch, cfg.torch_dtype)
+    if md not in MODEL_DTYPES:
+        raise QuantError(f"config torch_dtype {cfg.torch_dtype!r} is not a model dtype")
+    return md
+
+
+def _check_tensors(tensors: Mapping[str, Tensor], expected: Mapping[str, tuple], what: str) -> None:
+    missing = [n for n in expected if n not in tensors]
+    unexpected = [n for n in tensors if n not in expected]
+    if missing or unexpected:
+        raise QuantError(f"{what}: tensors do not match the config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    for n, shape in expected.items():
+        t = tensors[n]
+        check_float(t, n)
+        if tuple(t.shape) != tuple(shape):
+            raise QuantError(f"{n}: shape {list(t.shape)} does not match the config ({list(shape)})")
+
+
+def _scale_out(t: Tensor, ascend: bool) -> Tensor:
+    return t.float() if ascend else t
+
+
+def _w8a8(p: str, w: Tensor, stats: Stats, md: torch.dtype, ascend: bool) -> dict[str, Tensor]:
+    q, ws, wo = quantize_weight_per_channel(w, p + ".weight")
+    mm = stats.minmax(p)
+    s, o = static_activation_params(mm.lo, mm.hi, md, p)
+    deq, qb = deq_scale_and_quant_bias(s, o, q, ws, name=p)
+    if ascend:
+        return {"weight": q, "quant_bias": qb, "input_scale": s.float(), "input_offset": o.float(),
+                "deq_scale": deq}
+    return {"weight": q, "input_scale": s, "input_offset": o, "quant_bias": qb, "deq_scale": deq,
+            "weight_scale": ws, "weight_offset": wo}
+
+
+def _fa(p: str, stats: Stats, md: torch.dtype, rows: int, ascend: bool) -> dict[str, Tensor]:
+    win = stats.window(p)
+    if win.rows != rows:
+        raise QuantError(f"{p}: statistics have {win.rows} rows, expected {rows}")
+    scale = fa_scale(torch.tensor(win.lo, dtype=torch.float64), torch.tensor(win.hi, dtype=torch.float64), md, p)
+    return {"scale": _scale_out(scale, ascend), "offset": fa_offset(scale)}
+
+
+def quantize_layer(cfg: DeepseekV3Config, layer_id: int, tensors: Mapping[str, Tensor], stats: Stats,
+                   recipe: Recipe) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """One layer's float tensors (HF names, md; the router bias may be float32) -> (tensors, types)."""
+    types_of = recipe.layer_types(cfg, layer_id)
+    _check_tensors(tensors, layout.layer_shapes(cfg, layer_id), f"layer {layer_id}")
+    md = model_dtype(cfg)
+    ascend = recipe.dialect == "ascendV1"
+    lp = layout.layer_prefix(layer_id)
+    is_mtp = layer_id >= cfg.num_hidden_layers
+    out: dict[str, Tensor] = {}
+    types: dict[str, str] = {}
+    names_of: dict[str, list[str]] = {}
+    for name in tensors:
+        names_of.setdefault(name.rsplit(".", 1)[0], []).append(name)
+
+    def put(prefix: str, parts: Mapping[str, Tensor], kind: str) -> None:
+        for k, v in parts.items():
+            out[f"{prefix}.{k}"] = v
+            types[f"{prefix}.{k}"] = kind
+
+    for p, kind in types_of.items():
+        if kind in (W8A8, W8A8_DYNAMIC):
+            w = tensors[p + ".weight"]
+            if w.dtype != md:
+                raise QuantError(f"{p}.weight: dtype {w.dtype} is not the model dtype {md}")
+            if kind == W8A8:
+                put(p, _w8a8(p, w, stats, md, ascend), kind)
+            else:
+                q, ws, wo = quantize_weight_per_channel(w, p + ".weight")
+                put(p, {"weight": q, "weight_scale": _scale_out(ws, ascend),
+                        "weight_offset": _scale_out(wo, ascend)}, kind)
+        elif kind == FAQUANT:
+            rows = cfg.num_attention_heads if p.endswith(".fa_q") else 1
+            put(p, _fa(p, stats, md, rows, ascend), kind)
+            if ascend and p.endswith(".fa_q"):
+                types[lp + QUANT_TYPE_KEY] = QUANT_TYPE_INT8
+        else:
+            for name in names_of[p]:
+                t = tensors[name]
+                if ascend and is_mtp and p[len(lp):] in MTP_ONLY:
+                    t = t.float()
+                elif ascend and name.endswith("e_score_correction_bias"):
+                    t = t.to(md)
+                out[name], types[name] = t, FLOAT
+    return out, types
+
+
+def quantize_globals(cfg: DeepseekV3Config, tensors: Mapping[str, Tensor],
+                     recipe: Recipe) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """``model.embed_tokens.weight``, ``model.norm.weight``, ``lm_head.weight``: FLOAT, as given (both
+    dialects)."""
+    recipe.check_config(cfg)
+    _check_tensors(tensors, layout.global_shapes(cfg), "globals")
+    return dict(tensors), {n: FLOAT for n in tensors}
