@@ -27,6 +27,7 @@ from torch import Tensor
 
 from pipeline import layout
 from pipeline.config import DeepseekV3Config
+from pipeline.quant.description import LAYER_ENTRY_SUFFIX, LAYER_QUANT_TYPE
 from pipeline.quant.observers import Stats
 from pipeline.quant.qparams import (
     MODEL_DTYPES, QuantError, check_float, deq_scale_and_quant_bias, fa_offset, fa_scale,
@@ -35,7 +36,8 @@ from pipeline.quant.qparams import (
 from pipeline.quant.recipe import FAQUANT, FLOAT, W8A8, W8A8_DYNAMIC, Recipe
 
 MTP_ONLY = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head")
-QUANT_TYPE_KEY, QUANT_TYPE_INT8 = "self_attn.quant_type", "INT8"
+QUANT_TYPE_KEY = LAYER_ENTRY_SUFFIX[1:]          # "self_attn.quant_type"
+QUANT_TYPE_INT8 = LAYER_QUANT_TYPE
 
 
 def model_dtype(cfg: DeepseekV3Config) -> torch.dtype:

@@ -20,10 +20,9 @@ from typing import Any, Mapping
 
 from pipeline import layout
 from pipeline.config import DeepseekV3Config
+from pipeline.quant.description import DIALECTS, FAQUANT, FLOAT, W8A8, W8A8_DYNAMIC
 from pipeline.quant.qparams import QuantError
 
-W8A8, W8A8_DYNAMIC, FLOAT, FAQUANT = "W8A8", "W8A8_DYNAMIC", "FLOAT", "FAQuant"
-DIALECTS = ("seed", "ascendV1")
 STATIC_ATTN = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "q_proj")
 FA_BRANCHES = ("fa_q", "fa_k", "fa_v")
 

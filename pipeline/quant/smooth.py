@@ -122,26 +122,40 @@ def collect_smoothing_stats(model, samples: list[list[int]], layer_ids=None) -> 
     return stats
 
 
+def smooth_layer(tensors: dict[str, torch.Tensor], layer_id: int, stats: dict[str, ChannelAbsMax],
+                 alpha: float = 0.5, latent: bool = True) -> dict[str, torch.Tensor]:
+    """One layer's HF-named tensors with smoothing folded in (a new dict; untouched tensors shared).
+    The same function serves the in-memory model and the layer-streaming quantizer, so both get
+    bit-identical weights."""
+    p = f"model.layers.{layer_id}."
+    if f"{p[:-1]}.attn_in" not in stats:
+        return dict(tensors)
+    a = p + "self_attn."
+    out = dict(tensors)
+    first = [a + "q_a_proj.weight" if a + "q_a_proj.weight" in tensors else a + "q_proj.weight",
+             a + "kv_a_proj_with_mqa.weight"]
+    g, ws, _ = smooth_norm_linears(tensors[p + "input_layernorm.weight"], [tensors[n] for n in first],
+                                   stats[f"{p[:-1]}.attn_in"].value, alpha)
+    out[p + "input_layernorm.weight"] = g
+    out.update(zip(first, ws))
+    if a + "q_a_layernorm.weight" in tensors:
+        g, (w,), _ = smooth_norm_linears(tensors[a + "q_a_layernorm.weight"], [tensors[a + "q_b_proj.weight"]],
+                                         stats[f"{p[:-1]}.q_b_in"].value, alpha)
+        out[a + "q_a_layernorm.weight"], out[a + "q_b_proj.weight"] = g, w
+    if latent:
+        g, w, _ = smooth_latent(tensors[a + "kv_a_layernorm.weight"], tensors[a + "kv_b_proj.weight"],
+                                stats[f"{p[:-1]}.latent"].value, stats[f"{p[:-1]}.q_abs"].value, alpha)
+        out[a + "kv_a_layernorm.weight"], out[a + "kv_b_proj.weight"] = g, w
+    return out
+
+
 @torch.no_grad()
 def apply_smoothing(model, stats: dict[str, ChannelAbsMax], alpha: float = 0.5, latent: bool = True) -> None:
-    """Fold the smoothing scales into the model's norm and linear weights, in place."""
-    for prefix, layer in _attn_prefixes(model).items():
-        if f"{prefix}.attn_in" not in stats:
-            continue
-        attn = layer.self_attn
-        first = [attn.q_a_proj, attn.kv_a_proj_with_mqa] if hasattr(attn, "q_a_proj") else [attn.q_proj, attn.kv_a_proj_with_mqa]
-        g, ws, _ = smooth_norm_linears(layer.input_layernorm.weight, [m.weight for m in first],
-                                       stats[f"{prefix}.attn_in"].value, alpha)
-        layer.input_layernorm.weight.copy_(g)
-        for m, w in zip(first, ws):
-            m.weight.copy_(w)
-        if hasattr(attn, "q_a_layernorm"):
-            g, (w,), _ = smooth_norm_linears(attn.q_a_layernorm.weight, [attn.q_b_proj.weight],
-                                             stats[f"{prefix}.q_b_in"].value, alpha)
-            attn.q_a_layernorm.weight.copy_(g)
-            attn.q_b_proj.weight.copy_(w)
-        if latent:
-            g, w, _ = smooth_latent(attn.kv_a_layernorm.weight, attn.kv_b_proj.weight,
-                                    stats[f"{prefix}.latent"].value, stats[f"{prefix}.q_abs"].value, alpha)
-            attn.kv_a_layernorm.weight.copy_(g)
-            attn.kv_b_proj.weight.copy_(w)
+    """Fold the smoothing scales into the model's norm and linear weights, in place (via smooth_layer)."""
+    for layer in model.model.layers:
+        p = f"model.layers.{layer.layer_id}."
+        params = {p + k: v for k, v in layer.named_parameters()}
+        new = smooth_layer(params, layer.layer_id, stats, alpha, latent)
+        for k, v in new.items():
+            if v is not params[k]:
+                params[k].copy_(v)
