@@ -150,6 +150,13 @@ class Tokenizer:
         ids = self._tk.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if add_bos else ids
 
+    @property
+    def adds_bos_by_default(self) -> bool:
+        """Whether plain HF tokenization (``tokenizer(text)``, special tokens on) starts with bos: what
+        tokenizer.json's post-processor does. msModelSlim tokenizes calibration texts that way."""
+        ids = self._tk.encode("a", add_special_tokens=True).ids
+        return bool(ids) and ids[0] == self.bos_id
+
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special)
 

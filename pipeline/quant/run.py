@@ -1,0 +1,122 @@
+"""Single-process quantization of a checkpoint: calibrate, optionally smooth, quantize layer by layer, write.
+
+Two phases, so that the memory-heavy part is only the calibration forward:
+
+1. calibration: the float model (model dtype, as msModelSlim runs it) over each calibration sample
+   (batch of one); with ``recipe.smooth`` first the smoothing statistics and their fold into the model,
+   then the W8A8/FA3 statistics of the smoothed model;
+2. weights: one layer at a time from the source (FP8 dequantized on the fly), the same smoothing fold
+   applied to its tensors (bit-identical to phase 1's), quantized, streamed into the writer. Peak memory
+   here is about one layer's weights.
+
+The distributed pipeline runs the same two phases per layer range and must produce identical files.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from pipeline import layout, storage
+from pipeline.checkpoint import CheckpointReader
+from pipeline.loading import load_model
+from pipeline.quant.calib_data import load_texts, tokenize
+from pipeline.quant.calibrate import collect_stats
+from pipeline.quant.observers import Stats
+from pipeline.quant.quantize_layer import model_dtype, quantize_globals, quantize_layer
+from pipeline.quant.recipe import Recipe
+from pipeline.quant.smooth import ChannelAbsMax, apply_smoothing, collect_smoothing_stats, smooth_layer
+from pipeline.quant.writer import QuantizedWriter
+from pipeline.tokenizer import Tokenizer
+
+SHARD_BYTES = 4 * 1024 ** 3
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """How to run (not what to compute: that is the Recipe)."""
+
+    calib_path: Optional[str] = None        # default: the embedded model's calibration texts
+    max_calib_tokens: int = 2048            # per sample; longer samples are an error unless truncate
+    truncate: bool = False
+    smooth_alpha: float = 0.5
+    mindie_format: bool = False
+    overwrite: bool = False
+    shard_bytes: int = SHARD_BYTES
+    device: Optional[str] = None
+    progress: bool = False
+
+
+def calibration_samples(src: str, opts: QuantizeOptions, max_positions: int) -> list[list[int]]:
+    """The calibration texts tokenized one by one as HF's ``tokenizer(text)`` does (bos only when the
+    tokenizer's post-processor adds it), which is how msModelSlim feeds them."""
+    tok = Tokenizer.from_dir(src)
+    texts = load_texts(opts.calib_path)
+    return tokenize(texts, tok, max_tokens=min(opts.max_calib_tokens, max_positions), truncate=opts.truncate,
+                    add_bos=tok.adds_bos_by_default, source=opts.calib_path or "default calibration texts")
+
+
+def prepare_float_model(src: str, recipe: Recipe, samples: list[list[int]], opts: QuantizeOptions):
+    """The float model in the model dtype, smoothed when the recipe says so. Returns (model,
+    smoothing statistics or None)."""
+    reader_cfg = CheckpointReader(src).config
+    model = load_model(src, dtype=model_dtype(reader_cfg), device=opts.device or "cpu")
+    smooth_stats = None
+    if recipe.smooth:
+        layers = None if recipe.quantize_mtp else range(reader_cfg.num_hidden_layers)
+        smooth_stats = collect_smoothing_stats(model, samples, layer_ids=layers)
+        apply_smoothing(model, smooth_stats, opts.smooth_alpha)
+    return model, smooth_stats
+
+
+def calibrate(src: str, recipe: Recipe, opts: QuantizeOptions) -> tuple[Stats, Optional[dict[str, ChannelAbsMax]]]:
+    """Phase 1: (W8A8/FA3 statistics, smoothing statistics or None)."""
+    cfg = CheckpointReader(src).config
+    samples = calibration_samples(src, opts, cfg.max_position_embeddings)
+    model, smooth_stats = prepare_float_model(src, recipe, samples, opts)
+    with torch.inference_mode():
+        stats = collect_stats(model, samples, recipe)
+    return stats, smooth_stats
+
+
+def quantize_checkpoint(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions = QuantizeOptions(),
+                        log: Callable[[str], None] = print) -> dict:
+    """Quantize ``src`` into ``dst`` (any fsspec locations); returns the job summary (also in the
+    manifest). Nothing in ``dst`` looks complete until the very end."""
+    t0 = time.time()
+    reader = CheckpointReader(src)
+    cfg = reader.config
+    recipe.check_config(cfg)
+    md = model_dtype(cfg)
+    log(f"calibrating {src} ({cfg.num_hidden_layers} layers + {len(cfg.mtp_layer_ids)} MTP, {md})")
+    stats, smooth_stats = calibrate(src, recipe, opts)
+    t1 = time.time()
+    layer_ids = layout.all_layer_ids(cfg)
+    bar = _progress(layer_ids, opts.progress)
+    summary = {"source": src, "recipe": recipe.to_dict(), "calibration_s": round(t1 - t0, 3)}
+    with QuantizedWriter(dst, recipe.dialect, model_dtype=md, shard_bytes=opts.shard_bytes,
+                         overwrite=opts.overwrite) as writer:
+        writer.add(*quantize_globals(cfg, reader.read_globals(), recipe))
+        for i in bar:
+            tensors = reader.read_layer(i)
+            if smooth_stats is not None:
+                tensors = smooth_layer(tensors, i, smooth_stats, opts.smooth_alpha)
+            writer.add(*quantize_layer(cfg, i, tensors, stats, recipe))
+        summary["quantize_write_s"] = round(time.time() - t1, 3)
+        raw_config = json.loads(storage.read_bytes(storage.join(src, "config.json")))
+        writer.finish(raw_config, src_dir=src, mindie_format=opts.mindie_format, job=summary)
+    summary["total_s"] = round(time.time() - t0, 3)
+    log(f"wrote {dst} in {summary['total_s']:.1f}s (calibration {summary['calibration_s']:.1f}s)")
+    return summary
+
+
+def _progress(items, enabled: bool):
+    if not enabled:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc="quantize layers", unit="layer")
