@@ -3,6 +3,14 @@ other fsspec URL. Everything else in the project passes path strings and calls t
 
 Object-store options (endpoint, credentials) come from the usual environment (AWS_*, FSSPEC_S3_*), or
 from ``storage_options`` registered with :func:`set_options` for a URL scheme.
+
+Object stores have no directories, only key prefixes. Every call here asks the store afresh: s3fs keeps
+one client per process with a cache of listings and sizes that only its own writes update, so without
+:func:`filesystem` dropping the cached entries of the path (and its parents) a file written, replaced or
+deleted by another process (a Ray worker) could be missed or read with a stale size. Some stores
+(SeaweedFS) keep an emptied "directory" as a ``dir/`` marker: :func:`listdir` does not report it as an
+entry of itself, so an empty directory lists as ``[]`` there as it does locally, and :func:`remove`
+deletes the markers too, so a removed directory is gone.
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ def set_options(protocol: str, **options: Any) -> None:
 def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem serving ``path`` and the path in that filesystem's terms."""
     protocol = path.split("://", 1)[0] if "://" in path else "file"
-    return url_to_fs(path, **_OPTIONS.get(protocol, {}))
+    fs, p = url_to_fs(path, **_OPTIONS.get(protocol, {}))
+    fs.invalidate_cache(p)  # no answer from an earlier call's listing (module doc); a no-op on local paths
+    return fs, p
 
 
 def join(base: str, *names: str) -> str:
@@ -55,7 +65,8 @@ def size(path: str) -> int:
 def listdir(path: str) -> list[str]:
     """Base names of the entries of a directory, sorted."""
     fs, p = filesystem(path)
-    return sorted(posixpath.basename(e.rstrip("/")) for e in fs.ls(p, detail=False))
+    own = p.rstrip("/")
+    return sorted(posixpath.basename(e.rstrip("/")) for e in fs.ls(p, detail=False) if e.rstrip("/") != own)
 
 
 def read_bytes(path: str) -> bytes:
@@ -125,5 +136,14 @@ def move(src: str, dst: str) -> None:
 def remove(path: str) -> None:
     """Delete a file, or a directory with everything under it; a missing path is not an error."""
     fs, p = filesystem(path)
-    if fs.exists(p):
-        fs.rm(p, recursive=fs.isdir(p))
+    if not fs.exists(p):
+        return
+    if not fs.isdir(p):
+        fs.rm(p)
+        return
+    fs.rm(p, recursive=True)
+    fs.invalidate_cache(p)
+    if fs.exists(p):  # emptied folders kept as "dir/" markers (SeaweedFS; console-made markers on S3)
+        folders = [d for d, _, _ in fs.walk(p)]
+        for d in sorted(folders, key=lambda d: d.rstrip("/").count("/"), reverse=True):  # deepest first
+            fs.rm_file(d.rstrip("/") + "/")

@@ -1,0 +1,46 @@
+"""Shared fixtures. ``s3``: one real SeaweedFS S3 server per test session (see tests/s3server.py)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import pytest
+
+import s3server
+from pipeline import storage
+
+
+@dataclass
+class S3:
+    """What the ``s3`` fixture yields: the running server, and fresh buckets on it."""
+
+    server: s3server.S3Server
+
+    @property
+    def endpoint(self) -> str:
+        return self.server.endpoint
+
+    def bucket(self, name: str) -> str:
+        """Create a new, empty bucket (``name`` plus a unique suffix) and return its URL ``s3://bucket``."""
+        bucket = f"{name}-{uuid.uuid4().hex[:8]}".lower()
+        fs, _ = storage.filesystem(f"s3://{bucket}")
+        fs.mkdir(bucket)  # no region: SeaweedFS refuses a LocationConstraint of us-east-1
+        return f"s3://{bucket}"
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A SeaweedFS server on a free 127.0.0.1 port, with ``pipeline.storage`` configured to reach it on
+    ``s3://`` for the session. Fails (does not skip) when the ``weed`` binary is missing."""
+    if s3server.find_weed() is None:
+        pytest.fail(s3server.INSTALL_HINT, pytrace=False)
+    server = s3server.start(tmp_path_factory.mktemp("seaweedfs"))
+    saved = dict(storage._OPTIONS)  # restored below, so later tests see the options they had
+    storage.set_options("s3", **server.storage_options())
+    try:
+        yield S3(server)
+    finally:
+        storage._OPTIONS.clear()
+        storage._OPTIONS.update(saved)
+        server.stop()
