@@ -1,0 +1,123 @@
+"""Print the distributed job's plan for a checkpoint, from its index and headers alone (no weight is read).
+
+    python -m jobs.plan [--model-path SRC] [--stages N] [--replicas R] [--seq-len S] [--calib-samples K]
+                        [--memory-model resident|streaming] [--cluster-memory-gib X [--nodes N]]
+                        [--check-ray ADDRESS|auto] [--estimate NODESxGPUS] [--json]
+
+With --cluster-memory-gib (N nodes sharing X GiB) or --check-ray (what Ray reports: available resources
+and the alive nodes' totals) the plan is checked against those resources. Exit status: 0 the plan fits
+(or was not checked), 2 refused (the message says what to change) or unreadable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Optional, Sequence
+
+from pipeline.config import ConfigError
+from pipeline.embedded import EMBEDDED_MODEL_DIR
+from pipeline.plan import DEFAULT_CALIB_SAMPLES, DEFAULT_SEQ_LEN, MEMORY_MODELS, GiB, PlanError, plan
+from pipeline.plan_time import Cluster, estimate_wall_time
+from pipeline.quant.description import DIALECTS
+from pipeline.quant.recipe import Recipe
+from pipeline.safetensors_io import CheckpointError
+
+
+def ray_resources(address: str) -> dict:
+    """What Ray reports, in the shape Plan.check_resources reads (the only place this project's jobs ask
+    Ray about resources before a run)."""
+    import ray
+
+    ray.init(address=None if address == "local" else address, logging_level="ERROR", log_to_driver=False)
+    try:
+        avail = ray.available_resources()
+        nodes = [{"name": n.get("NodeManagerAddress", n.get("NodeID", "?")),
+                  "memory": n["Resources"].get("memory", 0), "CPU": n["Resources"].get("CPU", 0),
+                  "GPU": n["Resources"].get("GPU", 0)} for n in ray.nodes() if n.get("Alive")]
+    finally:
+        ray.shutdown()
+    return {"memory": avail.get("memory", 0), "CPU": avail.get("CPU", 0), "GPU": avail.get("GPU", 0),
+            "nodes": nodes}
+
+
+def _cluster(spec: str, args) -> Cluster:
+    try:
+        nodes, gpus = (int(x) for x in spec.lower().split("x"))
+    except ValueError:
+        raise PlanError(f"--estimate wants NODESxGPUS_PER_NODE such as 4x8, got {spec!r}") from None
+    return Cluster(nodes=nodes, gpus_per_node=gpus, disk_read_gbps=args.disk_read_gbps,
+                   network_gbps=args.network_gbps, gpu_tflops=args.gpu_tflops,
+                   disk_write_gbps=args.disk_write_gbps, quantize_gbps=args.quantize_gbps)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jobs.plan", description=__doc__.splitlines()[0])
+    ap.add_argument("--model-path", default=EMBEDDED_MODEL_DIR, help="source checkpoint (default: embedded model)")
+    ap.add_argument("--stages", type=int, default=1)
+    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=None,
+                    help=f"tokens per calibration micro-batch (default {DEFAULT_SEQ_LEN}, or the model's maximum)")
+    ap.add_argument("--calib-samples", type=int, default=DEFAULT_CALIB_SAMPLES)
+    ap.add_argument("--shard-gib", type=float, default=4.0)
+    ap.add_argument("--weight-workers", type=int, default=0)
+    ap.add_argument("--memory-model", choices=MEMORY_MODELS, default="resident")
+    ap.add_argument("--bytes-weight", type=float, default=0.5, help="weight of bytes against FLOPs in the balance")
+    ap.add_argument("--cpus-per-actor", type=float, default=1.0)
+    ap.add_argument("--gpus-per-actor", type=float, default=0.0)
+    ap.add_argument("--dialect", choices=DIALECTS, default="seed")
+    ap.add_argument("--quantize-mtp", action="store_true")
+    ap.add_argument("--cluster-memory-gib", type=float, default=None, help="check against this much memory")
+    ap.add_argument("--nodes", type=int, default=1, help="with --cluster-memory-gib: split over this many nodes")
+    ap.add_argument("--gpu-memory-gib", type=float, default=None, help="memory per GPU, for the check")
+    ap.add_argument("--check-ray", metavar="ADDRESS", default=None, help="check against a Ray cluster: its address, 'auto', or 'local' (start one here)")
+    ap.add_argument("--estimate", metavar="NODESxGPUS", default=None, help="estimate the wall time, e.g. 4x8")
+    ap.add_argument("--disk-read-gbps", type=float, default=5.0)
+    ap.add_argument("--disk-write-gbps", type=float, default=None)
+    ap.add_argument("--network-gbps", type=float, default=25.0)
+    ap.add_argument("--gpu-tflops", type=float, default=400.0)
+    ap.add_argument("--quantize-gbps", type=float, default=20.0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    out: dict[str, Any] = {}
+    try:
+        from pipeline.checkpoint import CheckpointReader
+
+        reader = CheckpointReader(args.model_path)
+        seq_len = args.seq_len or min(DEFAULT_SEQ_LEN, reader.config.max_position_embeddings)
+        recipe = Recipe(dialect=args.dialect, quantize_mtp=args.quantize_mtp)
+        p = plan(reader, args.stages, args.replicas, recipe, calib_tokens=args.calib_samples * seq_len,
+                 seq_len=seq_len, shard_bytes=int(args.shard_gib * GiB), weight_workers=args.weight_workers,
+                 memory_model=args.memory_model, bytes_weight=args.bytes_weight,
+                 cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor)
+        out["plan"] = p.to_dict()
+        wall = estimate_wall_time(p, _cluster(args.estimate, args)) if args.estimate else None
+        if wall is not None:
+            out["wall_time"] = wall.to_dict()
+        print(json.dumps(out, indent=1) if args.json else p.to_text() + (f"\n{wall.to_text()}" if wall else ""))
+        available = None
+        if args.check_ray:
+            available = ray_resources(args.check_ray)
+        elif args.cluster_memory_gib is not None:
+            per = args.cluster_memory_gib * GiB / max(args.nodes, 1)
+            available = {"memory": args.cluster_memory_gib * GiB,
+                         "nodes": [{"name": f"node{i}", "memory": per} for i in range(max(args.nodes, 1))]}
+        if available is not None:
+            if args.gpu_memory_gib is not None:
+                available["gpu_memory"] = args.gpu_memory_gib * GiB
+            p.check_resources(available)
+            if not args.json:
+                print(f"fits: every actor's estimated peak fits the cluster ({p.n_actors} actors)")
+    except PlanError as e:
+        print(f"refused: {e}", file=sys.stderr)
+        return 2
+    except (CheckpointError, ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
