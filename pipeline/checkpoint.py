@@ -26,8 +26,11 @@ import torch
 
 from pipeline import layout, storage
 from pipeline.config import DeepseekV3Config
-from pipeline.fp8 import DEFAULT_BLOCK, FP8_DTYPE, dequantize_fp8_blocks, scale_shape
-from pipeline.safetensors_io import CheckpointError, SafetensorsHeader, read_header, read_tensors
+from pipeline.finite import all_finite, nonfinite_counts
+from pipeline.fp8 import DEFAULT_BLOCK, FP8_DTYPE, FP8_MAX, dequantize_fp8_blocks, fp8_nan_count, scale_shape
+from pipeline.safetensors_io import (
+    DTYPE_NAMES, DTYPES, MAX_RUN_BYTES, CheckpointError, SafetensorsHeader, read_header, read_tensors,
+)
 
 __all__ = ["CheckpointError", "CheckpointReader", "SCALE_SUFFIX", "INDEX_NAME", "CONFIG_NAME"]
 
@@ -159,6 +162,18 @@ class CheckpointReader:
         stray = [n for lid, names in self._by_layer.items() if lid is None or lid not in layer_ids for n in names]
         return self._read_unit(layout.global_shapes(self.config), stray, "the globals", dtype, dequantize)
 
+    def read_specs(self, layer_id: Optional[int], dtype: Optional[torch.dtype] = None
+                   ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """name -> (dtype, shape) of what ``read_layer(layer_id, dtype)`` (``read_globals(dtype)`` for
+        None) returns, in its order, from the headers alone."""
+        _check_dtype(dtype)
+        names = layout.global_shapes(self.config) if layer_id is None else self._layer_shapes(layer_id)
+        out = {}
+        for name in names:
+            stored, shape = self.header(name)
+            out[name] = (read_dtype(name, stored, self.config.torch_dtype, dtype), shape)
+        return out
+
     # ----- internals ---------------------------------------------------------------------------------
     def _layer_shapes(self, layer_id: int) -> dict[str, tuple]:
         return layout.layer_shapes(self.config, layer_id)
@@ -179,10 +194,33 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path}: tensor {missing[0]!r} is missing ({what} needs it; "
                                   f"{len(missing)} missing: {missing[:5]})")
         names = self._plan(expected)
-        tensors = self._read_stored(names)
         if not dequantize:
-            return tensors
-        return {n: self._materialize(n, tensors, dtype) for n in expected}
+            return self._read_stored(names)
+        # In batches of about one ranged read, each FP8 weight dequantized as soon as it and its scale are
+        # in: the stored bytes of the whole unit are never held next to its dequantized weights.
+        scale_of = {n: n + SCALE_SUFFIX for n in expected if n + SCALE_SUFFIX in names}
+        got: dict[str, torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = {}
+        for batch in self._batches(names):
+            got.update(self._read_stored(batch))
+            for n in [n for n in got if n in expected and (n not in scale_of or scale_of[n] in got)]:
+                out[n] = self._materialize(n, got, dtype)
+        return {n: out[n] for n in expected}
+
+    def _batches(self, names: list[str]) -> list[list[str]]:
+        """``names`` in file order, cut into runs of at most MAX_RUN_BYTES stored bytes (a larger tensor
+        alone), so that read_tensors still fetches back-to-back tensors with one ranged read."""
+        infos = {n: self._header(self.file_of(n)).info(n) for n in names}
+        batches: list[list[str]] = []
+        size = 0
+        for n in sorted(names, key=lambda n: (self.file_of(n), infos[n].start)):
+            nbytes = infos[n].end - infos[n].start
+            if not batches or (size and size + nbytes > MAX_RUN_BYTES):
+                batches.append([])
+                size = 0
+            batches[-1].append(n)
+            size += nbytes
+        return batches
 
     def _plan(self, expected: Mapping[str, Optional[tuple]]) -> list[str]:
         """From headers only: check shapes and FP8 scale siblings; the stored names to read, each FP8
@@ -228,24 +266,42 @@ class CheckpointReader:
         return {n: got[n] for n in names}
 
     def _materialize(self, name: str, stored: dict[str, torch.Tensor], dtype: Optional[torch.dtype]) -> torch.Tensor:
-        """Dequantize (FP8) and cast one stored tensor; pops it (and its scale) from ``stored``."""
+        """Dequantize (FP8) and cast one stored tensor; pops it (and its scale) from ``stored``. The stored
+        tensors were checked for NaN/Inf; what dequantization or a narrowing cast could add is checked too."""
         t = stored.pop(name)
         where = f"{self.file_of(name)}: tensor {name!r}"
+        target = read_dtype(name, DTYPE_NAMES[t.dtype], self.config.torch_dtype, dtype)
         if t.dtype == FP8_DTYPE:
-            target = dtype or getattr(torch, self.config.torch_dtype)
+            scale = stored.pop(name + SCALE_SUFFIX)
             try:
-                t = dequantize_fp8_blocks(t, stored.pop(name + SCALE_SUFFIX), self.block, torch.float32, name)
+                out = dequantize_fp8_blocks(t, scale, self.block, target, name)
             except ValueError as e:
                 raise CheckpointError(f"{self.file_of(name)}: {e}") from None
-            _check_finite(t, where, " after dequantization")
-        else:
-            target = dtype or t.dtype
-        if name.endswith(ROUTER_BIAS_SUFFIX) and target.is_floating_point and target.itemsize < 4:
-            target = torch.float32
+            # Finite codes (|Wq| <= 448) times finite scales whose products stay within the target's range
+            # are finite: only a scale too large for that needs the products checked, as the formula goes.
+            if FP8_MAX * float(scale.to(torch.float32).abs().max()) > torch.finfo(target).max:
+                exact = dequantize_fp8_blocks(t, scale, self.block, torch.float32, name)
+                _check_finite(exact, where, " after dequantization")
+                _check_finite(out, where, f" after conversion to {target}")
+            return out
         if t.dtype != target and t.is_floating_point() and target.is_floating_point:
+            narrowing = torch.finfo(target).max < torch.finfo(t.dtype).max
             t = t.to(target)
-            _check_finite(t, where, f" after conversion to {target}")
+            if narrowing:  # a widening cast keeps finite values finite
+                _check_finite(t, where, f" after conversion to {target}")
         return t
+
+
+def read_dtype(name: str, stored: str, torch_dtype: str, dtype: Optional[torch.dtype] = None) -> torch.dtype:
+    """The dtype the ``read_*`` methods give tensor ``name`` stored as ``stored`` (a safetensors dtype
+    name, e.g. "F8_E4M3") in a checkpoint whose config says ``torch_dtype`` (the module's dtype rules)."""
+    st = DTYPES[stored]
+    if not st.is_floating_point:
+        return st
+    target = dtype or (getattr(torch, torch_dtype) if st == FP8_DTYPE else st)
+    if name.endswith(ROUTER_BIAS_SUFFIX) and target.itemsize < 4:
+        target = torch.float32
+    return target
 
 
 def _check_dtype(dtype: Optional[torch.dtype]) -> None:
@@ -255,15 +311,11 @@ def _check_dtype(dtype: Optional[torch.dtype]) -> None:
 
 def _check_finite(t: torch.Tensor, where: str, when: str = "") -> None:
     """Raise naming ``where`` when a float tensor holds NaN or Inf (e4m3fn NaN is the bit pattern
-    S.1111.111; the format has no Inf)."""
+    S.1111.111; the format has no Inf). Counted only once found."""
     if t.dtype == FP8_DTYPE:
-        nan, inf = int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum()), 0
-    elif t.is_floating_point():
-        x = t if t.itemsize > 1 else t.float()
-        if bool(torch.isfinite(x).all()):
-            return
-        nan = int(torch.isnan(x).sum())
-        inf = int(torch.isinf(x).sum())
+        nan, inf = fp8_nan_count(t), 0
+    elif t.is_floating_point() and not all_finite(t):
+        nan, inf = nonfinite_counts(t)
     else:
         return
     if nan or inf:

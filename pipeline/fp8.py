@@ -18,6 +18,9 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448 = 1.75 * 2^8, e4m3fn's largest finite value
 DEFAULT_BLOCK = (128, 128)
+# e4m3 code (sign-extended to int16) << 7, masked to sign | exponent | mantissa, is float16 Wq / 2^8.
+_F16_SIGN_EXP_MANT = 0xBF80 - 0x10000  # as a signed int16
+_F16_TO_E4M3 = 2.0 ** 8
 
 
 def scale_shape(shape: tuple[int, ...] | torch.Size, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[int, int]:
@@ -39,6 +42,14 @@ def dequantize_fp8_blocks(w_fp8: torch.Tensor, scale_inv: torch.Tensor,
     """``W = float32(Wq) * S`` with ``S[i, j] = s[i // b0, j // b1]``, computed in float32, then cast to
     ``dtype``. w_fp8: [out, in] float8_e4m3fn; scale_inv: [ceil(out / b0), ceil(in / b1)].
 
+    Bit-identical to that formula, but computed one block row at a time (ragged edges included) straight
+    into the ``dtype`` output, never materializing the per-element scale or a float32 copy: each block row's
+    codes are decoded with integer ops as float16 values ``Wq / 2^8`` (exact: e4m3's 4-bit exponent and
+    3-bit mantissa fit float16's, its subnormals included, and float16 subnormals convert exactly) and
+    multiplied in float32 by ``s * 2^8`` (exact: a power of two), so the float32 product, rounded once, is
+    the formula's. A scale row whose ``s * 2^8`` overflows float32 takes the formula itself.
+    NaN codes come out as arbitrary values: check the codes first (:func:`fp8_nan_count`).
+
     Raises ValueError naming ``name`` when the dtypes or the scale shape do not fit the weight.
     """
     if w_fp8.dtype != FP8_DTYPE:
@@ -52,9 +63,32 @@ def dequantize_fp8_blocks(w_fp8: torch.Tensor, scale_inv: torch.Tensor,
             f"{list(w_fp8.shape)} with block {list(block)} (expected {list(want)})")
     if not scale_inv.dtype.is_floating_point:
         raise ValueError(f"tensor {name!r}: scale_inv must be floating point, got {scale_inv.dtype}")
-    w = w_fp8.to(torch.float32)
-    w.mul_(expand_scale(scale_inv.to(torch.float32), tuple(w.shape), block))
-    return w.to(dtype)
+    rows, cols = w_fp8.shape
+    out = torch.empty(rows, cols, dtype=dtype)
+    codes = w_fp8.contiguous().view(torch.int8)
+    scaled = scale_inv.to(torch.float32) * _F16_TO_E4M3  # [r, c], one scale per block
+    exact = torch.isfinite(scaled).all(dim=1).tolist()  # False where s * 2^8 overflowed (or s is not finite)
+    for i in range(want[0]):
+        r0, r1 = i * block[0], min((i + 1) * block[0], rows)
+        srow = scaled[i].repeat_interleave(block[1])[:cols]  # the scale of every column of this block row
+        if not exact[i]:  # the formula itself
+            w = w_fp8[r0:r1].to(torch.float32)
+            out[r0:r1] = w.mul_(scale_inv[i].to(torch.float32).repeat_interleave(block[1])[:cols])
+            continue
+        half = codes[r0:r1].to(torch.int16).bitwise_left_shift_(7).bitwise_and_(_F16_SIGN_EXP_MANT)
+        torch.mul(half.view(torch.float16), srow, out=out[r0:r1])
+    return out
+
+
+def fp8_nan_count(w_fp8: torch.Tensor) -> int:
+    """The number of NaN codes (S.1111.111; e4m3fn has no Inf) in a float8_e4m3fn tensor. Two integer
+    max reductions answer "none" (the common case); only then are they counted."""
+    if w_fp8.numel() == 0:
+        return 0
+    codes = w_fp8.contiguous().view(torch.uint8)
+    if int(codes.view(torch.int8).max()) != 0x7F and int(codes.max()) != 0xFF:  # +NaN is the largest int8,
+        return 0                                                                # -NaN the largest uint8
+    return int(((codes & 0x7F) == 0x7F).sum())
 
 
 def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK,

@@ -27,15 +27,14 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from pipeline import layout
-from pipeline.checkpoint import SCALE_SUFFIX, CheckpointReader
+from pipeline.checkpoint import SCALE_SUFFIX, CheckpointReader, read_dtype
 from pipeline.config import DeepseekV3Config
-from pipeline.quant.description import FAQUANT, FLOAT, W8A8, W8A8_DYNAMIC
+from pipeline.quant.quantize_layer import layer_output_specs
 from pipeline.quant.recipe import Recipe
 from pipeline.safetensors_io import CheckpointError, itemsize
 
 EMBED, HEAD = "embed", "head"
 MD_NAMES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-_MTP_ONLY = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head")
 # Bytes per element of the eager attention's S x S intermediates: fp32 scores, fp32 softmax, md probs.
 ATTN_MATRIX_BYTES = 4 + 4 + 2
 
@@ -91,50 +90,14 @@ def _expected(cfg: DeepseekV3Config, unit: str) -> dict[str, tuple]:
 def unit_outputs(cfg: DeepseekV3Config, unit: str, stored: Mapping[str, str], recipe: Recipe) -> list[tuple[str, int]]:
     """(name, nbytes) of every tensor the unit writes, in the order quantize_layer / to_dialect emit them.
 
-    ``stored``: tensor name -> stored safetensors dtype ("F8_E4M3", "BF16", "F32", ...). A FLOAT tensor is
-    written in md when stored FP8, else as stored; ascendV1 writes the router bias in md and the MTP-only
-    tensors in float32. deq_scale is float32 when md is bf16, else an int64 bit pattern."""
-    md = MD_NAMES[cfg.torch_dtype]
-    v1 = recipe.dialect == "ascendV1"
-    sc = "F32" if v1 else md  # scales and offsets of quantized modules
+    ``stored``: tensor name -> stored safetensors dtype ("F8_E4M3", "BF16", "F32", ...). The tensors are
+    :func:`~pipeline.quant.quantize_layer.layer_output_specs` of what the reader gives (a FLOAT tensor in
+    md when stored FP8, else as stored; ascendV1 writes the router bias in md and the MTP-only tensors in
+    float32; deq_scale is float32 when md is bf16, else an int64 bit pattern)."""
     shapes = _expected(cfg, unit)
-    if unit in (EMBED, HEAD):
-        return [(n, math.prod(s) * itemsize(stored[n])) for n, s in shapes.items()]
-    lid = int(unit)
-    lp = layout.layer_prefix(lid)
-    by_module: dict[str, list[str]] = {}
-    for n in shapes:
-        by_module.setdefault(n.rsplit(".", 1)[0], []).append(n)
-    out: list[tuple[str, int]] = []
-    for p, kind in recipe.layer_types(cfg, lid).items():
-        if kind in (W8A8, W8A8_DYNAMIC):
-            n_out, k_in = shapes[p + ".weight"]
-            parts = [("weight", "I8", n_out * k_in)]
-            if kind == W8A8:
-                deq = "F32" if md == "BF16" else "I64"
-                ins = [("input_scale", sc, 1), ("input_offset", sc, 1)]
-                if v1:
-                    parts += [("quant_bias", "I32", n_out), *ins, ("deq_scale", deq, n_out)]
-                else:
-                    parts += [*ins, ("quant_bias", "I32", n_out), ("deq_scale", deq, n_out),
-                              ("weight_scale", sc, n_out), ("weight_offset", sc, n_out)]
-            else:
-                parts += [("weight_scale", sc, n_out), ("weight_offset", sc, n_out)]
-        elif kind == FAQUANT:
-            rows = cfg.num_attention_heads if p.endswith(".fa_q") else 1
-            parts = [("scale", sc, rows), ("offset", "I8", rows)]
-        else:
-            assert kind == FLOAT, kind
-            for n in by_module[p]:
-                dt = md if stored[n] == "F8_E4M3" else stored[n]
-                if v1 and lid >= cfg.num_hidden_layers and p[len(lp):] in _MTP_ONLY:
-                    dt = "F32"
-                elif v1 and n.endswith("e_score_correction_bias"):
-                    dt = md
-                out.append((n, math.prod(shapes[n]) * itemsize(dt)))
-            continue
-        out += [(f"{p}.{leaf}", numel * itemsize(dt)) for leaf, dt, numel in parts]
-    return out
+    inputs = {n: (read_dtype(n, stored[n], cfg.torch_dtype), s) for n, s in shapes.items()}
+    lid = None if unit in (EMBED, HEAD) else int(unit)
+    return [(s.name, s.nbytes) for s in layer_output_specs(cfg, lid, inputs, recipe)]
 
 
 # ----- compute and activations ------------------------------------------------------------------------

@@ -155,7 +155,8 @@ def read_tensors(header: SafetensorsHeader, names: Iterable[str],
     out: dict[str, torch.Tensor] = {}
     for run in runs:
         start, end = run[0][1].start, run[-1][1].end
-        buf = bytearray(storage.read_range(header.path, start, end)) if end > start else bytearray()
+        data = storage.read_range(header.path, start, end) if end > start else bytearray()
+        buf = data if isinstance(data, bytearray) else bytearray(data)  # writable, for torch.frombuffer
         if len(buf) != end - start:
             raise CheckpointError(f"{header.path}: tensor {run[-1][0]!r}: truncated file: "
                                   f"read {len(buf)} of {end - start} bytes at offset {start}")

@@ -1,15 +1,22 @@
 """Benchmark: the weight-only quantization phase against the I/O floor, on an FP8 checkpoint with
 DeepSeek-V3's real layer shapes (hidden 7168, 128 heads, MLA 1536/512/64, expert width 2048).
 
-    python scripts/bench_quantize_weights.py [--layers 4] [--experts 8] [--dir /tmp/bench] [--out FILE]
+    python scripts/bench_quantize_weights.py [--layers 4] [--experts 8] [--repeat 1] [--dir /tmp/bench]
+                                             [--out FILE]
 
 1. generates (once, cached in --dir) an FP8 e4m3 checkpoint in the release layout: layer 0 dense, the
    rest MoE with --experts routed experts + 1 shared, plus embeddings/head cut to 16k rows;
 2. I/O floor: read every tensor's stored bytes and write the same bytes into a safetensors file;
-3. weight phase: read each layer (FP8 dequantized on the fly), quantize (W8A8 static attention,
-   W8A8_DYNAMIC MLP/experts, FA3 scales) with given statistics, stream into the writer;
-each in a fresh process, timing wall clock and the process's peak RSS. Prints the figures and writes them
-as JSON to --out (default benchmarks/quantize_weights.json).
+3. weight phase: the library's ``pipeline.quant.run.quantize_weights`` (what quantize_checkpoint runs
+   after calibration): read each layer (FP8 dequantized on the fly, the next layer prefetched), quantize
+   (W8A8 static attention, W8A8_DYNAMIC MLP/experts, FA3 scales) with given statistics, stream into the
+   writer, then ``finish``;
+each in a fresh process, timing wall clock and the process's peak RSS. Before each run the page cache is
+flushed (``os.sync()``) and the source files are evicted from it (``posix_fadvise(POSIX_FADV_DONTNEED)``
+on each), so that both runs read the source from disk, as a real run does; what they write lands in the
+page cache as usual. With --repeat N the two runs alternate N times and the figures are the median time
+and the largest peak RSS (every run's time is kept too): on a small shared VM a single run can be off
+by half. Prints the figures and writes them as JSON to --out (default benchmarks/quantize_weights.json).
 """
 
 from __future__ import annotations
@@ -119,10 +126,10 @@ def io_floor(src: str, dst: str) -> dict:
 
 
 def weight_phase(src: str, dst: str) -> dict:
-    from pipeline import layout
     from pipeline.checkpoint import CheckpointReader
-    from pipeline.quant.quantize_layer import model_dtype, quantize_globals, quantize_layer
+    from pipeline.quant.quantize_layer import model_dtype
     from pipeline.quant.recipe import Recipe
+    from pipeline.quant.run import quantize_weights
     from pipeline.quant.writer import QuantizedWriter
 
     reader = CheckpointReader(src)
@@ -130,9 +137,7 @@ def weight_phase(src: str, dst: str) -> dict:
     recipe = Recipe()
     stats = synthetic_stats(cfg, recipe)
     with QuantizedWriter(dst, "seed", model_dtype=model_dtype(cfg), overwrite=True) as w:
-        w.add(*quantize_globals(cfg, reader.read_globals(), recipe))
-        for i in layout.all_layer_ids(cfg):
-            w.add(*quantize_layer(cfg, i, reader.read_layer(i), stats, recipe))
+        quantize_weights(reader, w, stats, recipe)
         w.finish(json.loads(Path(src, "config.json").read_text()), src_dir=src)
     return {"bytes_written": sum(f.stat().st_size for f in Path(dst).glob("*.safetensors"))}
 
@@ -148,21 +153,41 @@ def child(which: str, src: str, dst: str) -> None:
     print(json.dumps(res))
 
 
+def drop_from_page_cache(src: Path) -> None:
+    """Flush dirty pages, then evict the source files from the page cache: the next read is from disk."""
+    os.sync()
+    for f in sorted(src.iterdir()):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def run_child(which: str, src: Path, dst: Path) -> dict:
     import shutil
 
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir(parents=True)
-    subprocess.run(["sync"], check=False)
+    drop_from_page_cache(src)
     out = subprocess.run([sys.executable, __file__, "--child", which, str(src), str(dst)], capture_output=True,
                          text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def summarize(runs: list[dict]) -> dict:
+    """The median time and the largest peak RSS of repeated runs, with every run's time."""
+    import statistics
+
+    return {"bytes_written": runs[0]["bytes_written"], "seconds": statistics.median(r["seconds"] for r in runs),
+            "peak_rss_gib": max(r["peak_rss_gib"] for r in runs), "runs_s": [round(r["seconds"], 3) for r in runs]}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=1, help="alternate the two runs this many times (median)")
     ap.add_argument("--dir", default="/tmp/dsquant-bench")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "quantize_weights.json"))
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
@@ -182,14 +207,17 @@ def main() -> int:
 
     layer_bytes = max(sum(__import__("math").prod(s) for s in layout.layer_shapes(cfg, i).values())
                       for i in range(cfg.num_hidden_layers))
-    io = run_child("io", src, Path(args.dir) / "io-copy")
-    wp = run_child("weights", src, Path(args.dir) / "quantized")
+    runs: dict[str, list[dict]] = {"io": [], "weights": []}
+    for _ in range(args.repeat):
+        runs["io"].append(run_child("io", src, Path(args.dir) / "io-copy"))
+        runs["weights"].append(run_child("weights", src, Path(args.dir) / "quantized"))
+    io, wp = (summarize(runs[k]) for k in ("io", "weights"))
     res = {
         "checkpoint": {"layers": args.layers, "experts": args.experts, "fp8_bytes": src_bytes,
                        "largest_layer_params": layer_bytes, "largest_layer_bf16_gib": layer_bytes * 2 / 1024 ** 3},
         "io_floor": io, "weight_phase": wp,
         "ratio_to_io_floor": wp["seconds"] / io["seconds"],
-        "machine": {"cpus": os.cpu_count()},
+        "repeat": args.repeat, "machine": {"cpus": os.cpu_count()},
     }
     print(json.dumps(res, indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,10 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from pipeline.finite import all_finite
+
 QMIN, QMAX = -128, 127
+_BLOCK_ELEMENTS = 1 << 20  # elements per block of rows in quantize_weight_per_channel: a cache-sized buffer
 F32_EPS = torch.finfo(torch.float32).eps
 MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 Number = Union[float, int, Tensor]
@@ -42,8 +45,10 @@ class QuantError(ValueError):
 
 
 # ----- checks --------------------------------------------------------------------------------------
-def check_float(t: Tensor, name: str, ndim: Optional[int] = None, dtypes=MODEL_DTYPES) -> None:
-    """Raise QuantError unless ``t`` is a finite, non-empty float tensor of ``ndim`` dims."""
+def check_float(t: Tensor, name: str, ndim: Optional[int] = None, dtypes=MODEL_DTYPES,
+                finite: bool = True) -> None:
+    """Raise QuantError unless ``t`` is a finite (unless ``finite=False``: left to the caller), non-empty
+    float tensor of ``ndim`` dims."""
     if not isinstance(t, Tensor):
         raise QuantError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -52,8 +57,12 @@ def check_float(t: Tensor, name: str, ndim: Optional[int] = None, dtypes=MODEL_D
         raise QuantError(f"{name}: expected {ndim} dims, got shape {list(t.shape)}")
     if t.numel() == 0:
         raise QuantError(f"{name}: empty tensor of shape {list(t.shape)}")
-    if not bool(torch.isfinite(t).all()):
-        raise QuantError(f"{name}: {int((~torch.isfinite(t)).sum())} non-finite values (NaN/Inf)")
+    if finite and not all_finite(t):
+        _raise_nonfinite(t, name)
+
+
+def _raise_nonfinite(t: Tensor, name: str) -> None:
+    raise QuantError(f"{name}: {int((~torch.isfinite(t)).sum())} non-finite values (NaN/Inf)")
 
 
 def _check_int8(t: Tensor, name: str, ndim: int) -> None:
@@ -71,10 +80,25 @@ def quantize_weight_per_channel(w: Tensor, name: str = "weight") -> tuple[Tensor
     """W [n, k] (md) -> (int8 [n, k], weight_scale md [n, 1], weight_offset md zeros [n, 1]).
 
     ws = max(amax_j |W[i, j]| / 127, eps) and W8 = clamp(round(W / ws), -128, 127), every op in md,
-    round half to even. All-zero row rule: ws = eps (float32 epsilon in md), int8 row all 0."""
-    check_float(w, name, ndim=2)
-    ws = torch.maximum(w.abs().amax(dim=1, keepdim=True) / 127, _eps(w.dtype))
-    q = torch.clamp(torch.round(w / ws), QMIN, QMAX).to(torch.int8)
+    round half to even. All-zero row rule: ws = eps (float32 epsilon in md), int8 row all 0.
+    Computed in blocks of rows (each row is independent) through one small buffer; a NaN or Inf in W
+    shows in its row's amax, so W is checked through ws."""
+    check_float(w, name, ndim=2, finite=False)
+    n, k = w.shape
+    rows = max(1, _BLOCK_ELEMENTS // k)
+    ws = torch.empty(n, 1, dtype=w.dtype)
+    q = torch.empty(n, k, dtype=torch.int8)
+    buf = torch.empty(min(rows, n), k, dtype=w.dtype)
+    eps = _eps(w.dtype)
+    for r0 in range(0, n, rows):
+        r1 = min(r0 + rows, n)
+        x, s = buf[: r1 - r0], ws[r0:r1]
+        torch.amax(torch.abs(w[r0:r1], out=x), dim=1, keepdim=True, out=s)
+        torch.maximum(s.div_(127), eps, out=s)
+        torch.div(w[r0:r1], s, out=x).round_().clamp_(QMIN, QMAX)
+        q[r0:r1] = x
+    if not all_finite(ws):
+        _raise_nonfinite(w, name)
     return q, ws, torch.zeros_like(ws)
 
 
@@ -152,7 +176,7 @@ def deq_scale_and_quant_bias(input_scale: Tensor, input_offset: Tensor, weight_i
         raise QuantError(f"{name}.weight_scale: expected {md} [{n}, 1], got {weight_scale.dtype} "
                          f"{list(weight_scale.shape)}")
     deq = (input_scale.reshape(1) * weight_scale[:, 0]).float()
-    correction = int(off) * weight_int8.to(torch.int64).sum(dim=1)
+    correction = int(off) * _row_sums(weight_int8)
     if bias is None:
         qb = -correction
     else:
@@ -164,6 +188,13 @@ def deq_scale_and_quant_bias(input_scale: Tensor, input_offset: Tensor, weight_i
     if int(qb.min()) < lim.min or int(qb.max()) > lim.max:
         raise QuantError(f"{name}.quant_bias: values outside int32 ({int(qb.min())}..{int(qb.max())})")
     return (deq if md == torch.bfloat16 else deq_scale_to_int64(deq)), qb.to(torch.int32)
+
+
+def _row_sums(q: Tensor) -> Tensor:
+    """Exact int64 row sums of an int8 [n, k], a block of rows at a time (an int64 copy of a whole weight
+    would be eight times its size)."""
+    rows = max(1, _BLOCK_ELEMENTS // q.shape[1])
+    return torch.cat([q[r:r + rows].sum(dim=1, dtype=torch.int64) for r in range(0, q.shape[0], rows)])
 
 
 def deq_scale_to_int64(deq: Tensor) -> Tensor:

@@ -20,7 +20,7 @@ entry) to its type for quant_model_description.json.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -34,6 +34,7 @@ from pipeline.quant.qparams import (
     quantize_weight_per_channel, static_activation_params,
 )
 from pipeline.quant.recipe import FAQUANT, FLOAT, W8A8, W8A8_DYNAMIC, Recipe
+from pipeline.safetensors_io import DTYPE_NAMES, TensorSpec
 
 MTP_ONLY = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head")
 QUANT_TYPE_KEY = LAYER_ENTRY_SUFFIX[1:]          # "self_attn.quant_type"
@@ -47,7 +48,10 @@ def model_dtype(cfg: DeepseekV3Config) -> torch.dtype:
     return md
 
 
-def _check_tensors(tensors: Mapping[str, Tensor], expected: Mapping[str, tuple], what: str) -> None:
+def _check_tensors(tensors: Mapping[str, Tensor], expected: Mapping[str, tuple], what: str,
+                   quantized: frozenset = frozenset()) -> None:
+    """Names, shapes, float dtypes, and finiteness except for the ``quantized`` weights, which
+    quantize_weight_per_channel checks on its way."""
     missing = [n for n in expected if n not in tensors]
     unexpected = [n for n in tensors if n not in expected]
     if missing or unexpected:
@@ -55,7 +59,7 @@ def _check_tensors(tensors: Mapping[str, Tensor], expected: Mapping[str, tuple],
                          f"unexpected {unexpected[:5]}")
     for n, shape in expected.items():
         t = tensors[n]
-        check_float(t, n)
+        check_float(t, n, finite=n not in quantized)
         if tuple(t.shape) != tuple(shape):
             raise QuantError(f"{n}: shape {list(t.shape)} does not match the config ({list(shape)})")
 
@@ -88,7 +92,8 @@ def quantize_layer(cfg: DeepseekV3Config, layer_id: int, tensors: Mapping[str, T
                    recipe: Recipe) -> tuple[dict[str, Tensor], dict[str, str]]:
     """One layer's float tensors (HF names, md; the router bias may be float32) -> (tensors, types)."""
     types_of = recipe.layer_types(cfg, layer_id)
-    _check_tensors(tensors, layout.layer_shapes(cfg, layer_id), f"layer {layer_id}")
+    quantized = frozenset(p + ".weight" for p, kind in types_of.items() if kind in (W8A8, W8A8_DYNAMIC))
+    _check_tensors(tensors, layout.layer_shapes(cfg, layer_id), f"layer {layer_id}", quantized)
     md = model_dtype(cfg)
     ascend = recipe.dialect == "ascendV1"
     lp = layout.layer_prefix(layer_id)
@@ -138,3 +143,48 @@ def quantize_globals(cfg: DeepseekV3Config, tensors: Mapping[str, Tensor],
     recipe.check_config(cfg)
     _check_tensors(tensors, layout.global_shapes(cfg), "globals")
     return dict(tensors), {n: FLOAT for n in tensors}
+
+
+def layer_output_specs(cfg: DeepseekV3Config, layer_id: Optional[int],
+                       inputs: Mapping[str, tuple[torch.dtype, tuple]], recipe: Recipe) -> list[TensorSpec]:
+    """What :func:`quantize_layer` (:func:`quantize_globals` for ``layer_id`` None) returns, in its order
+    (name, dtype, shape), for input tensors of these dtypes and shapes (what
+    ``CheckpointReader.read_specs`` says the reader gives): known before any value exists, so that a
+    writer can lay out its shards ahead of the data."""
+    if layer_id is None:
+        return [TensorSpec(n, DTYPE_NAMES[dt], tuple(shape)) for n, (dt, shape) in inputs.items()]
+    md = model_dtype(cfg)
+    ascend = recipe.dialect == "ascendV1"
+    sc = torch.float32 if ascend else md
+    deq = torch.float32 if md == torch.bfloat16 else torch.int64
+    lp = layout.layer_prefix(layer_id)
+    is_mtp = layer_id >= cfg.num_hidden_layers
+    names_of: dict[str, list[str]] = {}
+    for name in inputs:
+        names_of.setdefault(name.rsplit(".", 1)[0], []).append(name)
+    out: list[TensorSpec] = []
+    for p, kind in recipe.layer_types(cfg, layer_id).items():
+        if kind in (W8A8, W8A8_DYNAMIC):
+            n, k = inputs[p + ".weight"][1]
+            weight, per_channel = ("weight", torch.int8, (n, k)), [("weight_scale", sc, (n, 1)),
+                                                                   ("weight_offset", sc, (n, 1))]
+            static = [("input_scale", sc, (1,)), ("input_offset", sc, (1,))]
+            qb, dq = ("quant_bias", torch.int32, (n,)), ("deq_scale", deq, (n,))
+            if kind == W8A8_DYNAMIC:
+                parts = [weight, *per_channel]
+            else:
+                parts = [weight, qb, *static, dq] if ascend else [weight, *static, qb, dq, *per_channel]
+        elif kind == FAQUANT:
+            rows = cfg.num_attention_heads if p.endswith(".fa_q") else 1
+            parts = [("scale", sc, (rows, 1)), ("offset", torch.int8, (rows, 1))]
+        else:
+            parts = []
+            for name in names_of[p]:
+                dt, shape = inputs[name]
+                if ascend and is_mtp and p[len(lp):] in MTP_ONLY:
+                    dt = torch.float32
+                elif ascend and name.endswith("e_score_correction_bias"):
+                    dt = md
+                out.append(TensorSpec(name, DTYPE_NAMES[dt], tuple(shape)))
+        out += [TensorSpec(f"{p}.{leaf}", DTYPE_NAMES[dt], shape) for leaf, dt, shape in parts]
+    return out

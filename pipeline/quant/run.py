@@ -5,9 +5,12 @@ Two phases, so that the memory-heavy part is only the calibration forward:
 1. calibration: the float model (model dtype, as msModelSlim runs it) over each calibration sample
    (batch of one); with ``recipe.smooth`` first the smoothing statistics and their fold into the model,
    then the W8A8/FA3 statistics of the smoothed model;
-2. weights: one layer at a time from the source (FP8 dequantized on the fly), the same smoothing fold
-   applied to its tensors (bit-identical to phase 1's), quantized, streamed into the writer. Peak memory
-   here is about one layer's weights.
+2. weights (:func:`quantize_weights`): one layer at a time from the source (FP8 dequantized on the fly),
+   the same smoothing fold applied to its tensors (bit-identical to phase 1's), quantized, streamed into
+   the writer, which knows every output tensor ahead (:func:`output_specs`) and so holds none. The next
+   layer is read in a background thread meanwhile (``QuantizeOptions.prefetch``): peak memory here is
+   about two layers' weights in the model dtype (the one being quantized, with its int8 outputs, and the
+   next one), one without the prefetch.
 
 The distributed pipeline runs the same two phases per layer range and must produce identical files.
 """
@@ -16,8 +19,10 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -27,10 +32,11 @@ from pipeline.loading import load_model
 from pipeline.quant.calib_data import load_texts, tokenize
 from pipeline.quant.calibrate import collect_stats
 from pipeline.quant.observers import Stats
-from pipeline.quant.quantize_layer import model_dtype, quantize_globals, quantize_layer
+from pipeline.quant.quantize_layer import layer_output_specs, model_dtype, quantize_globals, quantize_layer
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.smooth import ChannelAbsMax, apply_smoothing, collect_smoothing_stats, smooth_layer
 from pipeline.quant.writer import QuantizedWriter
+from pipeline.safetensors_io import TensorSpec
 from pipeline.tokenizer import Tokenizer
 
 SHARD_BYTES = 4 * 1024 ** 3
@@ -49,6 +55,7 @@ class QuantizeOptions:
     shard_bytes: int = SHARD_BYTES
     device: Optional[str] = None
     progress: bool = False
+    prefetch: bool = True                   # read layer i+1 while layer i is quantized: one more layer in memory
 
 
 def calibration_samples(src: str, opts: QuantizeOptions, max_positions: int) -> list[list[int]]:
@@ -95,17 +102,11 @@ def quantize_checkpoint(src: str, dst: str, recipe: Recipe, opts: QuantizeOption
     log(f"calibrating {src} ({cfg.num_hidden_layers} layers + {len(cfg.mtp_layer_ids)} MTP, {md})")
     stats, smooth_stats = calibrate(src, recipe, opts)
     t1 = time.time()
-    layer_ids = layout.all_layer_ids(cfg)
-    bar = _progress(layer_ids, opts.progress)
     summary = {"source": src, "recipe": recipe.to_dict(), "calibration_s": round(t1 - t0, 3)}
     with QuantizedWriter(dst, recipe.dialect, model_dtype=md, shard_bytes=opts.shard_bytes,
                          overwrite=opts.overwrite) as writer:
-        writer.add(*quantize_globals(cfg, reader.read_globals(), recipe))
-        for i in bar:
-            tensors = reader.read_layer(i)
-            if smooth_stats is not None:
-                tensors = smooth_layer(tensors, i, smooth_stats, opts.smooth_alpha)
-            writer.add(*quantize_layer(cfg, i, tensors, stats, recipe))
+        quantize_weights(reader, writer, stats, recipe, smooth_stats, opts.smooth_alpha, prefetch=opts.prefetch,
+                         progress=opts.progress)
         summary["quantize_write_s"] = round(time.time() - t1, 3)
         raw_config = json.loads(storage.read_bytes(storage.join(src, "config.json")))
         writer.finish(raw_config, src_dir=src, mindie_format=opts.mindie_format, job=summary)
@@ -114,9 +115,59 @@ def quantize_checkpoint(src: str, dst: str, recipe: Recipe, opts: QuantizeOption
     return summary
 
 
-def _progress(items, enabled: bool):
+def output_specs(reader: CheckpointReader, recipe: Recipe) -> list[TensorSpec]:
+    """Every tensor :func:`quantize_weights` writes, in order, from the source's headers alone."""
+    cfg = reader.config
+    specs = layer_output_specs(cfg, None, reader.read_specs(None), recipe)
+    for i in layout.all_layer_ids(cfg):
+        specs += layer_output_specs(cfg, i, reader.read_specs(i), recipe)
+    return specs
+
+
+def quantize_weights(reader: CheckpointReader, writer: QuantizedWriter, stats: Stats, recipe: Recipe,
+                     smooth_stats: Optional[dict[str, ChannelAbsMax]] = None, smooth_alpha: float = 0.5, *,
+                     prefetch: bool = True, progress: bool = False) -> None:
+    """Phase 2 into an open ``writer`` (not finished here): the globals, then each layer read,
+    smoothed when ``smooth_stats`` is given, quantized and written. The writer is given every output
+    tensor first, so it writes each one as it comes. With ``prefetch``, layer i+1 is read and
+    dequantized in a background thread while layer i is quantized and written (module doc)."""
+    cfg = reader.config
+    writer.plan(output_specs(reader, recipe))
+    writer.add(*quantize_globals(cfg, reader.read_globals(), recipe))
+
+    def load(i: int) -> dict[str, torch.Tensor]:
+        tensors = reader.read_layer(i)
+        return tensors if smooth_stats is None else smooth_layer(tensors, i, smooth_stats, smooth_alpha)
+
+    layer_ids = layout.all_layer_ids(cfg)
+    with closing(_prefetched(layer_ids, load, prefetch)) as layers:
+        for i, tensors in _progress(layers, progress, len(layer_ids)):
+            writer.add(*quantize_layer(cfg, i, tensors, stats, recipe))
+            del tensors  # before the next layer arrives
+
+
+def _prefetched(ids: list[int], load: Callable[[int], dict], enabled: bool) -> Iterator[tuple[int, dict]]:
+    """(i, load(i)) for each id, the next one loading in a background thread while the caller works on
+    this one (one deep). Closing the generator waits for that thread; its errors surface here."""
+    if not enabled:
+        yield from ((i, load(i)) for i in ids)
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="prefetch-layer") as pool:
+        nxt = pool.submit(load, ids[0]) if ids else None
+        try:
+            for k, i in enumerate(ids):
+                tensors = nxt.result()
+                nxt = pool.submit(load, ids[k + 1]) if k + 1 < len(ids) else None
+                yield i, tensors
+                del tensors
+        finally:
+            if nxt is not None:
+                nxt.cancel()
+
+
+def _progress(items: Iterable, enabled: bool, total: int):
     if not enabled:
         return items
     from tqdm import tqdm
 
-    return tqdm(items, desc="quantize layers", unit="layer")
+    return tqdm(items, desc="quantize layers", unit="layer", total=total)

@@ -13,11 +13,14 @@ dtype, weight_scale/weight_offset on static layers too) and converts it to the w
 MTP-only FLOAT tensors float32, the router bias in the model dtype), then checks it with the checker's
 per-tensor rules before anything is written.
 
-Sharding and commit. Tensors are queued in ``add`` order and a shard is written out (with
-:class:`~pipeline.safetensors_io.SafetensorsWriter`) as soon as the next tensor would take it past
-``shard_bytes`` of tensor data, so a shard passes the limit only when one tensor alone does. The queue
-holds references to the tensors handed to ``add`` (at most one shard's worth): do not modify them
-afterwards. The number of shards, and so every final name (``-00001-of-0000N``), is known only at the end,
+Sharding and commit. Tensors go into shards in ``add`` order, a shard closing as soon as the next tensor
+would take it past ``shard_bytes`` of tensor data, so a shard passes the limit only when one tensor alone
+does. A safetensors header precedes the data, so a shard can be written once its tensors are known:
+declared up front with :meth:`QuantizedWriter.plan` (each tensor's name, dtype and shape, in order;
+``quantize_layer.layer_output_specs`` computes them from the config and the recipe), shards are laid out
+at once and ``add`` writes every tensor straight out, holding none; without a plan ``add`` queues the
+tensors handed to it (references: do not modify them afterwards), up to one shard's worth. Both write the
+same files. The number of shards, and so every final name (``-00001-of-0000N``), is known only at the end,
 so each complete shard is first committed under a hidden part name (``.<stem>.part-<run>-00001
 .safetensors``) and ``finish`` renames the parts to their final names. ``finish`` then writes config.json,
 copies the tokenizer files, generation_config.json and ``*.py`` from the source, writes ``manifest.json``
@@ -34,7 +37,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -129,6 +132,37 @@ class _Part:
     sha256: str
 
 
+class _PartWriter:
+    """One shard being written under its part name, its sha256 computed along."""
+
+    def __init__(self, path: str, specs: Sequence[TensorSpec]):
+        self.path, self.specs = path, list(specs)
+        header = encode_header(self.specs)
+        self._digest = hashlib.sha256(header)
+        self._size = len(header) + sum(s.nbytes for s in self.specs)
+        self._file = SafetensorsWriter(path, self.specs)
+        self._file.__enter__()
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        t = t.detach().to("cpu").contiguous()
+        if t.numel():
+            self._digest.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        self._file.write(name, t)
+
+    def close(self) -> _Part:
+        """Commit the part (every tensor written) under its part name."""
+        self._file.__exit__(None, None, None)
+        nbytes = sum(s.nbytes for s in self.specs)
+        return _Part(self.path, tuple(s.name for s in self.specs), nbytes, self._size, self._digest.hexdigest())
+
+    def discard(self) -> None:
+        """Drop the part: its temporary file is removed (best effort)."""
+        try:
+            self._file.__exit__(RuntimeError, RuntimeError("part discarded"), None)
+        except Exception:
+            pass
+
+
 class QuantizedWriter:
     """Streams a quantized checkpoint into ``dst`` (a local path or fsspec URL); see the module doc."""
 
@@ -145,6 +179,9 @@ class QuantizedWriter:
         self._types: dict[str, str] = {}
         self._pending: list[tuple[str, torch.Tensor]] = []
         self._pending_bytes = 0
+        self._planned: Optional[list[TensorSpec]] = None  # plan(): every tensor, in order
+        self._shard_ends: list[int] = []  # plan(): the index in _planned just past each shard
+        self._part: Optional[_PartWriter] = None  # the part being written
         self._parts: list[_Part] = []
         self._written: list[str] = []  # every path this writer created, for abort()
         self._state = "open"
@@ -181,6 +218,7 @@ class QuantizedWriter:
             return
         self._state = "aborted"
         self._pending, self._pending_bytes = [], 0
+        self._discard_part()
         for path in reversed(self._written + [p.path for p in self._parts]):
             try:
                 storage.remove(path)
@@ -193,11 +231,30 @@ class QuantizedWriter:
             raise RuntimeError(f"{self.dst}: writer is {self._state}; start a new QuantizedWriter")
 
     # ----- writing -----------------------------------------------------------------------------------
+    def plan(self, specs: Sequence[TensorSpec]) -> None:
+        """Declare every tensor ``add`` will get, in order, as this dialect stores it: shards are laid out
+        now and ``add`` writes each tensor as it comes (module doc). Only before the first ``add``."""
+        self._require_open()
+        if self._planned is not None or self._types:
+            raise RuntimeError(f"{self.dst}: plan() must come once, before the first add()")
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"planned tensors repeat names: {sorted({n for n in names if names.count(n) > 1})[:5]}")
+        self._planned, self._shard_ends, size = list(specs), [], 0
+        for i, spec in enumerate(self._planned):
+            if i and size + spec.nbytes > self.shard_bytes:
+                self._shard_ends.append(i)
+                size = 0
+            size += spec.nbytes
+        self._shard_ends.append(len(self._planned))
+
     def add(self, tensors: Mapping[str, torch.Tensor], types: Mapping[str, str]) -> None:
-        """Queue one layer (or the global tensors): whole modules, every tensor with its type, in either
-        dialect's form. ascendV1's per-layer ``self_attn.quant_type: "INT8"`` entries may be in ``types``:
-        they are checked and dropped, as the description derives them from the FA3 tensors. Raises
-        ValueError naming the tensors for a mismatch of names, a repeated name, or a broken format rule."""
+        """Write (without a plan: queue) one layer or the global tensors: whole modules, every tensor with
+        its type, in either dialect's form. ascendV1's per-layer ``self_attn.quant_type: "INT8"`` entries
+        may be in ``types``: they are checked and dropped, as the description derives them from the FA3
+        tensors. Raises
+        ValueError naming the tensors for a mismatch of names, a repeated name, a broken format rule, or a
+        tensor that is not the next one planned; nothing is written then."""
         self._require_open()
         entries = {n: t for n, t in types.items() if n.endswith(LAYER_ENTRY_SUFFIX) and n not in tensors}
         if any(t != LAYER_QUANT_TYPE for t in entries.values()):
@@ -218,35 +275,58 @@ class QuantizedWriter:
         if broken:
             raise ValueError(f"{len(broken)} format violations in the {self.dialect} dialect: "
                              + "; ".join(str(v) for v in broken[:5]))
+        if self._planned is not None:
+            for k, got in enumerate(specs.values(), start=len(self._types)):
+                want = self._planned[k] if k < len(self._planned) else None
+                if got != want:
+                    raise ValueError(f"tensor {got.name!r} {got.dtype} {list(got.shape)} is not the next planned "
+                                     "one: " + (f"{want.name!r} {want.dtype} {list(want.shape)}" if want else
+                                                "all were added"))
         try:
             for name, t in conv.items():
-                nbytes = specs[name].nbytes
-                if self._pending and self._pending_bytes + nbytes > self.shard_bytes:
-                    self._flush()
-                self._pending.append((name, t))
-                self._pending_bytes += nbytes
+                if self._planned is not None:
+                    self._write_planned(name, t)
+                else:
+                    nbytes = specs[name].nbytes
+                    if self._pending and self._pending_bytes + nbytes > self.shard_bytes:
+                        self._flush()
+                    self._pending.append((name, t))
+                    self._pending_bytes += nbytes
                 self._types[name] = conv_types[name]
         except BaseException:
             self._state = "failed"
+            self._discard_part()
             raise
 
+    def _part_path(self) -> str:
+        return storage.join(self.dst, f".{self.naming.stem}.part-{self._run}-{len(self._parts) + 1:05d}.safetensors")
+
+    def _write_planned(self, name: str, t: torch.Tensor) -> None:
+        """The next planned tensor into its shard's part: the part (its header) opened first, committed
+        after its last tensor."""
+        k, i = len(self._parts), len(self._types)  # the shard, the tensor's index in the plan
+        if self._part is None:
+            self._part = _PartWriter(self._part_path(), self._planned[self._shard_ends[k - 1] if k else 0:
+                                                                      self._shard_ends[k]])
+        self._part.write(name, t)
+        if i + 1 == self._shard_ends[k]:
+            self._parts.append(self._part.close())
+            self._part = None
+
+    def _discard_part(self) -> None:
+        if self._part is not None:
+            self._part.discard()
+            self._part = None
+
     def _flush(self) -> None:
-        """Write the queued tensors as the next part, hashing the bytes as they are written."""
+        """Write the queued tensors as the next part."""
         if not self._pending:
             return
-        path = storage.join(self.dst, f".{self.naming.stem}.part-{self._run}-{len(self._parts) + 1:05d}.safetensors")
-        specs = [TensorSpec.of(n, t) for n, t in self._pending]
-        header = encode_header(specs)
-        digest = hashlib.sha256(header)
-        with SafetensorsWriter(path, specs) as w:
-            for name, t in self._pending:
-                t = t.detach().to("cpu").contiguous()
-                if t.numel():
-                    digest.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-                w.write(name, t)
-        nbytes = sum(s.nbytes for s in specs)
-        self._parts.append(_Part(path, tuple(n for n, _ in self._pending), nbytes, len(header) + nbytes,
-                                 digest.hexdigest()))
+        self._part = _PartWriter(self._part_path(), [TensorSpec.of(n, t) for n, t in self._pending])
+        for name, t in self._pending:
+            self._part.write(name, t)
+        self._parts.append(self._part.close())
+        self._part = None
         self._pending, self._pending_bytes = [], 0
 
     def _put(self, name: str, data: bytes, files: dict[str, dict]) -> None:
@@ -275,6 +355,9 @@ class QuantizedWriter:
 
     def _finish(self, config, src_dir, mindie_format, job) -> dict:
         self._flush()
+        if self._planned is not None and len(self._types) != len(self._planned):
+            missing = [s.name for s in self._planned[len(self._types):]]
+            raise ValueError(f"{self.dst}: {len(missing)} planned tensors were never added: {missing[:5]}")
         if not self._parts:
             raise ValueError(f"{self.dst}: no tensors were added")
         files: dict[str, dict] = {}

@@ -1,0 +1,264 @@
+"""The weight phase's fast paths against their plain formulas: FP8 block dequantization bit for bit, the
+one-pass finiteness checks, the chunked per-channel quantizer, the reader's and the quantizer's output
+specs, and quantize_weights (planned streaming writer, background prefetch) against the plain loop into a
+queuing writer, byte for byte."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import threading
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline import layout
+from pipeline.checkpoint import CheckpointError, CheckpointReader
+from pipeline.finite import all_finite
+from pipeline.fp8 import FP8_DTYPE, dequantize_fp8_blocks, expand_scale, fp8_nan_count, quantize_fp8_blocks
+from pipeline.fp8_copy import write_fp8_copy
+from pipeline.quant import qparams
+from pipeline.quant.qparams import QuantError, quantize_weight_per_channel
+from pipeline.quant.quantize_layer import model_dtype, quantize_globals, quantize_layer
+from pipeline.quant.recipe import Recipe
+from pipeline.quant.run import QuantizeOptions, calibrate, quantize_weights
+from pipeline.quant.writer import QuantizedWriter
+from pipeline.safetensors_io import TensorSpec
+from tiny import FIXTURES, TINY_FIXTURE
+
+OPTS = QuantizeOptions(calib_path=str(FIXTURES / "calib.json"))
+NAN_CODES = (0x7F, 0xFF)  # e4m3fn S.1111.111
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.itemsize])
+
+
+# ----- FP8 dequantization -----------------------------------------------------------------------------
+def every_code(shape: tuple[int, int]) -> torch.Tensor:
+    """float8_e4m3fn of ``shape`` cycling through the 254 non-NaN codes."""
+    codes = torch.tensor([c for c in range(256) if c not in NAN_CODES], dtype=torch.uint8)
+    return codes.repeat(math.ceil(math.prod(shape) / len(codes)))[:math.prod(shape)].view(FP8_DTYPE).view(shape)
+
+
+@pytest.mark.parametrize("block", [(128, 128), (64, 48)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_is_the_formula_bit_for_bit(dtype, block):
+    """Every code, ragged edges on both axes, scales from float32 subnormals to 1e37 (whose s * 2^8
+    overflows float32: that block row takes the formula itself), negative and zero scales; products that
+    overflow a 16-bit dtype come out as the formula's Inf."""
+    w = every_code((300, 260))
+    r, c = math.ceil(300 / block[0]), math.ceil(260 / block[1])
+    g = torch.Generator().manual_seed(0)
+    s = torch.rand(r, c, generator=g) * 10.0 ** torch.randint(-44, 30, (r, c), generator=g).float()
+    s[0, 0], s[0, -1], s[-1, 0], s[1, 1] = 1.4e-45, -0.0, -3.5, 1e37
+    ref = (w.float() * expand_scale(s, (300, 260), block)).to(dtype)
+    got = dequantize_fp8_blocks(w, s, block, dtype)
+    assert got.dtype == dtype and torch.equal(bits(got), bits(ref))
+    assert torch.equal(bits(dequantize_fp8_blocks(w, s.double(), block, dtype)), bits(ref))  # a float64 scale
+
+
+def test_dequantize_round_trip_of_quantize_fp8_blocks():
+    w = torch.randn(576, 200, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    q, s = quantize_fp8_blocks(w)
+    assert torch.equal(bits(dequantize_fp8_blocks(q, s)), bits((q.float() * expand_scale(s, (576, 200), (128, 128)))
+                                                              .bfloat16()))
+
+
+def test_fp8_nan_count():
+    w = every_code((16, 64))
+    assert fp8_nan_count(w) == 0 and fp8_nan_count(w[:0]) == 0
+    u = w.clone().view(torch.uint8)
+    u[3, 5], u[7, 1], u[15, 63] = 0x7F, 0xFF, 0xFF
+    assert fp8_nan_count(u.view(FP8_DTYPE)) == 3
+    assert fp8_nan_count(u.view(FP8_DTYPE)[8:]) == 1
+
+
+# ----- finiteness -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e5m2])
+def test_all_finite_finds_one_bad_value_anywhere(dtype):
+    for n in (1, 7, 16, 33, 1000, 4099):
+        x = torch.linspace(-2, 2, n).to(dtype)
+        assert all_finite(x) and all_finite(x.view(1, n)[:, ::2])
+        for pos in {0, n // 2, n - 1}:
+            for v in (float("nan"), float("inf"), -float("inf")):
+                y = x.clone()
+                y[pos] = v
+                assert not all_finite(y), (n, pos, v)
+    assert all_finite(torch.empty(0, 3, dtype=dtype))
+
+
+# ----- the quantizer ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_chunked_weight_quantization_is_the_formula(monkeypatch, dtype):
+    """Blocks of rows (forced small, with a ragged last block) give the one-shot formula's int8 and scale;
+    a NaN or Inf in any row is found through that row's scale."""
+    monkeypatch.setattr(qparams, "_BLOCK_ELEMENTS", 3 * 40)
+    w = (torch.randn(23, 40, generator=torch.Generator().manual_seed(2)) * 0.05).to(dtype)
+    w[4] = 0
+    ws = torch.maximum(w.abs().amax(dim=1, keepdim=True) / 127, torch.tensor(qparams.F32_EPS, dtype=dtype))
+    q, got_ws, wo = quantize_weight_per_channel(w)
+    assert torch.equal(q, torch.clamp(torch.round(w / ws), -128, 127).to(torch.int8))
+    assert torch.equal(bits(got_ws), bits(ws)) and torch.equal(wo, torch.zeros_like(ws))
+    for row in (0, 10, 22):
+        for v, k in ((float("nan"), 1), (float("inf"), 2)):
+            bad = w.clone()
+            bad[row, :k] = v
+            with pytest.raises(QuantError, match=f"lin.weight: {k} non-finite values"):
+                quantize_weight_per_channel(bad, "lin.weight")
+
+
+def test_row_sums_are_exact():
+    q = torch.randint(-128, 128, (1000, 3000), dtype=torch.int8, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(qparams._row_sums(q), q.to(torch.int64).sum(dim=1))
+
+
+# ----- reading ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, str]:
+    """The tiny fixture (bf16), its FP8 copy, an fp16 copy and the fp16 copy's FP8 copy."""
+    root = tmp_path_factory.mktemp("sources")
+    f16 = root / "f16"
+    f16.mkdir()
+    tensors = load_file(str(TINY_FIXTURE / "model.safetensors"))
+    half = {k: v.half() if v.dtype == torch.bfloat16 else v for k, v in tensors.items()}
+    save_file(half, str(f16 / "model.safetensors"))
+    cfg = json.loads((TINY_FIXTURE / "config.json").read_text())
+    (f16 / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "float16"}))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY_FIXTURE / f, f16 / f)
+    write_fp8_copy(str(TINY_FIXTURE), str(root / "fp8"), shards=2)
+    write_fp8_copy(str(f16), str(root / "fp8-f16"), shards=3)
+    return {"bf16": str(TINY_FIXTURE), "fp8": str(root / "fp8"), "f16": str(f16), "fp8-f16": str(root / "fp8-f16")}
+
+
+@pytest.mark.parametrize("src", ["bf16", "fp8", "fp8-f16"])
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_read_specs_are_what_the_reads_give(sources, src, dtype):
+    r = CheckpointReader(sources[src])
+    for lid in [None, *layout.all_layer_ids(r.config)]:
+        got = r.read_globals(dtype) if lid is None else r.read_layer(lid, dtype)
+        assert r.read_specs(lid, dtype) == {n: (t.dtype, tuple(t.shape)) for n, t in got.items()}
+
+
+def test_dequantization_overflow_names_the_stage(tmp_path, sources):
+    """A scale too large for the model dtype: finite float32 products that overflow float16 are reported
+    after the conversion, products that overflow float32 after dequantization, and a huge scale over
+    all-zero codes is no error."""
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    for k, (scale, codes, when) in enumerate([(1e3, None, "after conversion to torch.float16"),
+                                              (1e37, None, "after dequantization"), (1e37, 0, None)]):
+        dst = tmp_path / str(k)
+        shutil.copytree(sources["fp8-f16"], dst)
+        r = CheckpointReader(str(dst))
+        shard = r.file_of(name)
+        tensors = load_file(shard)
+        tensors[name + "_scale_inv"][0, 0] = scale
+        if codes is not None:
+            tensors[name].view(torch.uint8)[:] = codes
+        save_file(tensors, shard)
+        if when is None:
+            assert bool((CheckpointReader(str(dst)).read_layer(1)[name] == 0).all())
+        else:
+            what = rf"{re.escape(shard)}: tensor '{name}': \d+ NaN and [1-9]\d* Inf values {when}"
+            with pytest.raises(CheckpointError, match=what):
+                CheckpointReader(str(dst)).read_layer(1)
+
+
+# ----- quantize_weights -------------------------------------------------------------------------------
+def queued_loop(reader: CheckpointReader, writer: QuantizedWriter, stats, recipe: Recipe, smooth_stats) -> None:
+    """The plain weight loop, no plan (the writer queues) and no prefetch."""
+    from pipeline.quant.smooth import smooth_layer
+
+    cfg = reader.config
+    writer.add(*quantize_globals(cfg, reader.read_globals(), recipe))
+    for i in layout.all_layer_ids(cfg):
+        tensors = reader.read_layer(i)
+        if smooth_stats is not None:
+            tensors = smooth_layer(tensors, i, smooth_stats, OPTS.smooth_alpha)
+        writer.add(*quantize_layer(cfg, i, tensors, stats, recipe))
+
+
+def files(path: Path) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in sorted(path.iterdir())}
+
+
+@pytest.mark.parametrize("src, recipe", [
+    ("bf16", Recipe(smooth=True)),
+    ("fp8", Recipe(dialect="ascendV1", quantize_mtp=True)),
+    ("f16", Recipe(dialect="ascendV1", dynamic=True)),
+    ("fp8-f16", Recipe(fa_quant=False)),
+])
+def test_quantize_weights_equals_the_plain_loop(tmp_path, sources, src, recipe):
+    """Planned streaming shards, with and without the prefetch, are the queuing writer's files byte for
+    byte (several shards): the specs planned from the headers are exactly what the quantizer makes."""
+    stats, smooth_stats = calibrate(sources[src], recipe, OPTS)
+    reader = CheckpointReader(sources[src])
+    config = json.loads(Path(sources[src], "config.json").read_text())
+    out = {}
+    for how in ("queued", "prefetch", "serial"):
+        with QuantizedWriter(str(tmp_path / how), recipe.dialect, model_dtype=model_dtype(reader.config),
+                             shard_bytes=150_000) as w:
+            if how == "queued":
+                queued_loop(reader, w, stats, recipe, smooth_stats)
+            else:
+                quantize_weights(reader, w, stats, recipe, smooth_stats, OPTS.smooth_alpha, prefetch=how == "prefetch")
+            w.finish(config, sources[src])
+        out[how] = files(tmp_path / how)
+    assert len([f for f in out["queued"] if f.endswith(".safetensors")]) >= 3
+    assert out["prefetch"] == out["queued"] and out["serial"] == out["queued"]
+
+
+def test_a_failing_background_read_surfaces_and_leaves_no_thread(tmp_path, sources, monkeypatch):
+    reader = CheckpointReader(sources["fp8"])
+    real = reader.read_layer
+
+    def failing(i, *a, **k):
+        if i == 2:
+            raise CheckpointError("injected read failure in layer 2")
+        return real(i, *a, **k)
+
+    monkeypatch.setattr(reader, "read_layer", failing)
+    stats, _ = calibrate(sources["fp8"], Recipe(), OPTS)
+    with pytest.raises(CheckpointError, match="injected read failure"):
+        with QuantizedWriter(str(tmp_path / "q"), "seed", model_dtype=torch.bfloat16, shard_bytes=150_000) as w:
+            quantize_weights(reader, w, stats, Recipe())
+    assert not [t for t in threading.enumerate() if t.name.startswith("prefetch-layer")]
+    assert not [p.name for p in (tmp_path / "q").iterdir()]
+
+
+# ----- the planned writer -----------------------------------------------------------------------------
+def test_planned_writer_holds_nothing_and_refuses_the_unplanned(tmp_path):
+    a = {"model.norm.weight": torch.ones(64, dtype=torch.bfloat16)}
+    b = {"model.embed_tokens.weight": torch.zeros(8, 64, dtype=torch.bfloat16)}
+    specs = [TensorSpec.of(n, t) for d in (a, b) for n, t in d.items()]
+    w = QuantizedWriter(str(tmp_path / "q"), "seed", model_dtype=torch.bfloat16, shard_bytes=150)
+    w.plan(specs)
+    with pytest.raises(RuntimeError, match="plan\\(\\) must come once"):
+        w.plan(specs)
+    with pytest.raises(ValueError, match="'model.embed_tokens.weight' BF16 \\[8, 64\\] is not the next planned one: "
+                                         "'model.norm.weight' BF16 \\[64\\]"):
+        w.add(b, {"model.embed_tokens.weight": "FLOAT"})
+    ref = weakref.ref(a["model.norm.weight"])
+    w.add(a, {"model.norm.weight": "FLOAT"})
+    del a
+    assert ref() is None  # written, not queued
+    with pytest.raises(ValueError, match="1 planned tensors were never added: \\['model.embed_tokens.weight'\\]"):
+        w.finish({})
+    w.abort()
+    assert not list((tmp_path / "q").iterdir())
+
+
+def test_abort_removes_the_part_being_written(tmp_path):
+    t = {f"model.layers.0.mlp.experts.{k}.up_proj.weight": torch.zeros(4, 4, dtype=torch.bfloat16) for k in range(3)}
+    w = QuantizedWriter(str(tmp_path / "q"), "seed", model_dtype=torch.bfloat16)
+    w.plan([TensorSpec.of(n, v) for n, v in t.items()])
+    w.add({n: t[n] for n in list(t)[:1]}, dict.fromkeys(list(t)[:1], "FLOAT"))
+    assert [p.name for p in (tmp_path / "q").iterdir() if ".tmp-" in p.name]  # the shard is open
+    w.abort()
+    assert not list((tmp_path / "q").iterdir())
