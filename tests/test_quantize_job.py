@@ -15,11 +15,10 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.checkpoint import CheckpointReader
 from pipeline.fp8_copy import write_fp8_copy
-from pipeline.quant import run as run_mod
 from pipeline.quant.checker import check_dir
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
-from tiny import FIXTURES, TINY_FIXTURE
+from tiny import FIXTURES, TINY_FIXTURE, fail_quantize_layer
 
 REPO = Path(__file__).resolve().parents[1]
 CALIB = str(FIXTURES / "calib.json")
@@ -86,14 +85,7 @@ def test_smoothing_keeps_the_format(tmp_path):
 
 def test_crash_mid_run_leaves_nothing_that_looks_complete(tmp_path, monkeypatch):
     dst = tmp_path / "q"
-    real = run_mod.quantize_layer
-
-    def failing(cfg, layer_id, *a, **k):
-        if layer_id == 2:
-            raise RuntimeError("injected failure in layer 2")
-        return real(cfg, layer_id, *a, **k)
-
-    monkeypatch.setattr(run_mod, "quantize_layer", failing)
+    fail_quantize_layer(monkeypatch, 2)
     with pytest.raises(RuntimeError, match="injected failure"):
         quantize_checkpoint(str(TINY_FIXTURE), str(dst), Recipe(), dataclasses.replace(OPTS, shard_bytes=200_000),
                             log=lambda m: None)

@@ -17,12 +17,11 @@ import torch
 from pipeline import storage
 from pipeline.checkpoint import CheckpointReader
 from pipeline.fp8_copy import write_fp8_copy
-from pipeline.quant import run as run_mod
 from pipeline.quant.checker import check_dir
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
 from pipeline.safetensors_io import read_header
-from tiny import FIXTURES, TINY_FIXTURE
+from tiny import FIXTURES, TINY_FIXTURE, fail_quantize_layer
 
 OPTS = QuantizeOptions(calib_path=str(FIXTURES / "calib.json"), shard_bytes=400_000)  # ~4 shards + index
 TIMING_KEYS = ("calibration_s", "quantize_write_s", "total_s")
@@ -220,14 +219,7 @@ def test_quantize_to_and_from_s3_equals_local(s3, s3_tiny, tmp_path):
 
 def test_crash_mid_write_to_s3_leaves_nothing_that_looks_complete(s3, monkeypatch):
     dst = storage.join(s3.bucket("crash"), "out")
-    real = run_mod.quantize_layer
-
-    def failing(cfg, layer_id, *a, **k):
-        if layer_id == 2:
-            raise RuntimeError("injected failure in layer 2")
-        return real(cfg, layer_id, *a, **k)
-
-    monkeypatch.setattr(run_mod, "quantize_layer", failing)
+    fail_quantize_layer(monkeypatch, 2)
     with pytest.raises(RuntimeError, match="injected failure"):
         quantize_checkpoint(str(TINY_FIXTURE), dst, Recipe(), dataclasses.replace(OPTS, shard_bytes=200_000),
                             log=quiet)

@@ -59,3 +59,18 @@ def write_checkpoint(path: Path, cfg_dict: dict, seed: int = 0, dtype=torch.bflo
     save_file(random_tensors(cfg, seed, dtype), str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(cfg_dict, indent=1))
     return path
+
+
+def fail_quantize_layer(monkeypatch, layer: int) -> None:
+    """Make the quantizer raise RuntimeError("injected failure in layer N") when it reaches ``layer``
+    (a crash mid-run, after earlier layers were written)."""
+    from pipeline.quant import run as run_mod
+
+    real = run_mod.quantize_layer
+
+    def failing(cfg, layer_id, *a, **k):
+        if layer_id == layer:
+            raise RuntimeError(f"injected failure in layer {layer}")
+        return real(cfg, layer_id, *a, **k)
+
+    monkeypatch.setattr(run_mod, "quantize_layer", failing)
