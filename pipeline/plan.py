@@ -172,11 +172,19 @@ def calib_memory(units: Sequence[LayerCost], p: PlanParams, hidden_bytes_per_tok
     return max(u.stored_bytes + u.float_bytes for u in fwd) + act + 2 * tokens * hidden_bytes_per_token
 
 
+READ_BATCH_BYTES = 64 * 1024 ** 2   # the reader dequantizes a layer in batches of at most this many stored bytes
+
+
 def weight_memory(units: Sequence[LayerCost], written: int, p: PlanParams) -> int:
-    """Weight phase of one actor quantizing ``units`` layer by layer and writing ``written`` bytes."""
+    """Weight phase of one actor quantizing ``units`` layer by layer and writing ``written`` bytes, as
+    pipeline.quant.run.quantize_weights runs it: the writer streams each tensor into a planned shard (no
+    shard queue), the reader holds one stored batch at a time, and the next layer is prefetched, so the
+    peak is a layer's float weights and int8 output plus the next layer's float weights, plus one read
+    batch for each of the two threads."""
     if not units or not written:
         return 0
-    return max(u.stored_bytes + u.float_bytes + u.output_bytes for u in units) + min(p.shard_bytes, written)
+    nxt = [u.float_bytes for u in units[1:]] + [0]
+    return max(u.float_bytes + u.output_bytes + n for u, n in zip(units, nxt)) + 2 * READ_BATCH_BYTES
 
 
 # ----- the plan -----------------------------------------------------------------------------------------
