@@ -167,3 +167,19 @@ def test_cuda_matches_cpu():
     assert diff <= ORACLE_ATOL, diff
     diff = (gpu(ids.cuda(), absorb=True).cpu() - cpu(ids)).abs().max().item()
     assert diff <= ORACLE_ATOL, diff
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("split", [[], [1], [1, 2], [0, 3]])
+def test_layer_ranges_compose_to_the_full_forward(checkpoint, split):
+    """A pipeline stage runs embed / a range of layers / head: any split gives the full forward bit for bit."""
+    model = load_ours(checkpoint)
+    L = model.config.num_hidden_layers
+    ids = tokens(model.config.vocab_size, (2, 19))
+    bounds = [0] + [b for b in split if 0 < b < L] + [L]
+    h = model.embed(ids)
+    for a, b in zip(bounds, bounds[1:]):
+        h = model.run_layers(h, range(a, b))
+    assert torch.equal(model.head(h), model(ids))
+    with pytest.raises(ValueError, match="layer 3 is not a main layer"):
+        model.run_layers(h, [L])

@@ -103,12 +103,34 @@ class DeepseekV3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: ModelCache | None = None, absorb: bool = False,
                 return_hidden: bool = False):
         """input_ids [B, S] -> logits [B, S, V] (float32); with ``return_hidden`` also the final normed
-        hidden state [B, S, h]. With a cache, the tokens continue the cached sequences."""
-        start = cache[0].length if cache is not None else 0
-        cos, sin = self.rotary.cos_sin(self._positions(input_ids, start))
-        h = self.model.embed_tokens(input_ids)
-        for layer in self.main_layers:
-            h = layer(h, cos, sin, cache[layer.layer_id] if cache is not None else None, absorb)
+        hidden state [B, S, h]. With a cache, the tokens continue the cached sequences.
+
+        The same as ``head(run_layers(embed(ids), range(num_hidden_layers)))``: the pieces a pipeline
+        stage runs when it owns only some layers."""
+        h = self.run_layers(self.embed(input_ids), range(self.config.num_hidden_layers), cache, absorb)
+        return self.head(h, return_hidden)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, S] -> hidden [B, S, h] (stage 0's first step)."""
+        return self.model.embed_tokens(input_ids)
+
+    def run_layers(self, h: torch.Tensor, layer_ids, cache: ModelCache | None = None,
+                   absorb: bool = False, start: int | None = None) -> torch.Tensor:
+        """Main decoder layers ``layer_ids`` (ascending) on hidden [B, S, h] at positions start.. (default:
+        the cache's length, else 0)."""
+        ids = list(layer_ids)
+        if start is None:
+            start = cache[ids[0]].length if cache is not None and ids else 0
+        B, S = h.shape[:2]
+        cos, sin = self.rotary.cos_sin(torch.arange(start, start + S, device=h.device).expand(B, S))
+        for i in ids:
+            if not 0 <= i < self.config.num_hidden_layers:
+                raise ValueError(f"layer {i} is not a main layer (0..{self.config.num_hidden_layers - 1})")
+            h = self.model.layers[i](h, cos, sin, cache[i] if cache is not None else None, absorb)
+        return h
+
+    def head(self, h: torch.Tensor, return_hidden: bool = False):
+        """Final norm and lm_head: hidden [B, S, h] -> logits [B, S, V] float32 (and the normed hidden)."""
         h = self.model.norm(h)
         logits = self.lm_head(h).float()
         return (logits, h) if return_hidden else logits
