@@ -90,9 +90,10 @@ def _check_samples(samples: Sequence[Sequence[int]], vocab: int) -> None:
 
 @torch.no_grad()
 def collect_stats(model: DeepseekV3ForCausalLM, samples: Sequence[Sequence[int]], recipe: Recipe,
-                  layers: Optional[Iterable[int]] = None) -> Stats:
+                  layers: Optional[Iterable[int]] = None, progress: bool = False) -> Stats:
     """Statistics of every W8A8-static linear input and FA3 attention of ``layers`` (default: all main
-    layers, plus the MTP layer(s) when ``recipe.quantize_mtp``), each sample run alone."""
+    layers, plus the MTP layer(s) when ``recipe.quantize_mtp``), each sample run alone. ``progress``
+    shows a progress bar over the samples."""
     cfg = model.config
     recipe.check_config(cfg)
     have_mtp = len(model.mtp_layers) > 0
@@ -116,7 +117,7 @@ def collect_stats(model: DeepseekV3ForCausalLM, samples: Sequence[Sequence[int]]
                 elif kind == FAQUANT and prefix.endswith(".fa_q"):
                     attn = prefix[: -len(".fa_q")]
                     stack.enter_context(_observe_attention(col, modules[attn], attn + ".", recipe))
-        for s in samples:
+        for s in _maybe_progress(samples, progress):
             ids = torch.tensor([list(s)], dtype=torch.long, device=device)
             _, hidden = model(ids, return_hidden=True)
             for depth in range(len(model.mtp_layers) if run_mtp else 0):
@@ -125,3 +126,11 @@ def collect_stats(model: DeepseekV3ForCausalLM, samples: Sequence[Sequence[int]]
                 # depth d predicts token t+d+2 from the previous depth's hidden at t and token t+d+1
                 _, hidden = model.mtp(hidden[:, :-1], ids[:, depth + 1:], depth=depth)
     return col.stats()
+
+
+def _maybe_progress(samples: Sequence[Sequence[int]], enabled: bool):
+    if not enabled:
+        return samples
+    from tqdm import tqdm
+
+    return tqdm(samples, desc="calibrate", unit="sample")

@@ -86,7 +86,7 @@ def calibrate(src: str, recipe: Recipe, opts: QuantizeOptions) -> tuple[Stats, O
     samples = calibration_samples(src, opts, cfg.max_position_embeddings)
     model, smooth_stats = prepare_float_model(src, recipe, samples, opts)
     with torch.inference_mode():
-        stats = collect_stats(model, samples, recipe)
+        stats = collect_stats(model, samples, recipe, progress=opts.progress)
     return stats, smooth_stats
 
 
