@@ -9,6 +9,8 @@ from __future__ import annotations
 from pipeline.config import DeepseekV3Config
 
 GLOBAL_PREFIX = "model."
+# Modules only the MTP layer has, relative to its prefix (each holds one ``.weight``).
+MTP_ONLY_MODULES = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head")
 
 
 def layer_prefix(layer_id: int) -> str:
@@ -59,12 +61,9 @@ def layer_shapes(cfg: DeepseekV3Config, layer_id: int) -> dict[str, tuple]:
     else:
         out.update(_mlp(f"{p}mlp.", h, cfg.intermediate_size))
     if layer_id >= cfg.num_hidden_layers:  # MTP
-        out[f"{p}embed_tokens.weight"] = (cfg.vocab_size, h)
-        out[f"{p}enorm.weight"] = (h,)
-        out[f"{p}hnorm.weight"] = (h,)
-        out[f"{p}eh_proj.weight"] = (h, 2 * h)
-        out[f"{p}shared_head.norm.weight"] = (h,)
-        out[f"{p}shared_head.head.weight"] = (cfg.vocab_size, h)
+        mtp_shapes = {"embed_tokens": (cfg.vocab_size, h), "enorm": (h,), "hnorm": (h,), "eh_proj": (h, 2 * h),
+                      "shared_head.norm": (h,), "shared_head.head": (cfg.vocab_size, h)}
+        out.update({f"{p}{m}.weight": mtp_shapes[m] for m in MTP_ONLY_MODULES})
     return out
 
 

@@ -36,7 +36,7 @@ from pipeline.quant.qparams import (
 from pipeline.quant.recipe import FAQUANT, FLOAT, W8A8, W8A8_DYNAMIC, Recipe
 from pipeline.safetensors_io import DTYPE_NAMES, TensorSpec
 
-MTP_ONLY = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head")
+MTP_ONLY = layout.MTP_ONLY_MODULES
 QUANT_TYPE_KEY = LAYER_ENTRY_SUFFIX[1:]          # "self_attn.quant_type"
 QUANT_TYPE_INT8 = LAYER_QUANT_TYPE
 

@@ -41,7 +41,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
-from pipeline import storage
+from pipeline import layout, storage
 from pipeline.checkpoint import CONFIG_NAME
 from pipeline.quant.checker_rules import MD_NAMES, check_tensors, is_fa_module, split_name
 from pipeline.quant.description import (
@@ -52,8 +52,7 @@ from pipeline.safetensors_io import DTYPE_NAMES, SafetensorsWriter, TensorSpec, 
 
 SHARD_BYTES = 4 * 1024**3  # msModelSlim's part_file_size
 COPIED_NAMES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "generation_config.json")
-_MTP_ONLY = re.compile(r"model\.layers\.\d+\.(enorm|hnorm|eh_proj|shared_head\.norm|shared_head\.head|embed_tokens)"
-                       r"\.weight")
+_MTP_ONLY = re.compile(r"model\.layers\.\d+\.(" + "|".join(map(re.escape, layout.MTP_ONLY_MODULES)) + r")\.weight")
 _PART = re.compile(r"\..*\.part-[0-9a-f]+-\d{5}\.safetensors(\.tmp-.*)?")
 
 DtypeLike = Union[str, torch.dtype]
