@@ -16,9 +16,9 @@ stage cost (exact: binary search over the O(n^2) contiguous sums with a greedy f
 among those the one that maximizes the smallest stage cost (an exact DP), so no stage is left nearly idle
 (:mod:`pipeline.plan_partition`).
 
-Output shards: each stage packs its units' output tensors in order (:func:`_pack_shards`, the writer's rule:
-close a shard before a tensor would take it past ``shard_bytes``), so a shard never spans two stages and
-every shard's final name (``-0000i-of-0000N``, N over the whole job) is known before anything runs.
+Output shards: the writer's rule (:mod:`pipeline.quant.shard_layout`: the globals, then each layer, a shard
+never spanning two of them), so a shard never spans two stages and every shard's final name
+(``-0000i-of-0000N``, N over the whole job) is known before anything runs; the globals' shards go to stage 0.
 
 Per-actor estimates (each of the ``replicas`` copies of a stage is one actor):
 
@@ -49,6 +49,7 @@ from pipeline.plan_costs import EMBED, HEAD, MD_NAMES, LayerCost, unit_costs
 from pipeline.plan_partition import PlanError, atoms_of, partition, stage_units, unit_cost_shares
 from pipeline.quant.description import NAMING
 from pipeline.quant.recipe import Recipe
+from pipeline.quant.shard_layout import split_sizes
 from pipeline.safetensors_io import itemsize
 
 __all__ = ["Plan", "PlanError", "PlanParams", "ShardPlan", "StagePlan", "WorkerPlan", "plan", "make_plan",
@@ -242,22 +243,22 @@ class Plan:
         check_resources(self, available)
 
 
-def _pack_shards(stage: int, units: Sequence[LayerCost], outputs: Mapping[str, list[tuple[str, int]]],
+def _pack_shards(groups: Sequence[Sequence[LayerCost]], outputs: Mapping[str, list[tuple[str, int]]],
                  shard_bytes: int) -> list[dict]:
-    """Greedy in write order, as the writer does: a shard is closed before a tensor would take it past
-    ``shard_bytes`` (a tensor larger than that gets a shard of its own)."""
+    """The output's shards in file order, by the rule of :mod:`pipeline.quant.shard_layout`: the globals
+    (``embed`` then ``head``'s tensors, on the stage that runs embed), then each layer, a shard never
+    spanning two of these units."""
+    stage_of = {u.unit: si for si, g in enumerate(groups) for u in g}
+    units = [((EMBED, HEAD), outputs[EMBED] + outputs[HEAD])]
+    units += [((u.unit,), outputs[u.unit]) for g in groups for u in g if u.unit not in (EMBED, HEAD)]
     shards: list[dict] = []
-    cur: Optional[dict] = None
-    for u in units:
-        for name, nbytes in outputs[u.unit]:
-            if cur is None or (cur["nbytes"] and cur["nbytes"] + nbytes > shard_bytes):
-                cur = {"stage": stage, "units": [], "first": name, "last": name, "nbytes": 0, "tensors": 0}
-                shards.append(cur)
-            if not cur["units"] or cur["units"][-1] != u.unit:
-                cur["units"].append(u.unit)
-            cur["last"] = name
-            cur["nbytes"] += nbytes
-            cur["tensors"] += 1
+    for names, outs in units:
+        k = 0
+        for c in split_sizes([n for _, n in outs], shard_bytes):
+            part = outs[k:k + c]
+            k += c
+            shards.append({"stage": stage_of[names[0]], "units": list(names), "first": part[0][0],
+                           "last": part[-1][0], "nbytes": sum(n for _, n in part), "tensors": c})
     return shards
 
 
@@ -285,7 +286,7 @@ def make_plan(model: str, units: Sequence[LayerCost], outputs: Mapping[str, list
     """The plan from unit costs (see :func:`plan`)."""
     p = params
     groups = stage_units(units, p.stages, p.bytes_weight)
-    packed = [sh for si, g in enumerate(groups) for sh in _pack_shards(si, g, outputs, p.shard_bytes)]
+    packed = _pack_shards(groups, outputs, p.shard_bytes)
     names = NAMING[p.dialect].file_names(len(packed))
     shards = tuple(ShardPlan(index=i, name=names[i], stage=d["stage"], units=tuple(d["units"]), first=d["first"],
                              last=d["last"], nbytes=d["nbytes"], tensors=d["tensors"]) for i, d in enumerate(packed))

@@ -112,8 +112,10 @@ def test_stages_are_contiguous_balanced_and_own_their_shards(v3_reader, stages):
     for s in pl.stages:
         mine = [sh for sh in pl.shards if sh.stage == s.index]
         assert [sh.index for sh in mine] == list(s.shards) and s.shards == tuple(range(s.shards[0], s.shards[-1] + 1))
-        assert all(set(sh.units) <= set(s.units) for sh in mine)
-        assert sum(sh.nbytes for sh in mine) == s.output_bytes
+        assert all(set(sh.units) <= set(s.units) or (s.index == 0 and sh.units == ("embed", "head")) for sh in mine)
+    assert sum(sh.nbytes for sh in pl.shards) == sum(s.output_bytes for s in pl.stages)
+    assert all(sh.units == ("embed", "head") for sh in pl.shards[:1])  # the globals first, on stage 0
+    assert all(len(sh.units) == 1 for sh in pl.shards[1:])  # then one unit per shard
     assert all(sh.nbytes <= pl.params.shard_bytes for sh in pl.shards)
     assert pl.shards[0].name == f"quant_model_weight_w8a8-00001-of-{len(pl.shards):05d}.safetensors"
     assert pl.stages[0].peak_memory > pl.stages[0].float_bytes  # resident: the stage's weights dequantized
@@ -152,6 +154,20 @@ def test_output_bytes_equal_what_msmodelslim_and_our_quantizer_write(tmp_path):
         written.update({n: t.end - t.start for n, t in read_header(str(f)).tensors.items()})
     _, outs = unit_costs(reader, Recipe(), 64)
     assert {n: b for u in outs.values() for n, b in u} == written
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_planned_shards_are_the_files_the_writer_lays_out(stages):
+    """The planner's shards (names, first/last tensor, bytes, count) are the single-process writer's layout
+    (shard_layout.checkpoint_shards), whatever the number of stages."""
+    from pipeline.quant.shard_layout import checkpoint_shards
+
+    reader = CheckpointReader(str(TINY_FIXTURE))
+    pl = plan(reader, stages, shard_bytes=150_000, seq_len=64)
+    real = checkpoint_shards(reader, Recipe(), 150_000)
+    assert len(real) > 5
+    assert [(s.name, s.first, s.last, s.nbytes, s.tensors) for s in pl.shards] == \
+        [(s.name, s.specs[0].name, s.specs[-1].name, s.nbytes, len(s.specs)) for s in real]
 
 
 def test_refusal_names_the_stage_and_what_to_change(v3_reader):

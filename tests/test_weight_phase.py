@@ -236,7 +236,7 @@ def test_a_failing_background_read_surfaces_and_leaves_no_thread(tmp_path, sourc
 def test_planned_writer_holds_nothing_and_refuses_the_unplanned(tmp_path):
     a = {"model.norm.weight": torch.ones(64, dtype=torch.bfloat16)}
     b = {"model.embed_tokens.weight": torch.zeros(8, 64, dtype=torch.bfloat16)}
-    specs = [TensorSpec.of(n, t) for d in (a, b) for n, t in d.items()]
+    specs = [[TensorSpec.of(n, t) for n, t in d.items()] for d in (a, b)]  # two units
     w = QuantizedWriter(str(tmp_path / "q"), "seed", model_dtype=torch.bfloat16, shard_bytes=150)
     w.plan(specs)
     with pytest.raises(RuntimeError, match="plan\\(\\) must come once"):
@@ -257,7 +257,7 @@ def test_planned_writer_holds_nothing_and_refuses_the_unplanned(tmp_path):
 def test_abort_removes_the_part_being_written(tmp_path):
     t = {f"model.layers.0.mlp.experts.{k}.up_proj.weight": torch.zeros(4, 4, dtype=torch.bfloat16) for k in range(3)}
     w = QuantizedWriter(str(tmp_path / "q"), "seed", model_dtype=torch.bfloat16)
-    w.plan([TensorSpec.of(n, v) for n, v in t.items()])
+    w.plan([[TensorSpec.of(n, v) for n, v in t.items()]])
     w.add({n: t[n] for n in list(t)[:1]}, dict.fromkeys(list(t)[:1], "FLOAT"))
     assert [p.name for p in (tmp_path / "q").iterdir() if ".tmp-" in p.name]  # the shard is open
     w.abort()

@@ -13,7 +13,7 @@ import torch
 
 from pipeline import layout, storage
 from pipeline.config import DeepseekV3Config
-from pipeline.quant import writer as writer_mod
+from pipeline import safetensors_io as writer_mod  # SafetensorsWriter, patched below
 from pipeline.quant.checker import check_dir
 from pipeline.quant.description import (
     ASCEND_V1, DESCRIPTION_NAME, MANIFEST_NAME, NAMING, SEED, build_description, detect_dialect, encode_description,
@@ -78,10 +78,15 @@ def synthetic_model(md: torch.dtype = torch.bfloat16, seed: int = 0) -> list[tup
     return units
 
 
-def write_model(dst: str, dialect: str, shard_bytes: int = SMALL_SHARD, md=torch.bfloat16, **finish) -> dict:
+def write_model(dst: str, dialect: str, shard_bytes: int = SMALL_SHARD, md=torch.bfloat16, one_unit: bool = False,
+                **finish) -> dict:
+    """The synthetic model through a QuantizedWriter, one add() per layer (``one_unit``: all in one)."""
     config = {**_cfg_dict(), "torch_dtype": str(md).removeprefix("torch.")}
+    units = synthetic_model(md)
+    if one_unit:
+        units = [({n: t for ts, _ in units for n, t in ts.items()}, {n: y for _, ys in units for n, y in ys.items()})]
     with QuantizedWriter(dst, dialect, model_dtype=md, shard_bytes=shard_bytes) as w:
-        for tensors, types in synthetic_model(md):
+        for tensors, types in units:
             w.add(tensors, types)
         return w.finish(config, str(TINY_FIXTURE), **finish)
 
@@ -128,11 +133,20 @@ def test_sharded_output_is_complete_and_passes_the_checker(tmp_path, dialect):
     assert (tmp_path / "tokenizer.json").read_bytes() == (TINY_FIXTURE / "tokenizer.json").read_bytes()
 
 
+def test_a_shard_never_spans_two_units(tmp_path):
+    """Shards close at every add(): 5 units (4 layers, globals) under a limit that would hold them all."""
+    write_model(str(tmp_path), SEED, shard_bytes=2**30)
+    index = json.loads((tmp_path / NAMING[SEED].index_name).read_text())["weight_map"]
+    unit_of = {n: n.split(".")[2] if n.startswith("model.layers.") else "globals" for n in index}
+    files = {f: {unit_of[n] for n, g in index.items() if g == f} for f in set(index.values())}
+    assert len(files) == 5 and all(len(units) == 1 for units in files.values())
+
+
 def test_one_shard_names(tmp_path):
-    write_model(str(tmp_path / "s"), SEED, shard_bytes=2**30)
+    write_model(str(tmp_path / "s"), SEED, shard_bytes=2**30, one_unit=True)
     assert {f for f in _names(tmp_path / "s") if "quant_model" in f} == {
         "quant_model_weight_w8a8.safetensors", DESCRIPTION_NAME}  # seed: one file, no index
-    write_model(str(tmp_path / "v"), ASCEND_V1, shard_bytes=2**30)
+    write_model(str(tmp_path / "v"), ASCEND_V1, shard_bytes=2**30, one_unit=True)
     assert {f for f in _names(tmp_path / "v") if "quant_model" in f} == {  # ascendV1: as the fixture
         "quant_model_weights-00001-of-00001.safetensors", "quant_model_weights.safetensors.index.json",
         DESCRIPTION_NAME}
@@ -166,7 +180,7 @@ def test_ascend_v1_form_input_gives_the_same_output(tmp_path):
 
 
 def test_fp16_deq_scale_is_int64(tmp_path):
-    write_model(str(tmp_path), SEED, shard_bytes=2**30, md=torch.float16)
+    write_model(str(tmp_path), SEED, shard_bytes=2**30, md=torch.float16, one_unit=True)
     header = read_header(str(tmp_path / "quant_model_weight_w8a8.safetensors"))
     assert header.tensors["model.layers.0.self_attn.o_proj.deq_scale"].dtype == "I64"
     assert header.tensors["model.layers.0.self_attn.o_proj.input_scale"].dtype == "F16"
@@ -187,7 +201,7 @@ def test_memory_url():
 
 def test_our_seed_output_fails_ascend_v1_rules(tmp_path):
     """The checker holds our output to the other dialect's rules too, naming the differences."""
-    write_model(str(tmp_path), SEED, shard_bytes=2**30)
+    write_model(str(tmp_path), SEED, shard_bytes=2**30, one_unit=True)
     report = check_dir(str(tmp_path), dialect=ASCEND_V1)
     find(report, "siblings", "model.layers.0.self_attn.o_proj", "unexpected weight_scale, weight_offset .*ascendV1 "
                                                                   "writes no weight_scale")

@@ -32,8 +32,9 @@ from pipeline.loading import load_model
 from pipeline.quant.calib_data import load_texts, tokenize
 from pipeline.quant.calibrate import collect_stats
 from pipeline.quant.observers import Stats
-from pipeline.quant.quantize_layer import layer_output_specs, model_dtype, quantize_globals, quantize_layer
+from pipeline.quant.quantize_layer import model_dtype, quantize_globals, quantize_layer
 from pipeline.quant.recipe import Recipe
+from pipeline.quant.shard_layout import output_units
 from pipeline.quant.smooth import ChannelAbsMax, apply_smoothing, collect_smoothing_stats, smooth_layer
 from pipeline.quant.writer import QuantizedWriter
 from pipeline.safetensors_io import TensorSpec
@@ -117,11 +118,7 @@ def quantize_checkpoint(src: str, dst: str, recipe: Recipe, opts: QuantizeOption
 
 def output_specs(reader: CheckpointReader, recipe: Recipe) -> list[TensorSpec]:
     """Every tensor :func:`quantize_weights` writes, in order, from the source's headers alone."""
-    cfg = reader.config
-    specs = layer_output_specs(cfg, None, reader.read_specs(None), recipe)
-    for i in layout.all_layer_ids(cfg):
-        specs += layer_output_specs(cfg, i, reader.read_specs(i), recipe)
-    return specs
+    return [s for _, specs in output_units(reader, recipe) for s in specs]
 
 
 def quantize_weights(reader: CheckpointReader, writer: QuantizedWriter, stats: Stats, recipe: Recipe,
@@ -132,7 +129,7 @@ def quantize_weights(reader: CheckpointReader, writer: QuantizedWriter, stats: S
     tensor first, so it writes each one as it comes. With ``prefetch``, layer i+1 is read and
     dequantized in a background thread while layer i is quantized and written (module doc)."""
     cfg = reader.config
-    writer.plan(output_specs(reader, recipe))
+    writer.plan([specs for _, specs in output_units(reader, recipe)])
     writer.add(*quantize_globals(cfg, reader.read_globals(), recipe))
 
     def load(i: int) -> dict[str, torch.Tensor]:

@@ -13,45 +13,43 @@ dtype, weight_scale/weight_offset on static layers too) and converts it to the w
 MTP-only FLOAT tensors float32, the router bias in the model dtype), then checks it with the checker's
 per-tensor rules before anything is written.
 
-Sharding and commit. Tensors go into shards in ``add`` order, a shard closing as soon as the next tensor
-would take it past ``shard_bytes`` of tensor data, so a shard passes the limit only when one tensor alone
-does. A safetensors header precedes the data, so a shard can be written once its tensors are known:
-declared up front with :meth:`QuantizedWriter.plan` (each tensor's name, dtype and shape, in order;
-``quantize_layer.layer_output_specs`` computes them from the config and the recipe), shards are laid out
-at once and ``add`` writes every tensor straight out, holding none; without a plan ``add`` queues the
-tensors handed to it (references: do not modify them afterwards), up to one shard's worth. Both write the
-same files. The number of shards, and so every final name (``-00001-of-0000N``), is known only at the end,
-so each complete shard is first committed under a hidden part name (``.<stem>.part-<run>-00001
-.safetensors``) and ``finish`` renames the parts to their final names. ``finish`` then writes config.json,
-copies the tokenizer files, generation_config.json and ``*.py`` from the source, writes ``manifest.json``
-(every file's size and sha256, computed while writing, plus the caller's ``job`` info), and last the
-index and ``quant_model_description.json``: a directory with a description is complete, and a crash at
+Sharding and commit (:mod:`pipeline.quant.shard_layout`). Each ``add`` is one unit (the globals or a
+layer); a shard never spans two units, and within a unit a shard closes as soon as the next tensor would
+take it past ``shard_bytes`` of tensor data. A safetensors header precedes the data, so a shard can be
+written once its tensors are known: declared up front with :meth:`QuantizedWriter.plan` (each unit's
+tensors' names, dtypes and shapes, in order; ``shard_layout.output_units`` computes them from the headers
+and the recipe), shards are laid out at once and ``add`` writes every tensor straight out, holding none;
+without a plan ``add`` queues a unit's tensors (references: do not modify them afterwards) and writes them
+at its end. Both write the same files, and the distributed job writes the same again. Each complete shard
+is first committed under a hidden part name (``.<stem>.part-<run>-00001.safetensors``) and ``finish``
+renames the parts to their final names (``-00001-of-0000N``) and writes the other files with
+:func:`pipeline.quant.output_files.finalize`: config.json, copies of the tokenizer files,
+generation_config.json and ``*.py`` from the source, ``manifest.json`` (every file's size and sha256,
+computed while writing, plus the caller's ``job`` info), and last the index and
+``quant_model_description.json``: a directory with a description is complete, and a crash at
 any point before leaves none. On an exception inside ``with``, everything this writer wrote is removed.
 """
 
 from __future__ import annotations
 
-import copy
-import hashlib
-import json
+import dataclasses
 import re
 import uuid
-from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Container, Mapping, Optional, Sequence, Union
 
 import torch
 
 from pipeline import layout, storage
-from pipeline.checkpoint import CONFIG_NAME
 from pipeline.quant.checker_rules import MD_NAMES, check_tensors, is_fa_module, split_name
 from pipeline.quant.description import (
-    ASCEND_V1, DESCRIPTION_NAME, FA_QUANT_TYPE, FAQUANT, FLOAT, LAYER_ENTRY_SUFFIX, LAYER_QUANT_TYPE, MANIFEST_NAME,
-    NAMING, SEED, TENSOR_TYPES, W8A8, W8A8_DYNAMIC, build_description, check_dialect, encode_description, model_quant_type,
+    ASCEND_V1, DESCRIPTION_NAME, FLOAT, LAYER_ENTRY_SUFFIX, LAYER_QUANT_TYPE, MANIFEST_NAME, NAMING, SEED,
+    TENSOR_TYPES, W8A8, W8A8_DYNAMIC, check_dialect,
 )
-from pipeline.safetensors_io import DTYPE_NAMES, SafetensorsWriter, TensorSpec, encode_header
+from pipeline.quant.output_files import ShardFile, ShardRecord, build_config, finalize  # noqa: F401 (re-export)
+from pipeline.quant.shard_layout import split_unit
+from pipeline.safetensors_io import DTYPE_NAMES, TensorSpec
 
 SHARD_BYTES = 4 * 1024**3  # msModelSlim's part_file_size
-COPIED_NAMES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "generation_config.json")
 _MTP_ONLY = re.compile(r"model\.layers\.\d+\.(" + "|".join(map(re.escape, layout.MTP_ONLY_MODULES)) + r")\.weight")
 _PART = re.compile(r"\..*\.part-[0-9a-f]+-\d{5}\.safetensors(\.tmp-.*)?")
 
@@ -94,74 +92,6 @@ def to_dialect(tensors: Mapping[str, torch.Tensor], types: Mapping[str, str], di
     return out_t, out_y
 
 
-def build_config(config: Mapping[str, Any], types: Mapping[str, str], mindie_format: bool = False) -> dict:
-    """config.json of the output: the source's, without its ``quantization_config`` (the FP8 one of the
-    release: the output holds no FP8 tensor; msModelSlim drops any), and with ``mindie_format`` also
-    ``quantize`` (the seed model_quant_type, lower case: "w8a8_dynamic" for the DeepSeek mix),
-    ``mla_quantize`` (the attention linears' type: "w8a8" in the mix), ``quantization_config``
-    {"fa_quant_type": "FAKQuant"} when FA3 is on, and ``model_type`` "deepseekv2"."""
-    out = copy.deepcopy(dict(config))
-    out.pop("quantization_config", None)
-    if mindie_format:
-        out["quantize"] = model_quant_type(types.values(), SEED).lower()
-        attn = [t for n, t in types.items() if ".self_attn." in n and n.endswith(".weight") and t in (W8A8, W8A8_DYNAMIC)]
-        out["mla_quantize"] = (attn[0] if attn else W8A8).lower()
-        if FAQUANT in types.values():
-            out["quantization_config"] = {"fa_quant_type": FA_QUANT_TYPE}
-        out["model_type"] = "deepseekv2"
-    return out
-
-
-def _json_bytes(obj: Any, indent: int) -> bytes:
-    return json.dumps(obj, indent=indent).encode("utf-8")
-
-
-def _file_entry(data: bytes) -> dict:
-    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-
-
-
-@dataclass(frozen=True)
-class _Part:
-    path: str
-    names: tuple[str, ...]
-    nbytes: int  # tensor data bytes
-    size: int  # file bytes
-    sha256: str
-
-
-class _PartWriter:
-    """One shard being written under its part name, its sha256 computed along."""
-
-    def __init__(self, path: str, specs: Sequence[TensorSpec]):
-        self.path, self.specs = path, list(specs)
-        header = encode_header(self.specs)
-        self._digest = hashlib.sha256(header)
-        self._size = len(header) + sum(s.nbytes for s in self.specs)
-        self._file = SafetensorsWriter(path, self.specs)
-        self._file.__enter__()
-
-    def write(self, name: str, t: torch.Tensor) -> None:
-        t = t.detach().to("cpu").contiguous()
-        if t.numel():
-            self._digest.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-        self._file.write(name, t)
-
-    def close(self) -> _Part:
-        """Commit the part (every tensor written) under its part name."""
-        self._file.__exit__(None, None, None)
-        nbytes = sum(s.nbytes for s in self.specs)
-        return _Part(self.path, tuple(s.name for s in self.specs), nbytes, self._size, self._digest.hexdigest())
-
-    def discard(self) -> None:
-        """Drop the part: its temporary file is removed (best effort)."""
-        try:
-            self._file.__exit__(RuntimeError, RuntimeError("part discarded"), None)
-        except Exception:
-            pass
-
-
 class QuantizedWriter:
     """Streams a quantized checkpoint into ``dst`` (a local path or fsspec URL); see the module doc."""
 
@@ -180,8 +110,8 @@ class QuantizedWriter:
         self._pending_bytes = 0
         self._planned: Optional[list[TensorSpec]] = None  # plan(): every tensor, in order
         self._shard_ends: list[int] = []  # plan(): the index in _planned just past each shard
-        self._part: Optional[_PartWriter] = None  # the part being written
-        self._parts: list[_Part] = []
+        self._part: Optional[ShardFile] = None  # the part being written
+        self._parts: list[ShardRecord] = []
         self._written: list[str] = []  # every path this writer created, for abort()
         self._state = "open"
         self._prepare(overwrite)
@@ -230,57 +160,31 @@ class QuantizedWriter:
             raise RuntimeError(f"{self.dst}: writer is {self._state}; start a new QuantizedWriter")
 
     # ----- writing -----------------------------------------------------------------------------------
-    def plan(self, specs: Sequence[TensorSpec]) -> None:
-        """Declare every tensor ``add`` will get, in order, as this dialect stores it: shards are laid out
-        now and ``add`` writes each tensor as it comes (module doc). Only before the first ``add``."""
+    def plan(self, units: Sequence[Sequence[TensorSpec]]) -> None:
+        """Declare every tensor ``add`` will get, unit by unit (each unit one ``add``), in order, as this
+        dialect stores them: shards are laid out now (:mod:`pipeline.quant.shard_layout`) and ``add``
+        writes each tensor as it comes (module doc). Only before the first ``add``."""
         self._require_open()
         if self._planned is not None or self._types:
             raise RuntimeError(f"{self.dst}: plan() must come once, before the first add()")
-        names = [s.name for s in specs]
+        flat = [s for unit in units for s in unit]
+        names = [s.name for s in flat]
         if len(set(names)) != len(names):
             raise ValueError(f"planned tensors repeat names: {sorted({n for n in names if names.count(n) > 1})[:5]}")
-        self._planned, self._shard_ends, size = list(specs), [], 0
-        for i, spec in enumerate(self._planned):
-            if i and size + spec.nbytes > self.shard_bytes:
-                self._shard_ends.append(i)
-                size = 0
-            size += spec.nbytes
-        self._shard_ends.append(len(self._planned))
+        self._planned, self._shard_ends = flat, []
+        for unit in units:
+            for shard in split_unit(unit, self.shard_bytes):
+                self._shard_ends.append((self._shard_ends[-1] if self._shard_ends else 0) + len(shard))
 
     def add(self, tensors: Mapping[str, torch.Tensor], types: Mapping[str, str]) -> None:
-        """Write (without a plan: queue) one layer or the global tensors: whole modules, every tensor with
-        its type, in either dialect's form. ascendV1's per-layer ``self_attn.quant_type: "INT8"`` entries
-        may be in ``types``: they are checked and dropped, as the description derives them from the FA3
-        tensors. Raises
-        ValueError naming the tensors for a mismatch of names, a repeated name, a broken format rule, or a
-        tensor that is not the next one planned; nothing is written then."""
+        """Write (without a plan: queue) one unit, a layer or the global tensors: whole modules, every
+        tensor with its type, in either dialect's form (:func:`prepare_unit`). Raises ValueError naming the
+        tensors for a mismatch of names, a repeated name, a broken format rule, or a tensor that is not
+        the next one planned; nothing is written then."""
         self._require_open()
-        entries = {n: t for n, t in types.items() if n.endswith(LAYER_ENTRY_SUFFIX) and n not in tensors}
-        if any(t != LAYER_QUANT_TYPE for t in entries.values()):
-            raise ValueError(f"per-layer entries {entries} must be {LAYER_QUANT_TYPE!r}")
-        types = {n: t for n, t in types.items() if n not in entries}
-        if set(tensors) != set(types):
-            raise ValueError(f"tensors without a type: {sorted(set(tensors) - set(types))[:5]}; "
-                             f"types without a tensor: {sorted(set(types) - set(tensors))[:5]}")
-        repeated = [n for n in tensors if n in self._types]
-        if repeated:
-            raise ValueError(f"tensors already added: {repeated[:5]}")
-        unknown = {n: t for n, t in types.items() if t not in TENSOR_TYPES}
-        if unknown:
-            raise ValueError(f"unknown types {dict(list(unknown.items())[:5])} (known: {TENSOR_TYPES})")
-        conv, conv_types = to_dialect(tensors, types, self.dialect, self.model_dtype)
-        specs = {n: TensorSpec.of(n, t) for n, t in conv.items()}
-        broken = check_tensors(specs, conv_types, self.dialect, DTYPE_NAMES[self.model_dtype])
-        if broken:
-            raise ValueError(f"{len(broken)} format violations in the {self.dialect} dialect: "
-                             + "; ".join(str(v) for v in broken[:5]))
+        conv, conv_types, specs = prepare_unit(tensors, types, self.dialect, self.model_dtype, self._types)
         if self._planned is not None:
-            for k, got in enumerate(specs.values(), start=len(self._types)):
-                want = self._planned[k] if k < len(self._planned) else None
-                if got != want:
-                    raise ValueError(f"tensor {got.name!r} {got.dtype} {list(got.shape)} is not the next planned "
-                                     "one: " + (f"{want.name!r} {want.dtype} {list(want.shape)}" if want else
-                                                "all were added"))
+            check_next(list(specs.values()), self._planned, len(self._types))
         try:
             for name, t in conv.items():
                 if self._planned is not None:
@@ -292,6 +196,7 @@ class QuantizedWriter:
                     self._pending.append((name, t))
                     self._pending_bytes += nbytes
                 self._types[name] = conv_types[name]
+            self._flush()  # a shard never spans two units
         except BaseException:
             self._state = "failed"
             self._discard_part()
@@ -305,8 +210,8 @@ class QuantizedWriter:
         after its last tensor."""
         k, i = len(self._parts), len(self._types)  # the shard, the tensor's index in the plan
         if self._part is None:
-            self._part = _PartWriter(self._part_path(), self._planned[self._shard_ends[k - 1] if k else 0:
-                                                                      self._shard_ends[k]])
+            self._part = ShardFile(self._part_path(), self._planned[self._shard_ends[k - 1] if k else 0:
+                                                                    self._shard_ends[k]])
         self._part.write(name, t)
         if i + 1 == self._shard_ends[k]:
             self._parts.append(self._part.close())
@@ -321,18 +226,12 @@ class QuantizedWriter:
         """Write the queued tensors as the next part."""
         if not self._pending:
             return
-        self._part = _PartWriter(self._part_path(), [TensorSpec.of(n, t) for n, t in self._pending])
+        self._part = ShardFile(self._part_path(), [TensorSpec.of(n, t) for n, t in self._pending])
         for name, t in self._pending:
             self._part.write(name, t)
         self._parts.append(self._part.close())
         self._part = None
         self._pending, self._pending_bytes = [], 0
-
-    def _put(self, name: str, data: bytes, files: dict[str, dict]) -> None:
-        path = storage.join(self.dst, name)
-        storage.write_bytes(path, data)
-        self._written.append(path)
-        files[name] = _file_entry(data)
 
     def finish(self, config: Mapping[str, Any], src_dir: Optional[str] = None, *, mindie_format: bool = False,
                job: Optional[Mapping[str, Any]] = None) -> dict:
@@ -340,12 +239,7 @@ class QuantizedWriter:
         ``config``: the source's config.json object; ``src_dir``: where to copy tokenizer files etc.
         from (None: nothing copied); ``job``: free-form JSON-able info recorded in the manifest."""
         self._require_open()
-        dtype = config.get("torch_dtype", config.get("dtype"))
-        if dtype is not None and MD_NAMES.get(dtype) != DTYPE_NAMES[self.model_dtype]:
-            raise ValueError(f"config.json says torch_dtype {dtype!r} but the tensors were written for "
-                             f"{self.model_dtype}; pass the config of the model that was quantized")
-        if src_dir is not None and src_dir.rstrip("/") == self.dst:
-            raise ValueError(f"{self.dst}: the destination must differ from the source")
+        check_finish_args(self.dst, config, src_dir, self.model_dtype)
         try:
             return self._finish(config, src_dir, mindie_format, job)
         except BaseException:
@@ -359,34 +253,65 @@ class QuantizedWriter:
             raise ValueError(f"{self.dst}: {len(missing)} planned tensors were never added: {missing[:5]}")
         if not self._parts:
             raise ValueError(f"{self.dst}: no tensors were added")
-        files: dict[str, dict] = {}
-        weight_map: dict[str, str] = {}
-        total = sum(p.nbytes for p in self._parts)
-        finals = self.naming.file_names(len(self._parts))
-        for part, final in zip(self._parts, finals):
-            storage.move(part.path, storage.join(self.dst, final))
-            self._written.append(storage.join(self.dst, final))
-            files[final] = {"size": part.size, "sha256": part.sha256}
-            weight_map.update(dict.fromkeys(part.names, final))
+        committed = []
+        for part, final in zip(self._parts, self.naming.file_names(len(self._parts))):
+            path = storage.join(self.dst, final)
+            storage.move(part.path, path)
+            self._written.append(path)
+            committed.append(dataclasses.replace(part, path=path))
         self._parts = []
-
-        self._put(CONFIG_NAME, _json_bytes(build_config(config, self._types, mindie_format), 2), files)
-        if src_dir is not None:
-            for entry in storage.listdir(src_dir):
-                if entry in COPIED_NAMES or (entry.endswith(".py") and not entry.startswith(".")):
-                    self._put(entry, storage.read_bytes(storage.join(src_dir, entry)), files)
-
-        index = None
-        if finals != [self.naming.single_name]:
-            index = _json_bytes({"metadata": {"total_size": total}, "weight_map": weight_map}, 2)
-            files[self.naming.index_name] = _file_entry(index)
-        desc = encode_description(build_description(self._types, FAQUANT in self._types.values(), self.dialect))
-        files[DESCRIPTION_NAME] = _file_entry(desc)
-        manifest = {"format": "msmodelslim W8A8 + FA3", "dialect": self.dialect, "tensors": len(self._types),
-                    "total_size": total, "files": dict(sorted(files.items())), "job": dict(job or {})}
-        self._put(MANIFEST_NAME, _json_bytes(manifest, 2), {})
-        if index is not None:
-            self._put(self.naming.index_name, index, {})
-        self._put(DESCRIPTION_NAME, desc, {})  # last: the directory is complete from here on
+        manifest = finalize(self.dst, self.dialect, committed, self._types, config, src_dir,
+                            mindie_format=mindie_format, job=job, wrote=self._written.append)
         self._state = "finished"
         return manifest
+
+
+def prepare_unit(tensors: Mapping[str, torch.Tensor], types: Mapping[str, str], dialect: str,
+                 model_dtype: DtypeLike, added: Container[str] = ()
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, TensorSpec]]:
+    """One unit (the globals or a layer) checked and converted to ``dialect``: (tensors, types, specs).
+    ascendV1's per-layer ``self_attn.quant_type: "INT8"`` entries may be in ``types``: they are checked
+    and dropped, as the description derives them from the FA3 tensors. ``added``: names already written.
+    Raises ValueError naming the tensors for a mismatch of names, a repeated name, an unknown type or a
+    broken format rule."""
+    entries = {n: t for n, t in types.items() if n.endswith(LAYER_ENTRY_SUFFIX) and n not in tensors}
+    if any(t != LAYER_QUANT_TYPE for t in entries.values()):
+        raise ValueError(f"per-layer entries {entries} must be {LAYER_QUANT_TYPE!r}")
+    types = {n: t for n, t in types.items() if n not in entries}
+    if set(tensors) != set(types):
+        raise ValueError(f"tensors without a type: {sorted(set(tensors) - set(types))[:5]}; "
+                         f"types without a tensor: {sorted(set(types) - set(tensors))[:5]}")
+    repeated = [n for n in tensors if n in added]
+    if repeated:
+        raise ValueError(f"tensors already added: {repeated[:5]}")
+    unknown = {n: t for n, t in types.items() if t not in TENSOR_TYPES}
+    if unknown:
+        raise ValueError(f"unknown types {dict(list(unknown.items())[:5])} (known: {TENSOR_TYPES})")
+    md = _torch_dtype(model_dtype)
+    conv, conv_types = to_dialect(tensors, types, dialect, md)
+    specs = {n: TensorSpec.of(n, t) for n, t in conv.items()}
+    broken = check_tensors(specs, conv_types, dialect, DTYPE_NAMES[md])
+    if broken:
+        raise ValueError(f"{len(broken)} format violations in the {dialect} dialect: "
+                         + "; ".join(str(v) for v in broken[:5]))
+    return conv, conv_types, specs
+
+
+def check_next(got: Sequence[TensorSpec], planned: Sequence[TensorSpec], start: int) -> None:
+    """``got`` must be ``planned[start:start + len(got)]``; else ValueError naming the first difference."""
+    for k, g in enumerate(got, start=start):
+        want = planned[k] if k < len(planned) else None
+        if g != want:
+            raise ValueError(f"tensor {g.name!r} {g.dtype} {list(g.shape)} is not the next planned one: "
+                             + (f"{want.name!r} {want.dtype} {list(want.shape)}" if want else "all were added"))
+
+
+def check_finish_args(dst: str, config: Mapping[str, Any], src_dir: Optional[str], model_dtype: DtypeLike) -> None:
+    """The source config must be the quantized model's (its dtype) and the source must not be ``dst``."""
+    md = _torch_dtype(model_dtype)
+    dtype = config.get("torch_dtype", config.get("dtype"))
+    if dtype is not None and MD_NAMES.get(dtype) != DTYPE_NAMES[md]:
+        raise ValueError(f"config.json says torch_dtype {dtype!r} but the tensors were written for "
+                         f"{md}; pass the config of the model that was quantized")
+    if src_dir is not None and src_dir.rstrip("/") == dst.rstrip("/"):
+        raise ValueError(f"{dst}: the destination must differ from the source")

@@ -1,0 +1,164 @@
+"""The files of a quantized output besides the weights, and the streaming shard file they describe.
+
+:class:`ShardFile` writes one safetensors shard (tensors declared up front, written one by one) through
+:func:`pipeline.storage.atomic_write`, computing its sha256 along; closing it commits the file and gives
+its :class:`ShardRecord`. :func:`finalize` turns committed shards into a complete output: config.json,
+the tokenizer and other files copied from the source, ``manifest.json`` (every file's size and sha256,
+plus the job's info), then the index and, last, ``quant_model_description.json``: a directory with a
+description is complete, and a crash before it leaves none.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+
+from pipeline import storage
+from pipeline.checkpoint import CONFIG_NAME
+from pipeline.quant.description import (
+    DESCRIPTION_NAME, FA_QUANT_TYPE, FAQUANT, MANIFEST_NAME, NAMING, W8A8, W8A8_DYNAMIC, SEED, build_description,
+    encode_description, model_quant_type,
+)
+from pipeline.safetensors_io import SafetensorsWriter, TensorSpec, encode_header
+
+COPIED_NAMES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "generation_config.json")
+MANIFEST_FORMAT = "msmodelslim W8A8 + FA3"
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """A committed shard: where it is, what it holds, and its file's size and sha256."""
+
+    path: str
+    names: tuple[str, ...]
+    nbytes: int   # tensor data bytes
+    size: int     # file bytes
+    sha256: str
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "names": list(self.names), "nbytes": self.nbytes, "size": self.size,
+                "sha256": self.sha256}
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "ShardRecord":
+        return cls(str(raw["path"]), tuple(raw["names"]), int(raw["nbytes"]), int(raw["size"]), str(raw["sha256"]))
+
+
+class ShardFile:
+    """One shard being written at ``path`` (atomically: it appears only once every tensor is in), its
+    sha256 computed along. Use :meth:`close` to commit, :meth:`discard` to drop."""
+
+    def __init__(self, path: str, specs: Sequence[TensorSpec]):
+        self.path, self.specs = path, list(specs)
+        header = encode_header(self.specs)
+        self._digest = hashlib.sha256(header)
+        self._size = len(header) + sum(s.nbytes for s in self.specs)
+        self._file = SafetensorsWriter(path, self.specs)
+        self._file.__enter__()
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        t = t.detach().to("cpu").contiguous()
+        if t.numel():
+            self._digest.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        self._file.write(name, t)
+
+    def close(self) -> ShardRecord:
+        self._file.__exit__(None, None, None)
+        return ShardRecord(self.path, tuple(s.name for s in self.specs), sum(s.nbytes for s in self.specs),
+                           self._size, self._digest.hexdigest())
+
+    def discard(self) -> None:
+        try:
+            self._file.__exit__(RuntimeError, RuntimeError("shard discarded"), None)
+        except Exception:  # best effort: the error that led here is the one to report
+            pass
+
+
+def file_sha256(path: str, chunk: int = 64 * 1024 ** 2) -> tuple[int, str]:
+    """(size, sha256) of a stored file, read in chunks."""
+    digest, size = hashlib.sha256(), 0
+    with storage.open_read(path) as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                break
+            digest.update(block)
+            size += len(block)
+    return size, digest.hexdigest()
+
+
+def build_config(config: Mapping[str, Any], types: Mapping[str, str], mindie_format: bool = False) -> dict:
+    """config.json of the output: the source's, without its ``quantization_config`` (the FP8 one of the
+    release: the output holds no FP8 tensor; msModelSlim drops any), and with ``mindie_format`` also
+    ``quantize`` (the seed model_quant_type, lower case: "w8a8_dynamic" for the DeepSeek mix),
+    ``mla_quantize`` (the attention linears' type: "w8a8" in the mix), ``quantization_config``
+    {"fa_quant_type": "FAKQuant"} when FA3 is on, and ``model_type`` "deepseekv2"."""
+    out = copy.deepcopy(dict(config))
+    out.pop("quantization_config", None)
+    if mindie_format:
+        out["quantize"] = model_quant_type(types.values(), SEED).lower()
+        attn = [t for n, t in types.items() if ".self_attn." in n and n.endswith(".weight") and t in (W8A8, W8A8_DYNAMIC)]
+        out["mla_quantize"] = (attn[0] if attn else W8A8).lower()
+        if FAQUANT in types.values():
+            out["quantization_config"] = {"fa_quant_type": FA_QUANT_TYPE}
+        out["model_type"] = "deepseekv2"
+    return out
+
+
+def json_bytes(obj: Any, indent: int = 2) -> bytes:
+    return json.dumps(obj, indent=indent).encode("utf-8")
+
+
+def file_entry(data: bytes) -> dict:
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def finalize(dst: str, dialect: str, shards: Sequence[ShardRecord], types: Mapping[str, str],
+             config: Mapping[str, Any], src_dir: Optional[str] = None, *, mindie_format: bool = False,
+             job: Optional[Mapping[str, Any]] = None, wrote: Callable[[str], None] = lambda path: None) -> dict:
+    """Write every non-weight file of the output in ``dst`` for its committed ``shards`` (in file order,
+    under their final names) and the ``types`` of all their tensors; the description last. Returns the
+    manifest. ``wrote`` is told each path written (for cleanup by the caller on failure)."""
+    naming = NAMING[dialect]
+    files: dict[str, dict] = {}
+    weight_map: dict[str, str] = {}
+    for s in shards:
+        name = s.path.rsplit("/", 1)[-1]
+        files[name] = {"size": s.size, "sha256": s.sha256}
+        weight_map.update(dict.fromkeys(s.names, name))
+    missing = sorted(set(types) - set(weight_map))
+    if missing or len(weight_map) != len(types):
+        raise ValueError(f"{dst}: tensors with a type but in no shard: {missing[:5]}; "
+                         f"in a shard without a type: {sorted(set(weight_map) - set(types))[:5]}")
+
+    def put(name: str, data: bytes, record: bool = True) -> None:
+        path = storage.join(dst, name)
+        storage.write_bytes(path, data)
+        wrote(path)
+        if record:
+            files[name] = file_entry(data)
+
+    put(CONFIG_NAME, json_bytes(build_config(config, types, mindie_format)))
+    if src_dir is not None:
+        for entry in storage.listdir(src_dir):
+            if entry in COPIED_NAMES or (entry.endswith(".py") and not entry.startswith(".")):
+                put(entry, storage.read_bytes(storage.join(src_dir, entry)))
+    total = sum(s.nbytes for s in shards)
+    index = None
+    if [s.path.rsplit("/", 1)[-1] for s in shards] != [naming.single_name]:
+        index = json_bytes({"metadata": {"total_size": total}, "weight_map": weight_map})
+        files[naming.index_name] = file_entry(index)
+    desc = encode_description(build_description(types, FAQUANT in types.values(), dialect))
+    files[DESCRIPTION_NAME] = file_entry(desc)
+    manifest = {"format": MANIFEST_FORMAT, "dialect": dialect, "tensors": len(types), "total_size": total,
+                "files": dict(sorted(files.items())), "job": dict(job or {})}
+    put(MANIFEST_NAME, json_bytes(manifest), record=False)
+    if index is not None:
+        put(naming.index_name, index, record=False)
+    put(DESCRIPTION_NAME, desc, record=False)  # last: the directory is complete from here on
+    return manifest
