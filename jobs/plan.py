@@ -26,20 +26,16 @@ from pipeline.safetensors_io import CheckpointError
 
 
 def ray_resources(address: str) -> dict:
-    """What Ray reports, in the shape Plan.check_resources reads (the only place this project's jobs ask
-    Ray about resources before a run)."""
+    """What Ray reports, in the shape Plan.check_resources reads."""
     import ray
+
+    from actors.ray_session import cluster_resources
 
     ray.init(address=None if address == "local" else address, logging_level="ERROR", log_to_driver=False)
     try:
-        avail = ray.available_resources()
-        nodes = [{"name": n.get("NodeManagerAddress", n.get("NodeID", "?")),
-                  "memory": n["Resources"].get("memory", 0), "CPU": n["Resources"].get("CPU", 0),
-                  "GPU": n["Resources"].get("GPU", 0)} for n in ray.nodes() if n.get("Alive")]
+        return cluster_resources()
     finally:
         ray.shutdown()
-    return {"memory": avail.get("memory", 0), "CPU": avail.get("CPU", 0), "GPU": avail.get("GPU", 0),
-            "nodes": nodes}
 
 
 def _cluster(spec: str, args) -> Cluster:

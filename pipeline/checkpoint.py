@@ -128,6 +128,10 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint")
         return self._file_of[name]
 
+    def files_of(self, layer_id: Optional[int]) -> list[str]:
+        """The files holding a layer's stored tensors (None: the tensors outside any layer)."""
+        return sorted({self._file_of[n] for n in self._by_layer.get(layer_id, [])})
+
     def header(self, name: str) -> tuple[str, tuple[int, ...]]:
         """(safetensors dtype string, e.g. "BF16" or "F8_E4M3"; shape) as stored, from the header only."""
         info = self._header(self.file_of(name)).info(name)

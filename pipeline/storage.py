@@ -32,6 +32,11 @@ def set_options(protocol: str, **options: Any) -> None:
     _OPTIONS[protocol] = dict(options)
 
 
+def options() -> dict[str, dict[str, Any]]:
+    """A copy of every registered protocol's options (to hand to another process: a Ray worker)."""
+    return {k: dict(v) for k, v in _OPTIONS.items()}
+
+
 def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem serving ``path`` and the path in that filesystem's terms."""
     protocol = path.split("://", 1)[0] if "://" in path else "file"
@@ -61,6 +66,18 @@ def isdir(path: str) -> bool:
 def size(path: str) -> int:
     fs, p = filesystem(path)
     return int(fs.size(p))
+
+
+def version(path: str) -> dict[str, Any]:
+    """What identifies a stored file's version without reading it: its size and, as the store has them,
+    its ETag (object stores) or modification time (local, NFS)."""
+    fs, p = filesystem(path)
+    info = fs.info(p)
+    out = {"size": int(info["size"])}
+    for key in ("ETag", "etag", "mtime", "LastModified", "last_modified"):
+        if info.get(key) is not None:
+            out[key.lower()] = str(info[key])
+    return out
 
 
 def listdir(path: str) -> list[str]:

@@ -77,7 +77,7 @@ def _observe_attention(col: _Collector, attn: nn.Module, prefix: str, recipe: Re
         del attn.query, attn.latent
 
 
-def _check_samples(samples: Sequence[Sequence[int]], vocab: int) -> None:
+def check_samples(samples: Sequence[Sequence[int]], vocab: int) -> None:
     if not samples:
         raise QuantError("samples: no calibration samples")
     for i, s in enumerate(samples):
@@ -88,6 +88,46 @@ def _check_samples(samples: Sequence[Sequence[int]], vocab: int) -> None:
             raise QuantError(f"samples[{i}]: token ids {bad[:5]} are not ints in [0, {vocab})")
 
 
+def stats_layers(cfg, recipe: Recipe, layers: Optional[Iterable[int]] = None, have_mtp: bool = True) -> list[int]:
+    """The layers whose statistics are collected: ``layers`` (default: all main layers, plus the MTP
+    layer(s) when ``recipe.quantize_mtp``), checked against the model."""
+    default = list(range(cfg.num_hidden_layers)) + (cfg.mtp_layer_ids if recipe.quantize_mtp else [])
+    layer_ids = sorted(set(default if layers is None else layers))
+    for i in layer_ids:
+        if i not in layout.all_layer_ids(cfg):
+            raise QuantError(f"layers: {i} is not a layer of the model ({layout.all_layer_ids(cfg)})")
+        if i >= cfg.num_hidden_layers and not have_mtp:
+            raise QuantError(f"layers: MTP layer {i} requested but the model was built without it")
+    return layer_ids
+
+
+@contextmanager
+def observing(model: DeepseekV3ForCausalLM, recipe: Recipe, layer_ids: Sequence[int]) -> Iterator[_Collector]:
+    """While active, every forward through ``layer_ids`` adds its observations to the yielded collector
+    (``.stats()`` gives them). The model may hold only some layers (a pipeline stage): only
+    ``layer_ids`` are touched."""
+    modules = dict(model.named_modules())
+    col = _Collector()
+    with ExitStack() as stack:
+        for i in layer_ids:
+            for prefix, kind in recipe.layer_types(model.config, i).items():
+                if kind == W8A8:
+                    stack.callback(modules[prefix].register_forward_pre_hook(_linear_hook(col, prefix)).remove)
+                elif kind == FAQUANT and prefix.endswith(".fa_q"):
+                    attn = prefix[: -len(".fa_q")]
+                    stack.enter_context(_observe_attention(col, modules[attn], attn + ".", recipe))
+        yield col
+
+
+def run_mtp(model: DeepseekV3ForCausalLM, hidden: torch.Tensor, ids: torch.Tensor, depths: int) -> None:
+    """The MTP layers as calibration runs them: depth d predicts token t+d+2 from the previous depth's
+    hidden at t and token t+d+1 (``hidden``: the main model's final normed hidden state)."""
+    for depth in range(depths):
+        if ids.shape[1] <= depth + 1:
+            break
+        _, hidden = model.mtp(hidden[:, :-1], ids[:, depth + 1:], depth=depth)
+
+
 @torch.no_grad()
 def collect_stats(model: DeepseekV3ForCausalLM, samples: Sequence[Sequence[int]], recipe: Recipe,
                   layers: Optional[Iterable[int]] = None, progress: bool = False) -> Stats:
@@ -96,35 +136,15 @@ def collect_stats(model: DeepseekV3ForCausalLM, samples: Sequence[Sequence[int]]
     shows a progress bar over the samples."""
     cfg = model.config
     recipe.check_config(cfg)
-    have_mtp = len(model.mtp_layers) > 0
-    default = list(range(cfg.num_hidden_layers)) + (cfg.mtp_layer_ids if recipe.quantize_mtp else [])
-    layer_ids = sorted(set(default if layers is None else layers))
-    for i in layer_ids:
-        if i not in layout.all_layer_ids(cfg):
-            raise QuantError(f"layers: {i} is not a layer of the model ({layout.all_layer_ids(cfg)})")
-        if i >= cfg.num_hidden_layers and not have_mtp:
-            raise QuantError(f"layers: MTP layer {i} requested but the model was built without it")
-    _check_samples(samples, cfg.vocab_size)
-    modules = dict(model.named_modules())
-    col = _Collector()
-    run_mtp = any(i >= cfg.num_hidden_layers for i in layer_ids)
+    layer_ids = stats_layers(cfg, recipe, layers, have_mtp=len(model.mtp_layers) > 0)
+    check_samples(samples, cfg.vocab_size)
+    run_mtp_layers = any(i >= cfg.num_hidden_layers for i in layer_ids)
     device = model.lm_head.weight.device
-    with ExitStack() as stack:
-        for i in layer_ids:
-            for prefix, kind in recipe.layer_types(cfg, i).items():
-                if kind == W8A8:
-                    stack.callback(modules[prefix].register_forward_pre_hook(_linear_hook(col, prefix)).remove)
-                elif kind == FAQUANT and prefix.endswith(".fa_q"):
-                    attn = prefix[: -len(".fa_q")]
-                    stack.enter_context(_observe_attention(col, modules[attn], attn + ".", recipe))
+    with observing(model, recipe, layer_ids) as col:
         for s in _maybe_progress(samples, progress):
             ids = torch.tensor([list(s)], dtype=torch.long, device=device)
             _, hidden = model(ids, return_hidden=True)
-            for depth in range(len(model.mtp_layers) if run_mtp else 0):
-                if ids.shape[1] <= depth + 1:
-                    break
-                # depth d predicts token t+d+2 from the previous depth's hidden at t and token t+d+1
-                _, hidden = model.mtp(hidden[:, :-1], ids[:, depth + 1:], depth=depth)
+            run_mtp(model, hidden, ids, len(model.mtp_layers) if run_mtp_layers else 0)
     return col.stats()
 
 

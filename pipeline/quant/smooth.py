@@ -21,7 +21,9 @@ results are cast back to the weight dtype (the only change to the function is th
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -80,11 +82,10 @@ def _attn_prefixes(model) -> dict[str, torch.nn.Module]:
     return {f"model.layers.{layer.layer_id}": layer for layer in model.model.layers}
 
 
-@torch.no_grad()
-def collect_smoothing_stats(model, samples: list[list[int]], layer_ids=None) -> dict[str, ChannelAbsMax]:
-    """Per-channel |max| of what smoothing balances, from float forwards of each sample (batch of one):
-    ``<layer>.attn_in`` (input_layernorm output), ``<layer>.q_b_in`` (q_a_layernorm output),
-    ``<layer>.latent`` (normed latent c) and ``<layer>.q_abs`` (absorbed query, max over heads)."""
+@contextmanager
+def observing_smoothing(model, layer_ids=None) -> Iterator[dict[str, ChannelAbsMax]]:
+    """While active, forwards through ``layer_ids`` (default: every layer the model holds) update the
+    yielded statistics (see :func:`collect_smoothing_stats`)."""
     stats: dict[str, ChannelAbsMax] = {}
     handles = []
     wanted = set(layer_ids) if layer_ids is not None else None
@@ -111,14 +112,28 @@ def collect_smoothing_stats(model, samples: list[list[int]], layer_ids=None) -> 
         q_out = attn.q_b_proj if hasattr(attn, "q_b_proj") else attn.q_proj
         handles.append(q_out.register_forward_hook(on_query))
     try:
-        for ids in samples:
-            t = torch.tensor([ids], device=model.lm_head.weight.device)
-            logits, h = model(t, return_hidden=True)
-            if model.mtp_layers and len(ids) > 1 and (wanted is None or model.mtp_layers[0].layer_id in wanted):
-                model.mtp(h[:, :-1], t[:, 1:])
+        yield stats
     finally:
         for hd in handles:
             hd.remove()
+
+
+def smoothing_runs_mtp(model, ids_len: int, layer_ids=None) -> bool:
+    """Whether the smoothing pass runs the (first) MTP layer on a sample of ``ids_len`` tokens."""
+    return bool(model.mtp_layers) and ids_len > 1 and (layer_ids is None or model.mtp_layers[0].layer_id in set(layer_ids))
+
+
+@torch.no_grad()
+def collect_smoothing_stats(model, samples: list[list[int]], layer_ids=None) -> dict[str, ChannelAbsMax]:
+    """Per-channel |max| of what smoothing balances, from float forwards of each sample (batch of one):
+    ``<layer>.attn_in`` (input_layernorm output), ``<layer>.q_b_in`` (q_a_layernorm output),
+    ``<layer>.latent`` (normed latent c) and ``<layer>.q_abs`` (absorbed query, max over heads)."""
+    with observing_smoothing(model, layer_ids) as stats:
+        for ids in samples:
+            t = torch.tensor([ids], device=model.lm_head.weight.device)
+            logits, h = model(t, return_hidden=True)
+            if smoothing_runs_mtp(model, len(ids), layer_ids):
+                model.mtp(h[:, :-1], t[:, 1:])
     return stats
 
 

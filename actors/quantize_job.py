@@ -1,0 +1,209 @@
+"""The distributed quantization job (the driver): plan, calibrate on pipelined stage actors, reduce,
+quantize and write the shards on the actors, then the index and description last.
+
+::
+
+    quantize_distributed(src, dst, Recipe(), QuantizeOptions(), DistOptions(stages=2, replicas=1))
+
+1. Plan: stage ranges from :func:`pipeline.plan.plan` (balanced by bytes and FLOPs), checked against the
+   resources Ray reports; the output's shards from :mod:`pipeline.quant.shard_layout` (the single-process
+   writer's rule, so the files are the same).
+2. Destination (:mod:`pipeline.quant.job_state`): a finished output of the same job fingerprint: nothing
+   to do, said in one line. Otherwise it stops looking complete, and an earlier run's state is kept.
+3. Calibration (:mod:`actors.calibration`), skipped when ``.dsquant/calibration.parquet`` holds the same
+   calibration fingerprint: with smoothing, a smoothing pass, its statistics reduced and folded into
+   every stage; then the W8A8/FA3 pass; statistics reduced exactly (min/max) across samples and replicas
+   and saved.
+4. Weights (:mod:`actors.weights`): every unit whose shards are not committed and verified for the
+   current unit fingerprint is quantized and written by a free actor; a commit record per shard.
+5. Finish: every shard checked against its record, stale files removed, then config, copies, manifest
+   (with the job fingerprint), index, description (:func:`pipeline.quant.output_files.finalize`), and a
+   job summary (time per phase, bytes, throughput, peak memory per actor) in ``job_summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Callable, Optional
+
+import ray
+
+from actors.calibration import run_pass
+from actors.ray_session import DistOptions, cluster_resources, connect, make_actors
+from actors.weights import run_weights
+from pipeline import storage
+from pipeline.checkpoint import CONFIG_NAME, CheckpointReader
+from pipeline.plan import plan as make_plan
+from pipeline.quant import job_state as js
+from pipeline.quant.observers import Stats
+from pipeline.quant.output_files import finalize, json_bytes
+from pipeline.quant.run import QuantizeOptions, calibration_samples
+from pipeline.quant.recipe import Recipe
+from pipeline.quant.shard_layout import checkpoint_shards
+from pipeline.quant.smooth import ChannelAbsMax
+from pipeline.quant.stage import SMOOTH, STATS, StageSpec, even_ranges, split_stages
+from pipeline.quant.stats_io import load_calibration, save_calibration
+from pipeline.quant.writer import check_finish_args
+
+Log = Callable[[str], None]
+
+
+def stage_specs(reader: CheckpointReader, recipe: Recipe, dist: DistOptions, seq_len: int, n_samples: int,
+                shard_bytes: int):
+    """(StageSpecs from the planner's balanced ranges, the plan)."""
+    cfg = reader.config
+    L = cfg.num_hidden_layers
+    if not 1 <= dist.stages <= L:
+        raise ValueError(f"stages must be 1..{L} (the model's main layers), got {dist.stages}")
+    pl = make_plan(reader, dist.stages, dist.replicas, recipe, calib_tokens=max(1, seq_len * n_samples),
+                   seq_len=seq_len, shard_bytes=shard_bytes, cpus_per_actor=dist.cpus_per_actor,
+                   gpus_per_actor=dist.gpus_per_actor)
+    ranges = []
+    for st in pl.stages:
+        main = [int(u) for u in st.units if u.isdigit() and int(u) < L]
+        ranges.append((main[0], main[-1] + 1) if main else None)
+    if None in ranges or len(ranges) != dist.stages:
+        ranges = even_ranges(L, dist.stages)
+    return split_stages(L, cfg.mtp_layer_ids, ranges), pl
+
+
+def merge_stats(results) -> Stats:
+    out = Stats({})
+    for per_sample in results:
+        for part in per_sample:
+            out = out.merge(part)
+    return out
+
+
+def merge_smoothing(results) -> dict[str, ChannelAbsMax]:
+    acc: dict[str, ChannelAbsMax] = {}
+    for per_sample in results:
+        for part in per_sample:
+            for k, v in part.items():
+                acc[k] = acc[k].merge(v) if k in acc else v
+    return dict(sorted(acc.items()))
+
+
+def _calibrate(actors, samples, recipe: Recipe, opts: QuantizeOptions, dist: DistOptions, key: js.JobKey,
+               dst: str, log: Log, on_event, phases: dict):
+    path = js.state_path(dst, js.CALIBRATION_NAME)
+    if storage.exists(path):
+        try:
+            stats, smooth, meta = load_calibration(path)
+            if meta.get("calibration") == key.calibration:
+                log(f"calibration: reusing {path} (same source, recipe and samples)")
+                return stats, (smooth or None)
+        except Exception as e:  # noqa: BLE001 - an unreadable file is redone, not fatal
+            log(f"calibration: ignoring {path} ({e})")
+    smooth = None
+    if recipe.smooth:
+        t = time.time()
+        smooth = merge_smoothing(run_pass(actors, SMOOTH, samples, dist, log=log, on_event=on_event))
+        phases["calibration_smooth_s"] = round(time.time() - t, 3)
+    t = time.time()
+    smoothing = ray.put((key.calibration, smooth, opts.smooth_alpha)) if smooth else None
+    stats = merge_stats(run_pass(actors, STATS, samples, dist, smoothing, log=log, on_event=on_event))
+    phases["calibration_stats_s"] = round(time.time() - t, 3)
+    save_calibration(path, stats, smooth, meta={"calibration": key.calibration})
+    return stats, smooth
+
+
+def _actor_info(actors, specs: list[StageSpec]) -> list[dict]:
+    out = []
+    for sp, row in zip(specs, actors):
+        for r, a in enumerate(row):
+            try:
+                info = ray.get(a.info.remote(), timeout=30)
+            except Exception as e:  # noqa: BLE001 - a summary line, not a failure
+                info = {"error": f"{type(e).__name__}"}
+            out.append({"stage": sp.index, "replica": r, "layers": sp.label, **info})
+    return out
+
+
+def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions = QuantizeOptions(),
+                         dist: DistOptions = DistOptions(), log: Log = print,
+                         on_event: Optional[Callable[[str, dict], None]] = None) -> dict:
+    """Run the job (module doc); returns its summary. ``on_event(kind, info)`` is called for each
+    calibration (sample, stage) and each unit written, in the driver (progress hooks, tests)."""
+    t0 = time.time()
+    phases: dict[str, float] = {}
+    reader = CheckpointReader(src)
+    cfg = reader.config
+    recipe.check_config(cfg)
+    raw_config = json.loads(storage.read_bytes(storage.join(src, CONFIG_NAME)))
+    from pipeline.quant.quantize_layer import model_dtype
+
+    check_finish_args(dst, raw_config, src, model_dtype(cfg))
+    samples = calibration_samples(src, opts, cfg.max_position_embeddings)
+    key = js.JobKey.of(reader, recipe, samples, smooth_alpha=opts.smooth_alpha, shard_bytes=opts.shard_bytes,
+                       mindie_format=opts.mindie_format)
+    if not opts.overwrite and js.is_up_to_date(dst, key):
+        log(f"{dst}: up to date (source, recipe and calibration data unchanged); nothing to do")
+        return {"status": "up-to-date", "fingerprint": key.job, "total_s": round(time.time() - t0, 3)}
+    shards = checkpoint_shards(reader, recipe, opts.shard_bytes)
+    units = list(dict.fromkeys(s.unit for s in shards))
+    specs, pl = stage_specs(reader, recipe, dist, max(len(s) for s in samples), len(samples), opts.shard_bytes)
+    state = js.open_destination(dst, opts.overwrite)
+    previous = js.load_job(dst) if state == "resume" else None
+    js.save_job(dst, key, status="running")
+    phases["plan_s"] = round(time.time() - t0, 3)
+    changed = js.changed_files(previous["source"], key.source) if previous else None
+    log(f"{src} -> {dst} ({state}{'; changed source files: ' + ', '.join(changed) if changed else ''}): "
+        f"{len(specs)} stages x {dist.replicas} replicas [{', '.join(s.label for s in specs)}], "
+        f"{len(samples)} samples, {len(shards)} shards")
+
+    started = connect(dist, len(specs) * dist.replicas)
+    try:
+        pl.check_resources(cluster_resources())
+        actors = make_actors(src, specs, recipe, dist)
+        stats, smooth = _calibrate(actors, samples, recipe, opts, dist, key, dst, log, on_event, phases)
+        ray.wait([a.release.remote() for row in actors for a in row], num_returns=len(specs) * dist.replicas,
+                 timeout=60)
+
+        t = time.time()
+        unit_fp = {u: key.unit(reader, u, stats, smooth) for u in units}
+        commits = js.load_commits(dst)
+        done = {s.name: js.verify_shard(dst, s, commits.get(s.name), unit_fp[s.unit], dist.verify) for s in shards}
+        todo = js.units_to_redo(shards, done)
+        log(f"weights: {len(todo)} of {len(units)} units to write "
+            f"({len(units) - len(todo)} committed and verified)")
+
+        def on_unit(u: str, records, types) -> None:
+            for sh, rec in zip([s for s in shards if s.unit == u], records):
+                c = js.Commit(sh.name, u, unit_fp[u], rec, {n: types[n] for n in rec.names})
+                js.save_commit(dst, c)
+                commits[sh.name] = c
+
+        weights = run_weights([a for row in actors for a in row], todo, shards, dst, ray.put(stats),
+                              ray.put(smooth), opts.smooth_alpha, dist, on_unit, log, on_event)
+        phases["weights_s"] = round(time.time() - t, 3)
+        actor_info = _actor_info(actors, specs)
+    finally:
+        if started:
+            ray.shutdown()
+
+    t = time.time()
+    bad = [s.name for s in shards if not js.verify_shard(dst, s, commits.get(s.name), unit_fp[s.unit], "size")]
+    if bad:
+        raise RuntimeError(f"{dst}: shards not committed after the weight phase: {', '.join(bad)}")
+    stale = js.remove_stale(dst, [s.name for s in shards])
+    if stale:
+        log(f"removed {len(stale)} files of an earlier layout: {', '.join(stale[:5])}")
+    written = sum(commits[s.name].record.size for s in shards if s.unit in todo)
+    summary: dict[str, Any] = {
+        "status": "done", "fingerprint": key.job, "source": src, "recipe": recipe.to_dict(), "resumed": state == "resume",
+        "stages": [s.label for s in specs], "replicas": dist.replicas, "samples": len(samples),
+        "units_written": len(todo), "units_kept": len(units) - len(todo), "bytes_written": written,
+        "write_mib_s": round(written / 2**20 / max(phases.get("weights_s", 0), 1e-9), 2),
+        "phases": phases, "actors": actor_info, "weights": weights}
+    types = {n: y for s in shards for n, y in commits[s.name].types.items()}
+    finalize(dst, recipe.dialect, [commits[s.name].record for s in shards], types, raw_config, src,
+             mindie_format=opts.mindie_format, job={"fingerprint": key.job, "source": src, "recipe": recipe.to_dict()})
+    phases["finish_s"] = round(time.time() - t, 3)
+    summary["total_s"] = round(time.time() - t0, 3)
+    storage.write_bytes(storage.join(dst, js.SUMMARY_NAME), json_bytes(summary))
+    js.save_job(dst, key, status="finished")
+    log(f"wrote {dst} in {summary['total_s']:.1f}s ({len(todo)} units written, {len(units) - len(todo)} kept; "
+        f"phases {phases})")
+    return summary

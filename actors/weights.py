@@ -1,0 +1,77 @@
+"""The weight phase on the actors: each unit still to do (the globals or a layer) goes to the next free
+actor, one unit per actor at a time (a unit's weights are what bounds an actor's memory), largest first.
+An actor writes the unit's shards straight to the destination and returns their records; the driver
+stores a commit record per shard as each unit returns (what a rerun trusts). A unit lost for a retryable
+reason is redone, up to ``attempts`` times, on whichever actor is free; other errors are not retried.
+The job fails at the end with every failed unit's shards named."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import ray
+
+from actors.ray_session import DistOptions, app_error, is_retryable
+from pipeline.quant.shard_layout import Shard
+
+
+class WeightsFailed(RuntimeError):
+    def __init__(self, failed: Mapping[str, str], shards: Sequence[Shard]):
+        self.failed = dict(failed)
+        self.shards = [s.name for s in shards if s.unit in failed]
+        lines = [f"  unit {u}: {why}" for u, why in failed.items()]
+        super().__init__(f"{len(self.shards)} shards failed: {', '.join(self.shards)}\n" + "\n".join(lines))
+
+
+def run_weights(actors: Sequence[Any], units: Sequence[str], shards: Sequence[Shard], dst: str, stats_ref: Any,
+                smooth_ref: Any, alpha: float, dist: DistOptions, on_unit: Callable[[str, list, dict], None],
+                log: Callable[[str], None] = print,
+                on_event: Optional[Callable[[str, dict], None]] = None) -> dict:
+    """Quantize and write ``units``; ``on_unit(unit, records, types)`` as each completes. Returns
+    throughput figures; raises WeightsFailed naming every failed shard."""
+    of_unit: dict[str, list[Shard]] = {}
+    for s in shards:
+        of_unit.setdefault(s.unit, []).append(s)
+    size = {u: sum(s.nbytes for s in of_unit[u]) for u in units}
+    queue = deque(sorted(units, key=lambda u: -size[u]))
+    free = deque(actors)
+    pending: dict[Any, tuple[str, Any]] = {}
+    attempts: dict[str, int] = {}
+    failed: dict[str, str] = {}
+    written = 0
+    t0 = last_log = time.monotonic()
+    done = 0
+    while queue or pending:
+        while free and queue:
+            a, u = free.popleft(), queue.popleft()
+            pending[a.write_unit.remote(dst, of_unit[u], stats_ref, smooth_ref, alpha)] = (u, a)
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=dist.progress_s)
+        for ref in ready:
+            u, a = pending.pop(ref)
+            free.append(a)
+            try:
+                records, types = ray.get(ref)
+            except Exception as err:  # noqa: BLE001 - classified below
+                attempts[u] = attempts.get(u, 0) + 1
+                if is_retryable(err) and attempts[u] < dist.attempts:
+                    log(f"weights: unit {u} lost ({type(err).__name__}); redoing it")
+                    queue.appendleft(u)
+                else:
+                    failed[u] = f"{type(app_error(err)).__name__}: {app_error(err)}"
+                    log(f"weights: unit {u} failed: {failed[u]}")
+                continue
+            on_unit(u, records, types)
+            done += 1
+            written += sum(r.size for r in records)
+            if on_event is not None:
+                on_event("unit", {"unit": u, "shards": [r.path for r in records]})
+        now = time.monotonic()
+        if now - last_log >= dist.progress_s or (not queue and not pending):
+            el = max(now - t0, 1e-9)
+            log(f"weights: {done}/{len(units)} units, {written / 2**20:.1f} MiB written ({written / 2**20 / el:.1f} MiB/s)")
+            last_log = now
+    if failed:
+        raise WeightsFailed(failed, shards)
+    return {"units": done, "bytes_written": written, "seconds": round(time.monotonic() - t0, 3)}
