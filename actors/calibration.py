@@ -17,11 +17,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import ray
 
-from actors.ray_session import DistOptions, app_error, is_retryable
+from actors.ray_session import DistOptions, JobFailed, app_error, is_retryable
 from pipeline.quant.stage import STATS
 
 
-class CalibrationFailed(RuntimeError):
+class CalibrationFailed(JobFailed):
     pass
 
 

@@ -154,6 +154,7 @@ def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptio
         f"{len(samples)} samples, {len(shards)} shards")
 
     started = connect(dist, len(specs) * dist.replicas)
+    actors: list = []
     try:
         pl.check_resources(cluster_resources())
         actors = make_actors(src, specs, recipe, dist)
@@ -180,6 +181,8 @@ def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptio
         phases["weights_s"] = round(time.time() - t, 3)
         actor_info = _actor_info(actors, specs)
     finally:
+        for a in (a for row in actors for a in row):  # their CPUs and memory back to the cluster now
+            ray.kill(a, no_restart=True)
         if started:
             ray.shutdown()
 
@@ -193,6 +196,7 @@ def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptio
     written = sum(commits[s.name].record.size for s in shards if s.unit in todo)
     summary: dict[str, Any] = {
         "status": "done", "fingerprint": key.job, "source": src, "recipe": recipe.to_dict(), "resumed": state == "resume",
+        "changed_files": changed or [],
         "stages": [s.label for s in specs], "replicas": dist.replicas, "samples": len(samples),
         "units_written": len(todo), "units_kept": len(units) - len(todo), "bytes_written": written,
         "write_mib_s": round(written / 2**20 / max(phases.get("weights_s", 0), 1e-9), 2),

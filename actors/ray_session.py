@@ -20,6 +20,10 @@ RETRYABLE = (rex.RayActorError, rex.ObjectLostError, rex.WorkerCrashedError, rex
              rex.OutOfMemoryError)
 
 
+class JobFailed(RuntimeError):
+    """An unrecoverable failure of the distributed job (the message names what failed)."""
+
+
 @dataclass(frozen=True)
 class DistOptions:
     """How the distributed job runs (what it computes is the Recipe's and QuantizeOptions')."""
@@ -38,6 +42,7 @@ class DistOptions:
     object_store_memory: int = GiB // 2     # for a local Ray started here
     name: str = "dsquant"
     progress_s: float = 10.0                # seconds between progress lines
+    ray_logs: bool = True                   # Ray's own log lines and the workers' output in this process
 
     def __post_init__(self):
         for f in ("stages", "replicas", "in_flight", "attempts"):
@@ -70,12 +75,15 @@ def connect(dist: DistOptions, n_actors: int) -> bool:
     if ray.is_initialized():
         return False
     if dist.address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=dist.address, log_to_driver=True)
+        ray.init(address=dist.address, **_quiet(dist))
         return True
     cpus = max(os.cpu_count() or 1, math.ceil(n_actors * max(dist.cpus_per_actor, 0)))
-    ray.init(num_cpus=cpus, object_store_memory=dist.object_store_memory, include_dashboard=False,
-             log_to_driver=True)
+    ray.init(num_cpus=cpus, object_store_memory=dist.object_store_memory, include_dashboard=False, **_quiet(dist))
     return True
+
+
+def _quiet(dist: DistOptions) -> dict:
+    return {} if dist.ray_logs else {"log_to_driver": False, "logging_level": "ERROR"}
 
 
 def make_actors(src: str, specs: list[StageSpec], recipe: Recipe, dist: DistOptions) -> list[list[Any]]:
@@ -98,8 +106,9 @@ def make_actors(src: str, specs: list[StageSpec], recipe: Recipe, dist: DistOpti
 
 
 def cluster_resources() -> dict:
-    """What the connected Ray reports, in the shape ``Plan.check_resources`` reads."""
-    avail = ray.available_resources()
+    """What the connected Ray reports, in the shape ``Plan.check_resources`` reads: the cluster's totals
+    (actors that do not fit at once wait for resources; a plan beyond the totals never runs)."""
+    avail = ray.cluster_resources()
     nodes = [{"name": n.get("NodeManagerAddress", n.get("NodeID", "?")),
               "memory": n["Resources"].get("memory", 0), "CPU": n["Resources"].get("CPU", 0),
               "GPU": n["Resources"].get("GPU", 0)} for n in ray.nodes() if n.get("Alive")]

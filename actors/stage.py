@@ -35,15 +35,21 @@ class StageWorker:
             storage.set_options(protocol, **opts)
         torch.set_num_threads(max(1, threads))
         self.src, self.spec, self.recipe, self.device = src, spec, Recipe.from_dict(recipe), device
+        self.reader: Optional[CheckpointReader] = None  # headers read once per actor life
         self.stage: Optional[Stage] = None
         self.smoothed: Optional[str] = None   # the key of the smoothing applied to self.stage
         self.busy_s = {"load": 0.0, "forward": 0.0, "weights": 0.0}
         self.bytes_written = 0
 
+    def _reader(self) -> CheckpointReader:
+        if self.reader is None:
+            self.reader = CheckpointReader(self.src)
+        return self.reader
+
     def _stage(self) -> Stage:
         if self.stage is None:
             t = time.perf_counter()
-            self.stage = Stage(self.src, self.spec, self.recipe, self.device)
+            self.stage = Stage(self._reader(), self.spec, self.recipe, self.device)
             self.smoothed = None
             self.busy_s["load"] += time.perf_counter() - t
         return self.stage
@@ -72,7 +78,7 @@ class StageWorker:
                    smooth: Optional[Mapping[str, ChannelAbsMax]], alpha: float):
         """Quantize one unit from the source and write its shards; returns (records, types)."""
         t = time.perf_counter()
-        out = process_unit(CheckpointReader(self.src), dst, shards, stats, self.recipe, smooth, alpha)
+        out = process_unit(self._reader(), dst, shards, stats, self.recipe, smooth, alpha)
         self.busy_s["weights"] += time.perf_counter() - t
         self.bytes_written += sum(r.size for r in out[0])
         return out

@@ -13,11 +13,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import ray
 
-from actors.ray_session import DistOptions, app_error, is_retryable
+from actors.ray_session import DistOptions, JobFailed, app_error, is_retryable
 from pipeline.quant.shard_layout import Shard
 
 
-class WeightsFailed(RuntimeError):
+class WeightsFailed(JobFailed):
     def __init__(self, failed: Mapping[str, str], shards: Sequence[Shard]):
         self.failed = dict(failed)
         self.shards = [s.name for s in shards if s.unit in failed]

@@ -5,6 +5,11 @@
 
 msModelSlim's flags are kept (underscore spellings too). With no arguments it quantizes the embedded
 model into ./out/dsv3-tiny-pydoc-w8a8-fa3. SRC and DST may be local paths or fsspec URLs (s3://...).
+
+With ``--stages N`` the job runs distributed on Ray (actors.quantize_job): N pipeline stages (times
+``--replicas``), on the cluster of ``--ray-address`` / RAY_ADDRESS (``ray job submit`` sets it), or on a
+local Ray started for the job. That form is resumable: a rerun skips what is committed and verified, and
+a rerun of a finished job with the same source, recipe and data does nothing. Same files either way.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any, Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -33,8 +39,8 @@ def _layers(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer ids like 0,1,2, got {text!r}") from None
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m jobs.quantize", description=__doc__.split("\n")[1])
+def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n")[1])
     _flag(ap, "--model-path", default=None, help="source checkpoint (default: the embedded model)")
     _flag(ap, "--save-path", default=DEFAULT_SAVE, help=f"output directory (default: {DEFAULT_SAVE})")
     _flag(ap, "--calib-data", "--calib_file", dest="calib_data", default=None,
@@ -59,38 +65,109 @@ def parse_args(argv=None) -> argparse.Namespace:
     _flag(ap, "--overwrite", action="store_true", help="replace an existing output in --save-path")
     _flag(ap, "--device", default=None, help="cpu or cuda (default: cuda when present)")
     _flag(ap, "--no-progress", action="store_true")
-    return ap.parse_args(argv)
+    _flag(ap, "--s3-endpoint", default=None, help="S3 endpoint URL for s3:// paths (credentials: the usual AWS_* "
+          "environment); also AWS_ENDPOINT_URL")
+    d = ap.add_argument_group("distributed (Ray)")
+    _flag(d, "--stages", type=int, default=0, help="pipeline stages on Ray (0: one process, the default)")
+    _flag(d, "--replicas", type=int, default=1, help="data-parallel copies of every stage")
+    _flag(d, "--ray-address", default=None, help="Ray cluster to use (default: RAY_ADDRESS, else a local Ray)")
+    _flag(d, "--cpus-per-actor", type=float, default=1.0)
+    _flag(d, "--gpus-per-actor", type=float, default=0.0)
+    _flag(d, "--memory-per-actor-gb", type=float, default=0.0, help="memory reserved per actor with Ray (0: none)")
+    _flag(d, "--in-flight", type=int, default=4, help="calibration samples in flight per pipeline (backpressure)")
+    _flag(d, "--verify", choices=("sha256", "size"), default="sha256",
+          help="how shards of an earlier run are checked before being kept (sha256 re-reads them)")
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def make_job(args: argparse.Namespace):
+    """(src, dst, Recipe, QuantizeOptions, DistOptions or None) from the parsed flags."""
+    from pipeline import storage
+    from pipeline.embedded import EMBEDDED_MODEL_DIR
+    from pipeline.loading import default_device
+    from pipeline.quant.recipe import Recipe
+    from pipeline.quant.run import QuantizeOptions
+
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.stages < 0:
+        raise ValueError(f"--stages must be >= 0, got {args.stages}")
+    if args.s3_endpoint:
+        storage.set_options("s3", client_kwargs={"endpoint_url": args.s3_endpoint})
+    recipe = Recipe(fa_quant=args.fa_quant, dynamic=args.dynamic, fa_exclude_layers=args.fa_exclude_layers,
+                    quantize_mtp=args.quantize_mtp, dialect=args.dialect, smooth=args.smooth)
+    opts = QuantizeOptions(calib_path=args.calib_data, max_calib_tokens=args.max_calib_tokens,
+                           truncate=args.truncate, smooth_alpha=args.smooth_alpha,
+                           mindie_format=args.mindie_format, overwrite=args.overwrite,
+                           shard_bytes=int(args.shard_size_gb * 1024 ** 3),
+                           device=args.device or default_device(), progress=not args.no_progress)
+    dist = None
+    if args.stages:
+        from actors.ray_session import DistOptions
+
+        dist = DistOptions(stages=args.stages, replicas=args.replicas, address=args.ray_address,
+                           cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
+                           memory_per_actor=int(args.memory_per_actor_gb * 1024 ** 3), in_flight=args.in_flight,
+                           verify=args.verify)
+    return args.model_path or EMBEDDED_MODEL_DIR, args.save_path, recipe, opts, dist
+
+
+JOB_ERRORS: tuple = (FileExistsError, FileNotFoundError, ValueError)
+
+
+def job_errors() -> tuple:
+    """The exceptions that mean bad input (exit 2 with the message), not a bug."""
+    from pipeline.checkpoint import CheckpointError
+    from pipeline.config import ConfigError
+    from pipeline.plan import PlanError
+    from pipeline.quant.calib_data import CalibDataError
+    from pipeline.quant.qparams import QuantError
+
+    return (CheckpointError, ConfigError, CalibDataError, QuantError, PlanError, *JOB_ERRORS)
+
+
+def run_guarded(job: Callable[[], Any], failed: tuple = ()) -> tuple[int, Any]:
+    """(0, job()) or, printing the message: (2, None) for bad input, (1, None) for a ``failed`` error."""
+    try:
+        return 0, job()
+    except failed as e:
+        print(f"failed: {e}", file=sys.stderr)
+        return 1, None
+    except job_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2, None
+
+
+def failures(dist) -> tuple:
+    """The distributed job's failure type when ``dist`` is set (imports Ray only then)."""
+    if dist is None:
+        return ()
+    from actors.ray_session import JobFailed
+
+    return (JobFailed,)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from pipeline.checkpoint import CheckpointError
-    from pipeline.config import ConfigError
-    from pipeline.embedded import EMBEDDED_MODEL_DIR
-    from pipeline.loading import default_device
-    from pipeline.quant.calib_data import CalibDataError
-    from pipeline.quant.qparams import QuantError
-    from pipeline.quant.recipe import Recipe
-    from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+    rc, job = run_guarded(lambda: make_job(args))
+    if rc:
+        return rc
+    src, dst, recipe, opts, dist = job
+    if dist is None:
+        from pipeline.quant.run import quantize_checkpoint
 
-    src = args.model_path or EMBEDDED_MODEL_DIR
-    try:
-        if args.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-        recipe = Recipe(fa_quant=args.fa_quant, dynamic=args.dynamic, fa_exclude_layers=args.fa_exclude_layers,
-                        quantize_mtp=args.quantize_mtp, dialect=args.dialect, smooth=args.smooth)
-        opts = QuantizeOptions(calib_path=args.calib_data, max_calib_tokens=args.max_calib_tokens,
-                               truncate=args.truncate, smooth_alpha=args.smooth_alpha,
-                               mindie_format=args.mindie_format, overwrite=args.overwrite,
-                               shard_bytes=int(args.shard_size_gb * 1024 ** 3),
-                               device=args.device or default_device(), progress=not args.no_progress)
-        quantize_checkpoint(src, args.save_path, recipe, opts)
-    except (CheckpointError, ConfigError, CalibDataError, QuantError, FileExistsError, FileNotFoundError,
-            ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"done: {args.save_path} (check it with: python -m jobs.check {args.save_path})")
-    return 0
+        rc, _ = run_guarded(lambda: quantize_checkpoint(src, dst, recipe, opts))
+    else:
+        from actors.quantize_job import quantize_distributed
+
+        rc, _ = run_guarded(lambda: quantize_distributed(src, dst, recipe, opts, dist), failures(dist))
+    if rc == 0:
+        print(f"done: {dst} (check it with: python -m jobs.check {dst})")
+    return rc
 
 
 if __name__ == "__main__":

@@ -74,3 +74,28 @@ def fail_quantize_layer(monkeypatch, layer: int) -> None:
         return real(cfg, layer_id, *a, **k)
 
     monkeypatch.setattr(run_mod, "quantize_layer", failing)
+
+
+def split_by_layer(src: Path, dst: Path) -> Path:
+    """``src`` (one model.safetensors) rewritten as one file per layer plus one for the globals, with an
+    index, so that changing one file changes one layer; config and tokenizer files copied."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(src / "model.safetensors"))
+    groups: dict[str, dict] = {}
+    for name, t in tensors.items():
+        lid = layout.layer_of(name)
+        groups.setdefault("globals" if lid is None else f"layer{lid}", {})[name] = t
+    weight_map = {}
+    for key, group in sorted(groups.items()):
+        fname = f"model-{key}.safetensors"
+        save_file(group, str(dst / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(group, fname))
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    return dst

@@ -1,0 +1,55 @@
+"""The scheduled form of the distributed job: requantize only when the source or the recipe changed.
+
+    python -m jobs.requantize --model-path SRC --save-path DST [every jobs.quantize flag]
+
+Fingerprints the source (each file's size and ETag/mtime: no weight is read), the recipe and the
+calibration data, and compares them with the destination's manifest. Unchanged: nothing is done. Changed:
+the job reruns through actors.quantize_job, which recalibrates and rewrites only the units (the globals,
+layers) whose source files or statistics changed, keeping the others' committed shards. Prints one line
+either way and exits 0; 2 for bad input, 1 when the job failed. Runs on Ray with ``--stages`` (default
+1 here), on the cluster of ``--ray-address`` / RAY_ADDRESS or a local one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import sys
+from contextlib import nullcontext, redirect_stdout
+
+from jobs.quantize import build_parser, failures, make_job, run_guarded
+
+
+def main(argv=None) -> int:
+    ap = build_parser("python -m jobs.requantize", __doc__.split("\n")[1])
+    ap.set_defaults(stages=1, no_progress=True)
+    ap.add_argument("--verbose", action="store_true", help="the job's log lines too (default: one summary line)")
+    args = ap.parse_args(argv)
+    if args.stages < 1:
+        print("error: --stages must be >= 1 for requantize", file=sys.stderr)
+        return 2
+    log = print if args.verbose else (lambda _m: None)
+    rc, job = run_guarded(lambda: make_job(args))
+    if rc:
+        return rc
+    src, dst, recipe, opts, dist = job
+    dist = dataclasses.replace(dist, ray_logs=args.verbose)
+    from actors.quantize_job import quantize_distributed
+
+    with redirect_stdout(io.StringIO()) if not args.verbose else nullcontext():
+        rc, s = run_guarded(lambda: quantize_distributed(src, dst, recipe, opts, dist, log=log), failures(dist))
+    if rc:
+        return rc
+    if s["status"] == "up-to-date":
+        print(f"requantize {dst}: up to date (fingerprint {s['fingerprint'][:12]}), nothing done")
+    else:
+        changed = s.get("changed_files")
+        why = (f"source files changed: {', '.join(changed)}" if changed else
+               "recipe or calibration data changed" if s.get("resumed") else "no earlier output")
+        print(f"requantize {dst}: {s['units_written']} units rewritten, {s['units_kept']} kept ({why}); "
+              f"{s['bytes_written'] / 2**20:.1f} MiB in {s['total_s']:.1f}s (fingerprint {s['fingerprint'][:12]})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Helpers for the distributed-job tests: reference outputs from the single-process path, and output
+comparison that ignores only what must differ (the manifest's job section, the job summary, job state)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from pipeline import storage
+from pipeline.quant.checker import check_dir
+from pipeline.quant.description import DESCRIPTION_NAME, MANIFEST_NAME
+from pipeline.quant.job_state import STATE_DIR, SUMMARY_NAME
+from pipeline.quant.recipe import Recipe
+from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+from tiny import FIXTURES
+
+OPTS = QuantizeOptions(calib_path=str(FIXTURES / "calib.json"), shard_bytes=150_000, progress=False)
+PLAIN = Recipe()
+SMOOTH_MTP = Recipe(smooth=True, quantize_mtp=True)
+NOT_COMPARED = {MANIFEST_NAME, SUMMARY_NAME, STATE_DIR}
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local test clusters: no token between processes
+
+
+def quiet(_msg: str) -> None:
+    pass
+
+
+def reference(src: str, dst: Path, recipe: Recipe, opts: QuantizeOptions = OPTS) -> Path:
+    """The single-process output (written once per path)."""
+    if not (dst / DESCRIPTION_NAME).exists():
+        quantize_checkpoint(src, str(dst), recipe, dataclasses.replace(opts, overwrite=True), log=quiet)
+    return dst
+
+
+def tree(root: str) -> dict[str, bytes]:
+    return {e: storage.read_bytes(storage.join(root, e)) for e in storage.listdir(root) if e not in NOT_COMPARED}
+
+
+def assert_same_output(got: str, want: str) -> None:
+    """Every file byte for byte, and the manifests' file lists (sizes and sha256) equal."""
+    a, b = tree(got), tree(want)
+    assert sorted(a) == sorted(b)
+    for name in b:
+        assert a[name] == b[name], name
+    ma = json.loads(storage.read_bytes(storage.join(got, MANIFEST_NAME)))
+    mb = json.loads(storage.read_bytes(storage.join(want, MANIFEST_NAME)))
+    assert ma["files"] == mb["files"] and ma["tensors"] == mb["tensors"]
+    report = check_dir(got)
+    assert report.ok, report.to_text()
