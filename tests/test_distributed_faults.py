@@ -1,0 +1,125 @@
+"""Faults on a simulated multi-node Ray cluster (``ray.cluster_utils.Cluster``: a head without CPUs and
+three one-CPU worker nodes, with fast node-death detection): an actor killed mid-run, a node removed
+mid-run, and a driver killed mid-run then rerun. Each time the job completes with output identical to the
+single-process (undisturbed) output."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from actors.quantize_job import quantize_distributed
+from actors.ray_session import DistOptions
+from distributed import OPTS, PLAIN, SMOOTH_MTP, assert_same_output, reference
+from tiny import TINY_FIXTURE
+
+pytestmark = pytest.mark.slow
+SRC = str(TINY_FIXTURE)
+MiB = 2**20
+FAST_HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3, "health_check_timeout_ms": 500,
+               "health_check_initial_delay_ms": 0}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, connect=False,
+                head_node_args={"num_cpus": 0, "object_store_memory": 96 * MiB, "_system_config": FAST_HEALTH})
+    for _ in range(3):
+        c.add_node(num_cpus=1, object_store_memory=96 * MiB)
+    c.wait_for_nodes()
+    ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reference")
+    return {"plain": reference(SRC, root / "plain", PLAIN), "smooth-mtp": reference(SRC, root / "smooth", SMOOTH_MTP)}
+
+
+def actor(name: str, which: str):
+    """The job's actor ``which`` (e.g. "stage1-r0") among the named actors of run ``name``."""
+    names = [n for n in ray.util.list_named_actors() if n.startswith(name + "-") and n.endswith(which)]
+    assert len(names) == 1, names
+    return ray.get_actor(names[0])
+
+
+def test_actor_killed_mid_calibration_and_mid_weights(cluster, tmp_path, refs):
+    name, logs, kills = f"kill{uuid.uuid4().hex[:4]}", [], []
+
+    def on_event(kind, info):
+        if kind == "sample" and info["pass"] == "stats" and info["sample"] == 5 and info["stage"] == 0 and not kills:
+            ray.kill(actor(name, "stage1-r0"), no_restart=False)  # Ray restarts it; its queued samples are lost
+            kills.append("calibration")
+        if kind == "unit" and len(kills) == 1:
+            ray.kill(actor(name, "stage0-r0"), no_restart=False)
+            kills.append("weights")
+
+    dst = str(tmp_path / "q")
+    quantize_distributed(SRC, dst, SMOOTH_MTP, OPTS, DistOptions(stages=2, name=name, progress_s=60),
+                         log=logs.append, on_event=on_event)
+    assert kills == ["calibration", "weights"]
+    assert any("lost at stage" in m and "redoing" in m for m in logs), logs
+    assert_same_output(dst, str(refs["smooth-mtp"]))
+
+
+def test_driver_killed_mid_run_then_rerun_resumes(cluster, tmp_path, refs):
+    dst = tmp_path / "q"
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import ray
+        from actors.quantize_job import quantize_distributed
+        from actors.ray_session import DistOptions
+        from distributed import OPTS, PLAIN
+        ray.init(address={cluster.address!r}, logging_level="ERROR", log_to_driver=False)
+        units = []
+        def on_event(kind, info):
+            if kind == "unit":
+                units.append(info["unit"])
+                if len(units) == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)  # the driver dies with 2 units committed
+        quantize_distributed({SRC!r}, {str(dst)!r}, PLAIN, OPTS, DistOptions(stages=2, progress_s=60),
+                             log=lambda m: None, on_event=on_event)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    assert not (dst / "quant_model_description.json").exists()
+
+    logs = []
+    s = quantize_distributed(SRC, str(dst), PLAIN, OPTS, DistOptions(stages=2, progress_s=60), log=logs.append)
+    assert any("calibration: reusing" in m for m in logs), logs
+    assert s["resumed"] and s["units_kept"] == 2 and s["units_written"] == 3
+    assert_same_output(str(dst), str(refs["plain"]))
+
+
+def test_node_removed_mid_run(cluster, tmp_path, refs):
+    name, removed, logs = f"node{uuid.uuid4().hex[:4]}", [], []
+
+    def on_event(kind, info):
+        if kind == "sample" and info["pass"] == "stats" and info["sample"] == 4 and info["stage"] == 0 and not removed:
+            node_id = ray.get(actor(name, "stage1-r0").info.remote())["node_id"]
+            node = next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
+            cluster.remove_node(node, allow_graceful=False)  # the spare node takes its actor
+            removed.append(node_id)
+
+    dst = str(tmp_path / "q")
+    try:
+        quantize_distributed(SRC, dst, PLAIN, OPTS, DistOptions(stages=2, name=name, progress_s=60),
+                             log=logs.append, on_event=on_event)
+    finally:
+        cluster.add_node(num_cpus=1, object_store_memory=96 * MiB)  # back to three workers
+    assert removed
+    assert any("redoing" in m for m in logs), logs
+    assert_same_output(dst, str(refs["plain"]))
