@@ -96,6 +96,13 @@ def _calibrate(actors, samples, recipe: Recipe, opts: QuantizeOptions, dist: Dis
                 return stats, (smooth or None)
         except Exception as e:  # noqa: BLE001 - an unreadable file is redone, not fatal
             log(f"calibration: ignoring {path} ({e})")
+    t = time.time()
+    for ref in [a.load.remote() for row in actors for a in row]:  # every stage loads its layers at once
+        try:
+            ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - a lost actor reloads on its first sample; anything else fails there
+            log(f"calibration: a stage failed to load ({type(e).__name__}); its first sample retries")
+    phases["load_s"] = round(time.time() - t, 3)
     smooth = None
     if recipe.smooth:
         t = time.time()
@@ -153,14 +160,14 @@ def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptio
         f"{len(specs)} stages x {dist.replicas} replicas [{', '.join(s.label for s in specs)}], "
         f"{len(samples)} samples, {len(shards)} shards")
 
+    t = time.time()
     started = connect(dist, len(specs) * dist.replicas)
     actors: list = []
     try:
         pl.check_resources(cluster_resources())
         actors = make_actors(src, specs, recipe, dist)
+        phases["ray_start_s"] = round(time.time() - t, 3)
         stats, smooth = _calibrate(actors, samples, recipe, opts, dist, key, dst, log, on_event, phases)
-        ray.wait([a.release.remote() for row in actors for a in row], num_returns=len(specs) * dist.replicas,
-                 timeout=60)
 
         t = time.time()
         unit_fp = {u: key.unit(reader, u, stats, smooth) for u in units}
@@ -176,8 +183,11 @@ def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptio
                 js.save_commit(dst, c)
                 commits[sh.name] = c
 
-        weights = run_weights([a for row in actors for a in row], todo, shards, dst, ray.put(stats),
-                              ray.put(smooth), opts.smooth_alpha, dist, on_unit, log, on_event)
+        held = [(sp, (*sp.layers, *(sp.mtp if recipe.quantize_mtp else ()))) for sp in specs]  # as Stage loads
+        owner = {str(i): sp.index for sp, ids in held for i in ids}
+        weights = run_weights([(sp.index, a) for sp, row in zip(specs, actors) for a in row], owner, todo, shards,
+                              dst, ray.put(stats), ray.put(smooth), opts.smooth_alpha,
+                              key.calibration if smooth else None, dist, on_unit, log, on_event)
         phases["weights_s"] = round(time.time() - t, 3)
         actor_info = _actor_info(actors, specs)
     finally:

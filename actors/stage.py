@@ -22,10 +22,11 @@ from pipeline import storage
 from pipeline.checkpoint import CheckpointReader
 from pipeline.quant.observers import Stats
 from pipeline.quant.recipe import Recipe
-from pipeline.quant.shard_layout import Shard
+from pipeline.quant.quantize_layer import model_dtype, quantize_layer
+from pipeline.quant.shard_layout import Shard, unit_layer
 from pipeline.quant.smooth import ChannelAbsMax
 from pipeline.quant.stage import STATS, Stage, StageSpec
-from pipeline.quant.unit_writer import process_unit
+from pipeline.quant.unit_writer import process_unit, write_unit
 
 
 class StageWorker:
@@ -40,6 +41,7 @@ class StageWorker:
         self.smoothed: Optional[str] = None   # the key of the smoothing applied to self.stage
         self.busy_s = {"load": 0.0, "forward": 0.0, "weights": 0.0}
         self.bytes_written = 0
+        self.from_memory = 0  # units quantized from the calibration model's weights
 
     def _reader(self) -> CheckpointReader:
         if self.reader is None:
@@ -53,6 +55,12 @@ class StageWorker:
             self.smoothed = None
             self.busy_s["load"] += time.perf_counter() - t
         return self.stage
+
+    def load(self) -> float:
+        """Load the stage's weights now (all stages at once, before the first sample); returns seconds."""
+        t = time.perf_counter()
+        self._stage()
+        return time.perf_counter() - t
 
     def forward(self, kind: str, ids: Sequence[int], h: Optional[torch.Tensor],
                 smoothing: Optional[tuple[str, Mapping[str, ChannelAbsMax], float]] = None):
@@ -74,11 +82,39 @@ class StageWorker:
         """Drop the calibration model (before the weight phase)."""
         self.stage, self.smoothed = None, None
 
+    def _held(self, unit: str, smoothing_key: Optional[str]) -> Optional[dict[str, torch.Tensor]]:
+        """The unit's weights as the calibration model holds them, when they are exactly what the weight
+        phase would read (the stage's own layer, the same smoothing folded in, every tensor with the
+        reader's name, dtype and shape); else None (read from the source)."""
+        lid = unit_layer(unit)
+        if self.stage is None or lid is None or lid in self.stage.dropped:
+            return None
+        if self.recipe.smooth and self.smoothed != smoothing_key:
+            return None
+        prefix = f"model.layers.{lid}."
+        held = {k: v for k, v in self.stage.model.state_dict().items() if k.startswith(prefix)}
+        want = self._reader().read_specs(lid)
+        if set(held) != set(want) or any(held[k].dtype != d or tuple(held[k].shape) != tuple(sh)
+                                         for k, (d, sh) in want.items()):
+            return None
+        return {k: held[k] for k in want}  # in the reader's order
+
     def write_unit(self, dst: str, shards: Sequence[Shard], stats: Stats,
-                   smooth: Optional[Mapping[str, ChannelAbsMax]], alpha: float):
-        """Quantize one unit from the source and write its shards; returns (records, types)."""
+                   smooth: Optional[Mapping[str, ChannelAbsMax]], alpha: float, smoothing_key: Optional[str] = None):
+        """Quantize one unit and write its shards; returns (records, types). A layer this stage holds from
+        calibration is quantized from memory (and then dropped), anything else is read from the source;
+        the tensors are the same either way (``_held``)."""
         t = time.perf_counter()
-        out = process_unit(self._reader(), dst, shards, stats, self.recipe, smooth, alpha)
+        held = self._held(shards[0].unit, smoothing_key)
+        if held is None:
+            out = process_unit(self._reader(), dst, shards, stats, self.recipe, smooth, alpha)
+        else:
+            lid = unit_layer(shards[0].unit)
+            tensors, types = quantize_layer(self.stage.model.config, lid, held, stats, self.recipe)
+            del held
+            out = write_unit(dst, shards, tensors, types, self.recipe.dialect, model_dtype(self.stage.model.config))
+            self.stage.drop_layer(lid)
+            self.from_memory += 1
         self.busy_s["weights"] += time.perf_counter() - t
         self.bytes_written += sum(r.size for r in out[0])
         return out
@@ -87,4 +123,5 @@ class StageWorker:
         """Where the actor runs and what it used (peak RSS of this process life)."""
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                "busy_s": {k: round(v, 3) for k, v in self.busy_s.items()}, "bytes_written": self.bytes_written}
+                "busy_s": {k: round(v, 3) for k, v in self.busy_s.items()}, "bytes_written": self.bytes_written,
+                "units_from_memory": self.from_memory}

@@ -1,5 +1,7 @@
 """The weight phase on the actors: each unit still to do (the globals or a layer) goes to the next free
-actor, one unit per actor at a time (a unit's weights are what bounds an actor's memory), largest first.
+actor, one unit per actor at a time (a unit's weights are what bounds an actor's memory), largest first,
+an actor taking its own stage's layers first (it holds their weights from calibration and need not read
+them again) and then any unit left (read from the source), so that no actor idles while work remains.
 An actor writes the unit's shards straight to the destination and returns their records; the driver
 stores a commit record per shard as each unit returns (what a rerun trusts). A unit lost for a retryable
 reason is redone, up to ``attempts`` times, on whichever actor is free; other errors are not retried.
@@ -25,19 +27,21 @@ class WeightsFailed(JobFailed):
         super().__init__(f"{len(self.shards)} shards failed: {', '.join(self.shards)}\n" + "\n".join(lines))
 
 
-def run_weights(actors: Sequence[Any], units: Sequence[str], shards: Sequence[Shard], dst: str, stats_ref: Any,
-                smooth_ref: Any, alpha: float, dist: DistOptions, on_unit: Callable[[str, list, dict], None],
+def run_weights(actors: Sequence[tuple[int, Any]], owner: Mapping[str, Optional[int]], units: Sequence[str],
+                shards: Sequence[Shard], dst: str, stats_ref: Any, smooth_ref: Any, alpha: float,
+                smoothing_key: Optional[str], dist: DistOptions, on_unit: Callable[[str, list, dict], None],
                 log: Callable[[str], None] = print,
                 on_event: Optional[Callable[[str, dict], None]] = None) -> dict:
-    """Quantize and write ``units``; ``on_unit(unit, records, types)`` as each completes. Returns
-    throughput figures; raises WeightsFailed naming every failed shard."""
+    """Quantize and write ``units`` on ``actors`` ((stage, handle) pairs; ``owner``: the stage holding
+    each unit, None for none); ``on_unit(unit, records, types)`` as each completes. Returns throughput
+    figures; raises WeightsFailed naming every failed shard."""
     of_unit: dict[str, list[Shard]] = {}
     for s in shards:
         of_unit.setdefault(s.unit, []).append(s)
     size = {u: sum(s.nbytes for s in of_unit[u]) for u in units}
-    queue = deque(sorted(units, key=lambda u: -size[u]))
+    queue = sorted(units, key=lambda u: -size[u])
     free = deque(actors)
-    pending: dict[Any, tuple[str, Any]] = {}
+    pending: dict[Any, tuple[str, tuple[int, Any]]] = {}
     attempts: dict[str, int] = {}
     failed: dict[str, str] = {}
     written = 0
@@ -45,8 +49,10 @@ def run_weights(actors: Sequence[Any], units: Sequence[str], shards: Sequence[Sh
     done = 0
     while queue or pending:
         while free and queue:
-            a, u = free.popleft(), queue.popleft()
-            pending[a.write_unit.remote(dst, of_unit[u], stats_ref, smooth_ref, alpha)] = (u, a)
+            a = free.popleft()
+            u = next((u for u in queue if owner.get(u) == a[0]), queue[0])
+            queue.remove(u)
+            pending[a[1].write_unit.remote(dst, of_unit[u], stats_ref, smooth_ref, alpha, smoothing_key)] = (u, a)
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=dist.progress_s)
         for ref in ready:
             u, a = pending.pop(ref)
@@ -57,7 +63,7 @@ def run_weights(actors: Sequence[Any], units: Sequence[str], shards: Sequence[Sh
                 attempts[u] = attempts.get(u, 0) + 1
                 if is_retryable(err) and attempts[u] < dist.attempts:
                     log(f"weights: unit {u} lost ({type(err).__name__}); redoing it")
-                    queue.appendleft(u)
+                    queue.insert(0, u)
                 else:
                     failed[u] = f"{type(app_error(err)).__name__}: {app_error(err)}"
                     log(f"weights: unit {u} failed: {failed[u]}")

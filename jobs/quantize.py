@@ -74,10 +74,25 @@ def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -
     _flag(d, "--cpus-per-actor", type=float, default=1.0)
     _flag(d, "--gpus-per-actor", type=float, default=0.0)
     _flag(d, "--memory-per-actor-gb", type=float, default=0.0, help="memory reserved per actor with Ray (0: none)")
+    _flag(d, "--actor-resource", action="append", default=[], metavar="NAME=N",
+          help="a custom Ray resource every stage actor asks for, e.g. stage_slot=1 (repeatable)")
     _flag(d, "--in-flight", type=int, default=4, help="calibration samples in flight per pipeline (backpressure)")
     _flag(d, "--verify", choices=("sha256", "size"), default="sha256",
           help="how shards of an earlier run are checked before being kept (sha256 re-reads them)")
     return ap
+
+
+def _resources(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not name.strip():
+            raise ValueError(f"--actor-resource wants NAME=N such as stage_slot=1, got {item!r}")
+    return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -112,7 +127,7 @@ def make_job(args: argparse.Namespace):
         dist = DistOptions(stages=args.stages, replicas=args.replicas, address=args.ray_address,
                            cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
                            memory_per_actor=int(args.memory_per_actor_gb * 1024 ** 3), in_flight=args.in_flight,
-                           verify=args.verify)
+                           verify=args.verify, resources=_resources(args.actor_resource))
     return args.model_path or EMBEDDED_MODEL_DIR, args.save_path, recipe, opts, dist
 
 

@@ -57,6 +57,8 @@ def test_output_is_the_single_process_output(tmp_path, refs, stages, replicas, r
     summary = json.loads((tmp_path / "q" / SUMMARY_NAME).read_text())
     assert len(summary["actors"]) == stages * replicas
     assert all(a["peak_rss"] > 0 and "node_id" in a for a in summary["actors"])
+    # the stages quantized their own layers from the calibration weights (the MTP too when calibrated)
+    assert sum(a["units_from_memory"] for a in summary["actors"]) == (4 if r.quantize_mtp else 3), summary["actors"]
     assert {"plan_s", "calibration_stats_s", "weights_s", "finish_s"} <= set(summary["phases"])
 
     again = quantize_distributed(SRC, dst, r, OPTS, DistOptions(stages=stages, replicas=replicas), log=quiet)
@@ -108,25 +110,34 @@ def test_requantize_does_nothing_then_only_the_changed_layers(tmp_path, capsys):
 
 
 def test_unrecoverable_failure_names_every_failed_shard_and_resume_finishes(tmp_path, refs):
+    """After calibration, the source files of the globals and of the (FLOAT) MTP layer vanish: no stage
+    holds those units' weights, so the weight phase must read them and fails for both; every other unit
+    is written. The job fails naming both units' shards and leaves no index or description; with the
+    files back, a rerun writes only those two units."""
     src = split_by_layer(TINY_FIXTURE, tmp_path / "src")
-    hidden = tmp_path / "layer1.bak"
+    gone = ["model-globals.safetensors", "model-layer3.safetensors"]
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
     dst = tmp_path / "q"
-    layer1_shards = sorted({f for n, f in _planned_index(src).items() if n.startswith("model.layers.1.")})
+    index = _planned_index(src)
+    failing = sorted({f for n, f in index.items() if n.startswith(("model.layers.3.", "model.embed", "model.norm", "lm_head"))})
 
-    def remove_layer1_after_calibration(kind, info):
+    def remove_after_calibration(kind, info):
         if kind == "sample" and info["pass"] == "stats" and info["sample"] == 15 and info["stage"] == 1:
-            shutil.move(src / "model-layer1.safetensors", hidden)  # the weight phase cannot read layer 1
+            for f in gone:
+                shutil.move(src / f, hidden / f)
 
     with pytest.raises(JobFailed) as err:
         quantize_distributed(str(src), str(dst), PLAIN, OPTS, DistOptions(stages=2, progress_s=60), log=quiet,
-                             on_event=remove_layer1_after_calibration)
-    assert len(layer1_shards) >= 2 and sorted(err.value.shards) == layer1_shards
-    assert all(f in str(err.value) for f in layer1_shards)
+                             on_event=remove_after_calibration)
+    assert len(failing) >= 2 and sorted(err.value.shards) == failing
+    assert all(f in str(err.value) for f in failing) and "unit globals" in str(err.value)
     assert not (dst / DESCRIPTION_NAME).exists() and not (dst / NAMING["seed"].index_name).exists()
 
-    shutil.move(hidden, src / "model-layer1.safetensors")
+    for f in gone:
+        shutil.move(hidden / f, src / f)
     s = quantize_distributed(str(src), str(dst), PLAIN, OPTS, DistOptions(stages=2), log=quiet)
-    assert s["units_written"] == 1 and s["units_kept"] == 4 and s["resumed"]
+    assert s["units_written"] == 2 and s["units_kept"] == 3 and s["resumed"]
     assert_same_output(str(dst), str(refs["plain"]))
 
 

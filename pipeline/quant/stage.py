@@ -80,14 +80,16 @@ class Stage:
             tensors[EMBED_NAME] = reader.read_tensor(EMBED_NAME, md)
         if spec.head:
             tensors[NORM_NAME] = reader.read_tensor(NORM_NAME, md)
-        for i in (*spec.layers, *spec.mtp):
+        mtp = spec.mtp if recipe.quantize_mtp else ()  # FLOAT MTP: not calibrated, so not loaded
+        for i in (*spec.layers, *mtp):
             tensors.update(reader.read_layer(i, dtype=md))
-        self.model = build_model(cfg, tensors, dtype=md, device=device, with_mtp=bool(spec.mtp), strict=False)
+        self.model = build_model(cfg, tensors, dtype=md, device=device, with_mtp=bool(mtp), strict=False)
         del tensors
         owned = set(spec.layers) | set(spec.mtp)
         self.stats_layers = [i for i in stats_layers(cfg, recipe, have_mtp=bool(cfg.mtp_layer_ids)) if i in owned]
         # the smoothing pass covers the MTP layer exactly when the recipe quantizes it (as run.prepare_float_model)
         self.smooth_layers = sorted(spec.layers) + (sorted(spec.mtp) if recipe.quantize_mtp else [])
+        self.dropped: set[int] = set()  # layers freed by drop_layer: the stage can no longer run
 
     @torch.no_grad()
     def forward(self, kind: str, ids: Sequence[int], h: Optional[torch.Tensor] = None
@@ -99,6 +101,8 @@ class Stage:
         if kind not in (STATS, SMOOTH):
             raise ValueError(f"kind must be {STATS!r} or {SMOOTH!r}, got {kind!r}")
         spec, model = self.spec, self.model
+        if self.dropped:
+            raise RuntimeError(f"stage {spec.index}: layers {sorted(self.dropped)} were dropped; load a new Stage")
         t = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         if spec.embed:
             h = model.embed(t)
@@ -120,6 +124,11 @@ class Stage:
                     model.mtp(h[:, :-1], t[:, 1:])
         result = observed.stats() if kind == STATS else {k: v for k, v in observed.items() if v.value is not None}
         return (None if spec.mtp else h), result
+
+    def drop_layer(self, layer_id: int) -> None:
+        """Free one layer's weights (after the weight phase wrote it from them)."""
+        self.model.model.layers[layer_id] = torch.nn.Module()
+        self.dropped.add(layer_id)
 
     def apply_smoothing(self, stats: Mapping[str, ChannelAbsMax], alpha: float) -> None:
         """Fold the (reduced) smoothing statistics into the stage's layers, as the single-process path
