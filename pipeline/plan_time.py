@@ -8,7 +8,10 @@ run one after the other and nothing inside a phase overlaps, so the total is an 
     calibrate  GPipe schedule per replica: (M + stages - 1) steps of the slowest stage, M = the replica's
                micro-batches; a step = stage FLOPs of one micro-batch / (actor GPUs * gpu_tflops)
                + one hidden-state hand-off (seq_len * hidden * 2 bytes) / network_gbps
-    reread     the weight phase reads its layers again (stored bytes), per node / disk_read_gbps
+    reread     the weight phase reads again what no stage holds: with the resident memory model and no
+               separate weight workers, a stage quantizes its own layers from its calibration weights
+               and re-reads only the layers that were not in its forward (the globals, a FLOAT MTP layer);
+               otherwise every layer is read again. Per node / disk_read_gbps
     quantize   dequantize + quantize: the float bytes each writer handles / (quantize_gbps * its GPUs, or
                quantize_gbps alone without GPUs)
     write      the output bytes per node / min(disk_write_gbps, network_gbps)
@@ -95,8 +98,11 @@ def estimate_wall_time(plan: Plan, cluster: Cluster) -> WallTime:
                      for w in plan.workers)
         w_per_node = math.ceil(len(plan.workers) / c.nodes)
     else:
-        writers = [(s.read_bytes - sum(u.stored_bytes for u in plan.units if u.unit in s.units and u.forward),
-                    s.write_bytes) for s in plan.stages]
+        held = 2 if p.memory_model == "resident" else 1  # resident: the stage still holds its forward units
+        writers = []
+        for s in plan.stages:
+            forward = sum(u.stored_bytes for u in plan.units if u.unit in s.units and u.forward)
+            writers.append((max(0, s.read_bytes - held * forward), s.write_bytes))
         floats = max(s.float_bytes * s.write_bytes / max(s.output_bytes, 1) for s in plan.stages)
         w_per_node = stage_per_node
     reread_s = w_per_node * max(r for r, _ in writers) / (c.disk_read_gbps * GB)
