@@ -87,14 +87,15 @@ class StageWorker:
         phase would read (the stage's own layer, the same smoothing folded in, every tensor with the
         reader's name, dtype and shape); else None (read from the source)."""
         lid = unit_layer(unit)
-        if self.stage is None or lid is None or lid in self.stage.dropped:
+        if self.stage is None or lid is None or lid in self.stage.dropped or \
+                lid not in (*self.spec.layers, *self.spec.mtp):
             return None
         if self.recipe.smooth and self.smoothed != smoothing_key:
             return None
         prefix = f"model.layers.{lid}."
         held = {k: v for k, v in self.stage.model.state_dict().items() if k.startswith(prefix)}
         want = self._reader().read_specs(lid)
-        if set(held) != set(want) or any(held[k].dtype != d or tuple(held[k].shape) != tuple(sh)
+        if set(held) != set(want) or any(held[k].is_meta or held[k].dtype != d or tuple(held[k].shape) != tuple(sh)
                                          for k, (d, sh) in want.items()):
             return None
         return {k: held[k] for k in want}  # in the reader's order

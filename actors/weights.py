@@ -48,9 +48,14 @@ def run_weights(actors: Sequence[tuple[int, Any]], owner: Mapping[str, Optional[
     t0 = last_log = time.monotonic()
     done = 0
     while queue or pending:
-        while free and queue:
-            a = free.popleft()
-            u = next((u for u in queue if owner.get(u) == a[0]), queue[0])
+        for a in list(free):
+            free_stages = {f[0] for f in free}
+            u = next((u for u in queue if owner.get(u) == a[0]), None)  # its own layer first
+            if u is None:  # else one whose owner is busy (or none): never one its free owner will take
+                u = next((u for u in queue if owner.get(u) is None or owner[u] not in free_stages), None)
+            if u is None:
+                continue
+            free.remove(a)
             queue.remove(u)
             pending[a[1].write_unit.remote(dst, of_unit[u], stats_ref, smooth_ref, alpha, smoothing_key)] = (u, a)
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=dist.progress_s)
