@@ -1,4 +1,7 @@
-"""Shared fixtures. ``s3``: one real SeaweedFS S3 server per test session (see tests/s3server.py)."""
+"""Shared fixtures. ``s3``: one real SeaweedFS S3 server per test session (see tests/s3server.py).
+``ray_cluster``: one simulated multi-node Ray cluster per session (``ray.cluster_utils.Cluster``: a head
+without CPUs, so that every actor runs on a worker node, and three worker nodes of 2 CPUs, with fast
+node-death detection), this process connected as the driver; stopped at the end of the session."""
 
 from __future__ import annotations
 
@@ -44,3 +47,28 @@ def s3(tmp_path_factory):
         storage._OPTIONS.clear()
         storage._OPTIONS.update(saved)
         server.stop()
+
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import os
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no token between the test's processes
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from distributed import FAST_HEALTH, RAY_WORKER
+
+    c = Cluster(initialize_head=True, connect=False,
+                head_node_args={"num_cpus": 0, "object_store_memory": RAY_WORKER["object_store_memory"],
+                                "_system_config": FAST_HEALTH})
+    try:
+        for _ in range(3):
+            c.add_node(**RAY_WORKER)
+        c.wait_for_nodes()
+        ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()

@@ -1,4 +1,4 @@
-"""The distributed job on a real local Ray (one module-scoped instance): output bit-identical to the
+"""The distributed job on a simulated 3-node Ray cluster (conftest's ``ray_cluster``): output bit-identical to the
 single-process path for 1, 2 and 3 stages and for 2 data-parallel replicas, with and without smoothing
 and MTP calibration; to and from a real S3 server; a finished job rerun does nothing; requantize after a
 source shard changed rewrites only the affected layers; an unrecoverable failure names every failed
@@ -29,11 +29,8 @@ SRC = str(TINY_FIXTURE)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(num_cpus=4, object_store_memory=256 * 2**20, include_dashboard=False, logging_level="ERROR",
-             log_to_driver=False)
-    yield
-    ray.shutdown()
+def cluster(ray_cluster):
+    return ray_cluster
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +155,16 @@ def test_bad_requests_are_refused_before_anything_runs(tmp_path):
     reference(SRC, tmp_path / "single", PLAIN)
     with pytest.raises(FileExistsError, match="without job state.*overwrite"):
         quantize_distributed(SRC, str(tmp_path / "single"), PLAIN, OPTS, DistOptions(stages=1), log=quiet)
+
+
+def test_quantize_cli_runs_the_distributed_job(tmp_path, refs, capsys):
+    from jobs import quantize
+
+    dst = str(tmp_path / "q")
+    argv = ["--model-path", SRC, "--save-path", dst, "--calib-data", OPTS.calib_path, "--no-progress",
+            "--shard-size-gb", str(OPTS.shard_bytes / 2**30), "--stages", "2", "--actor-resource", "CPU=0"]
+    assert quantize.main(argv[:-2]) == 0
+    assert "done: " in capsys.readouterr().out
+    assert_same_output(dst, str(refs["plain"]))
+    assert quantize.main(argv[:-1] + ["stage_slot"]) == 2
+    assert "--actor-resource wants NAME=N" in capsys.readouterr().err

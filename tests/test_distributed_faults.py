@@ -1,6 +1,6 @@
-"""Faults on a simulated multi-node Ray cluster (``ray.cluster_utils.Cluster``: a head without CPUs and
-three one-CPU worker nodes, with fast node-death detection): an actor killed mid-run, a node removed
-mid-run, and a driver killed mid-run then rerun. Each time the job completes with output identical to the
+"""Faults on the simulated multi-node Ray cluster (conftest's ``ray_cluster``: a head without CPUs and
+three worker nodes, with fast node-death detection): an actor killed mid-run, a node removed mid-run, and
+a driver killed mid-run then rerun. Each time the job completes with output identical to the
 single-process (undisturbed) output."""
 
 from __future__ import annotations
@@ -14,31 +14,19 @@ from pathlib import Path
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from actors.quantize_job import quantize_distributed
 from actors.ray_session import DistOptions
-from distributed import OPTS, PLAIN, SMOOTH_MTP, assert_same_output, reference
+from distributed import OPTS, PLAIN, RAY_WORKER, SMOOTH_MTP, assert_same_output, reference
 from tiny import TINY_FIXTURE
 
 pytestmark = pytest.mark.slow
 SRC = str(TINY_FIXTURE)
-MiB = 2**20
-FAST_HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3, "health_check_timeout_ms": 500,
-               "health_check_initial_delay_ms": 0}
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = Cluster(initialize_head=True, connect=False,
-                head_node_args={"num_cpus": 0, "object_store_memory": 96 * MiB, "_system_config": FAST_HEALTH})
-    for _ in range(3):
-        c.add_node(num_cpus=1, object_store_memory=96 * MiB)
-    c.wait_for_nodes()
-    ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+def cluster(ray_cluster):
+    return ray_cluster
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +107,7 @@ def test_node_removed_mid_run(cluster, tmp_path, refs):
         quantize_distributed(SRC, dst, PLAIN, OPTS, DistOptions(stages=2, name=name, progress_s=60),
                              log=logs.append, on_event=on_event)
     finally:
-        cluster.add_node(num_cpus=1, object_store_memory=96 * MiB)  # back to three workers
+        cluster.add_node(**RAY_WORKER)  # back to three workers
     assert removed
     assert any("redoing" in m for m in logs), logs
     assert_same_output(dst, str(refs["plain"]))

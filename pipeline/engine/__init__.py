@@ -1,0 +1,1 @@
+"""Serving engine building blocks: KV cache layout (NZ) and paged-cache bookkeeping."""
