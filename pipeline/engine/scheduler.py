@@ -1,0 +1,226 @@
+"""Continuous batching over a paged cache: which tokens of which sequences each engine step computes.
+
+Every step (:meth:`Scheduler.schedule`) fills a budget of ``max_batched_tokens``:
+
+1. the running sequences, oldest first: a decoding sequence computes its one new token; a sequence still
+   in its prompt computes the next chunk of it (chunked prefill: a long prompt takes several steps and
+   never stalls the decodes, which come first);
+2. then waiting sequences are admitted, first come first served, while fewer than ``max_num_seqs`` run,
+   the budget lasts, and the cache has free blocks for their first chunk (admission is bounded by free
+   blocks).
+
+Each scheduled piece reserves its cache slots first. When a running sequence needs a block and none is
+free, the most recently admitted other running sequence is preempted: its blocks are freed and it goes
+back to the head of the queue, to be recomputed from its tokens so far (prompt and output) when there is
+room again; its output so far is kept, so preemption changes timing, never tokens. After the step,
+:meth:`Scheduler.update` takes the sampled token of every sequence whose tokens are all computed, applies
+the stop conditions (eos, max tokens, the model's length), and frees the blocks of finished sequences.
+
+A prompt that cannot fit the model's length, or whose blocks exceed the whole cache, is refused at
+:meth:`Scheduler.add` with a ValueError that says so; nothing else raises for lack of cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+
+from pipeline.engine.blocks import BlockAllocator, BlockTable
+from pipeline.sampling import SamplingParams
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass
+class Sequence:
+    """One request as the scheduler tracks it."""
+
+    seq_id: int
+    prompt: list[int]
+    params: SamplingParams
+    eos_id: Optional[int]
+    block_size: int
+    tokens: list[int] = field(default_factory=list)     # prompt + sampled tokens
+    num_computed: int = 0                               # tokens whose KV is in the cache
+    status: str = WAITING
+    finish_reason: Optional[str] = None
+    preemptions: int = 0
+    generator: Optional[torch.Generator] = None
+
+    def __post_init__(self):
+        self.tokens = list(self.prompt)
+        self.table = BlockTable(self.block_size)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to compute before the next sample."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.remaining > 1
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Compute ``seq.tokens[start:start + n]``; ``samples``: the step ends with all of the sequence's
+    tokens computed, so its logits at the last one give the next token."""
+
+    seq: Sequence
+    start: int
+    n: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.n == len(self.seq.tokens)
+
+
+@dataclass
+class Batch:
+    pieces: list[Piece]
+    preempted: list[Sequence]
+    finished: list[Sequence] = field(default_factory=list)  # ended here: the cache cannot hold them
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(p.n for p in self.pieces)
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_model_len: int, max_num_seqs: int = 16,
+                 max_batched_tokens: int = 256):
+        if max_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_batched_tokens and max_num_seqs must be >= 1")
+        self.allocator, self.block_size, self.max_model_len = allocator, block_size, max_model_len
+        self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._ids = itertools.count()
+        self.num_preemptions = 0
+
+    # ----- requests --------------------------------------------------------------------------------
+    def add(self, prompt: Iterable[int], params: SamplingParams, eos_id: Optional[int] = None) -> Sequence:
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; this model takes at most "
+                             f"{self.max_model_len - 1} prompt tokens ({self.max_model_len} in all)")
+        blocks = -(-(len(prompt) + 1) // self.block_size)  # the prompt and its first sampled token
+        if blocks > self.allocator.num_blocks:
+            raise ValueError(f"the prompt needs {blocks} cache blocks of {self.block_size} tokens but the "
+                             f"cache has {self.allocator.num_blocks} in all")
+        seq = Sequence(next(self._ids), prompt, params, eos_id, self.block_size)
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, seq: Sequence, reason: str = "abort") -> None:
+        """Stop a sequence now (a client went away): its blocks are freed."""
+        if seq.status == FINISHED:
+            return
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._finish(seq, reason)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ----- scheduling ------------------------------------------------------------------------------
+    def _reserve(self, seq: Sequence, n: int) -> bool:
+        """Reserve cache slots for ``n`` more tokens of ``seq``, preempting younger running sequences
+        when blocks run out. False when even that cannot make room."""
+        while True:
+            need = seq.table.slots_needed(n, self.allocator)
+            if need <= self.allocator.num_free:
+                copies = seq.table.append_tokens(n, self.allocator)
+                assert not copies, "sequences never share blocks here"
+                return True
+            victim = next((s for s in reversed(self.running) if s is not seq), None)
+            if victim is None:
+                return False
+            self._preempt(victim)
+
+    def _preempt(self, seq: Sequence) -> None:
+        seq.table.release(self.allocator)
+        seq.num_computed = 0
+        seq.status = WAITING
+        seq.preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self._preempted.append(seq)
+
+    def schedule(self) -> Batch:
+        budget = self.max_batched_tokens
+        pieces: list[Piece] = []
+        finished: list[Sequence] = []
+        self._preempted: list[Sequence] = []
+        order = [s for s in self.running if not s.in_prefill] + [s for s in self.running if s.in_prefill]
+        for seq in order:  # decodes first, then prompt chunks
+            if seq.status != RUNNING or budget == 0:
+                continue
+            n = min(seq.remaining, budget)
+            if self._reserve(seq, n):
+                pieces.append(Piece(seq, seq.num_computed, n))
+                budget -= n
+            elif len(self.running) == 1:  # alone and still too long for the whole cache
+                self._finish(seq, "length")
+                finished.append(seq)
+        pieces = [p for p in pieces if p.seq.status == RUNNING]  # a scheduled one may have been preempted since
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.remaining, budget)
+            if seq.table.slots_needed(n, self.allocator) > self.allocator.num_free:
+                break  # admission bounded by free blocks; FIFO: no overtaking
+            self.waiting.popleft()
+            seq.table.append_tokens(n, self.allocator)
+            seq.status = RUNNING
+            self.running.append(seq)
+            pieces.append(Piece(seq, seq.num_computed, n))
+            budget -= n
+        return Batch(pieces, self._preempted, finished)
+
+    def update(self, batch: Batch, sampled: dict[int, int]) -> list[Sequence]:
+        """After the step: every piece's tokens are computed; ``sampled``: seq_id -> the next token of each
+        piece that samples. Returns the sequences that finished in this step."""
+        done = []
+        for p in batch.pieces:
+            seq = p.seq
+            if seq.status != RUNNING:
+                continue
+            seq.num_computed = p.start + p.n
+            if not p.samples:
+                continue
+            tok = sampled[seq.seq_id]
+            if seq.eos_id is not None and tok == seq.eos_id:
+                self._finish(seq, "stop")
+            else:
+                seq.tokens.append(tok)
+                if len(seq.output) >= seq.params.max_new_tokens:
+                    self._finish(seq, "length")
+                elif len(seq.tokens) >= self.max_model_len:
+                    self._finish(seq, "length")
+            if seq.status == FINISHED:
+                done.append(seq)
+        return done
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a running sequence for a reason found outside (a stop string)."""
+        self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.table.release(self.allocator)
+        seq.status, seq.finish_reason = FINISHED, reason
+        if seq in self.running:
+            self.running.remove(seq)
