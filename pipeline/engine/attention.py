@@ -43,7 +43,8 @@ def _blocks_of(table: Table, cache: PagedLatentCache, n_tokens: int, what: str) 
     """The block ids holding ``n_tokens`` tokens of a sequence, checked against the cache."""
     blocks = list(table.blocks if isinstance(table, BlockTable) else table)
     if isinstance(table, BlockTable) and table.block_size != cache.block_size:
-        raise ValueError(f"{what}: block table block_size {table.block_size} is not the cache's {cache.block_size}")
+        raise ValueError(f"{what}: block table block_size {table.block_size} is not the cache's "
+                         f"{cache.block_size}")
     need = -(-n_tokens // cache.block_size)
     if len(blocks) < need:
         raise ValueError(f"{what}: {n_tokens} token(s) need {need} block(s) of {cache.block_size}, "
@@ -185,7 +186,8 @@ def reference_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor
     S, T = q_abs.shape[0], c.shape[0]
     start = T - S if start is None else start
     if start < 0 or start + S > T:
-        raise ValueError(f"reference_attention: queries at {start}..{start + S - 1} need {start + S} keys, got {T}")
+        raise ValueError(f"reference_attention: queries at {start}..{start + S - 1} need {start + S} keys, "
+                         f"got {T}")
     cf = c.float()
     scores = (torch.einsum("shc,tc->sht", q_abs.float(), cf)
               + torch.einsum("shr,tr->sht", q_pe.float(), k_pe.float())) * softmax_scale

@@ -164,6 +164,18 @@ class BlockTable:
         """A new table for a sequence sharing every block of this one (each gets one more reference)."""
         return BlockTable(self.block_size, allocator.fork(self.blocks), self.num_tokens)
 
+    def truncate(self, num_tokens: int, allocator: BlockAllocator) -> None:
+        """Keep only the first ``num_tokens`` slots (a rejected speculative token's slot is given back),
+        freeing the blocks no longer needed."""
+        _check_count("truncate: num_tokens", num_tokens)
+        if num_tokens > self.num_tokens:
+            raise ValueError(f"truncate: {num_tokens} tokens is more than the table's {self.num_tokens}")
+        keep = _ceil_div(num_tokens, self.block_size)
+        for b in self.blocks[keep:]:
+            allocator.free(b)
+        del self.blocks[keep:]
+        self.num_tokens = num_tokens
+
     def release(self, allocator: BlockAllocator) -> None:
         """Drop this table's reference to each of its blocks; the table is left empty."""
         for b in self.blocks:

@@ -19,8 +19,8 @@ import torch
 
 from pipeline.engine.blocks import BlockAllocator
 from pipeline.engine.loader import LoadedModel, load_quantized
-from pipeline.engine.runner import ModelRunner
-from pipeline.engine.scheduler import FINISHED, Scheduler
+from pipeline.engine.runner import ModelRunner, Span
+from pipeline.engine.scheduler import FINISHED, RUNNING, Scheduler
 from pipeline.engine.scheduler import Sequence as Seq
 from pipeline.sampling import SamplingParams, sample
 
@@ -35,6 +35,7 @@ class EngineConfig:
     nz: bool = False
     device: str = "cpu"
     cache_dtype: Optional[str] = None       # k_pe / non-FA3 latent storage; default the model's dtype
+    mtp: bool = False                       # speculative decoding with the MTP layer (one draft token)
 
 
 @dataclass
@@ -43,6 +44,8 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
+    drafts: int = 0                 # MTP draft tokens proposed (and verified)
+    accepted: int = 0               # ... and accepted
     step_seconds: list = field(default_factory=list)
 
 
@@ -56,7 +59,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, config.block_size, max_len, config.max_num_seqs,
                                    config.max_batched_tokens)
         self.runner = ModelRunner(loaded, config.num_blocks, config.block_size, config.nz, config.device,
-                                  getattr(torch, config.cache_dtype) if config.cache_dtype else None)
+                                  getattr(torch, config.cache_dtype) if config.cache_dtype else None, config.mtp)
         self.stats = EngineStats()
         self.eos_id = getattr(tokenizer, "eos_id", None) if tokenizer is not None else cfg.eos_token_id
 
@@ -76,33 +79,82 @@ class LLMEngine:
     def abort(self, seq: Seq) -> None:
         self.scheduler.abort(seq)
 
-    def step(self) -> list[tuple[Seq, Optional[int]]]:
-        """One engine step; returns (sequence, its new token or None when it just finished without one)
-        for every sequence that produced a token or finished."""
+    def step(self) -> list[tuple[Seq, list[int]]]:
+        """One engine step; returns (sequence, its new tokens: one, two when an MTP draft was accepted,
+        or none when it just finished without one) for every sequence that produced a token or finished."""
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
-        events: list[tuple[Seq, Optional[int]]] = [(s, None) for s in batch.finished]
+        events: list[tuple[Seq, list[int]]] = [(s, []) for s in batch.finished]
         if not batch.pieces:
             return events
-        logits, _ = self.runner.forward(batch.pieces)
-        samplers = [p for p in batch.pieces if p.samples]
-        sampled = {}
-        for row, p in enumerate(samplers):
-            sampled[p.seq.seq_id] = int(sample(logits[row:row + 1], p.seq.params, p.seq.generator)[0])
-        before = {p.seq.seq_id: len(p.seq.output) for p in samplers}
-        self.scheduler.update(batch, sampled)
-        for p in samplers:
+        spans = [Span(p.token_ids, p.start, p.seq.table.blocks) for p in batch.pieces]
+        offsets = [0]
+        for sp in spans:
+            offsets.append(offsets[-1] + sp.n)
+        rows: list[int] = []
+        for p, a, b in zip(batch.pieces, offsets, offsets[1:]):
+            if p.samples:
+                rows += [b - 2, b - 1] if p.draft is not None else [b - 1]
+        logits, hidden = self.runner.forward(spans, rows)
+        sampled: dict[int, list[int]] = {}
+        r = 0
+        for p in batch.pieces:
+            if not p.samples:
+                continue
             seq = p.seq
-            new = seq.output[-1] if len(seq.output) > before[seq.seq_id] else None
-            if new is not None:
-                self.stats.generated_tokens += 1
+            first = int(sample(logits[r:r + 1], seq.params, seq.generator)[0])
+            if p.draft is None:
+                sampled[seq.seq_id] = [first]
+                r += 1
+                continue
+            self.stats.drafts += 1
+            if first == p.draft:
+                self.stats.accepted += 1
+                sampled[seq.seq_id] = [first, int(sample(logits[r + 1:r + 2], seq.params, seq.generator)[0])]
+            else:
+                sampled[seq.seq_id] = [first]
+            r += 2
+        before = {p.seq.seq_id: len(p.seq.output) for p in batch.pieces}
+        self.scheduler.update(batch, sampled)
+        if self.runner.mtp_id is not None:
+            self._draft(batch.pieces, offsets, hidden)
+        for p in batch.pieces:
+            seq = p.seq
+            new = seq.output[before[seq.seq_id]:]
+            self.stats.generated_tokens += len(new)
+            if new:
                 self._check_stop(seq)
-            if new is not None or seq.status == FINISHED:
+            if new or seq.status == FINISHED:
                 events.append((seq, new))
         self.stats.steps += 1
         self.stats.preemptions = self.scheduler.num_preemptions
         self.stats.step_seconds.append(time.perf_counter() - t0)
         return events
+
+    def _draft(self, pieces, offsets: list[int], hidden: torch.Tensor) -> None:
+        """Run the MTP layer on every position computed this step (with the token after it, now known),
+        filling its cache; the last position of each running greedy sequence gives its next draft."""
+        spans, rows_h, draft_rows, drafting, k = [], [], [], [], 0
+        for p, a in zip(pieces, offsets):
+            seq = p.seq
+            if seq.status != RUNNING:
+                continue
+            end = seq.num_computed  # positions p.start .. end - 1 are in the main cache now
+            spans.append(Span([seq.tokens[i + 1] for i in range(p.start, end)], p.start, seq.table.blocks))
+            rows_h += range(a, a + end - p.start)
+            k += end - p.start
+            if end == len(seq.tokens) - 1 and seq.params.greedy:
+                draft_rows.append(k - 1)
+                drafting.append(seq)
+        if not spans:
+            return
+        logits = self.runner.mtp_forward(spans, hidden[rows_h], draft_rows)
+        for seq, row in zip(drafting, logits.argmax(-1).tolist()):
+            seq.draft = int(row)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.stats.accepted / self.stats.drafts if self.stats.drafts else 0.0
 
     def _check_stop(self, seq: Seq) -> None:
         if not seq.params.stop or self.tokenizer is None or seq.status == FINISHED:

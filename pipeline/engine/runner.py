@@ -3,17 +3,19 @@
 The pieces' tokens are laid end to end (one row of N tokens, each with its own position); everything
 but attention runs on all of them at once (the int8 linears, norms, MoE). Attention is per sequence over
 the paged cache: each layer first writes the pieces' latents (int8 with the layer's fa_k on FA3 layers)
-and rotated k_pe into their reserved slots, then decoding pieces (one token) attend in one batched call
-and prompt chunks attend causally, both block by block over the cache (pipeline.engine.attention), in the
-absorbed form::
+and rotated k_pe into their reserved slots, then single-token pieces attend in one batched decode call
+and longer pieces attend causally, both block by block over the cache (pipeline.engine.attention), in
+the absorbed form::
 
     q_abs = q_nope @ W_UK;  o_lat = attention(q_abs, q_pe; cache);  o = o_proj(o_lat @ W_UV^T)
 
-Only the last token of each piece that samples goes through the final norm and lm_head.
+The MTP layer (speculative decoding) is a decoder layer with its own paged cache, run the same way on
+``eh_proj([enorm(embed(next token)), hnorm(main hidden)])`` (:meth:`ModelRunner.mtp_forward`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -21,62 +23,95 @@ import torch
 from pipeline.engine.attention import paged_decode_attention, paged_prefill_attention
 from pipeline.engine.loader import LoadedModel
 from pipeline.engine.paged_cache import PagedLatentCache
-from pipeline.engine.scheduler import Piece
 from pipeline.quant.quantize_layer import model_dtype
+
+
+@dataclass(frozen=True)
+class Span:
+    """Tokens ``ids`` of one sequence at positions ``start ..``, written to the cache through ``blocks``."""
+
+    ids: list[int]
+    start: int
+    blocks: list[int]
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
 
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16, nz: bool = False,
-                 device: str = "cpu", cache_dtype: torch.dtype | None = None):
+                 device: str = "cpu", cache_dtype: torch.dtype | None = None, mtp: bool = False):
         self.loaded, self.model, self.cfg = loaded, loaded.model, loaded.config
         self.block_size, self.device = block_size, device
         cache_dtype = cache_dtype or model_dtype(self.cfg)  # k_pe (and a non-FA3 latent): the model's dtype
+        ids = list(range(self.cfg.num_hidden_layers))
+        if mtp:
+            if not self.model.mtp_layers:
+                raise ValueError(f"{loaded.path}: speculative decoding needs the MTP layer, which this model lacks")
+            ids.append(self.model.mtp_layers[0].layer_id)
+        self.mtp_id = ids[-1] if mtp else None
         self.caches = {
             i: PagedLatentCache(num_blocks, block_size, self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim,
                                 dtype=cache_dtype, fa_k=loaded.fa_k.get(i), nz=nz, device=device)
-            for i in range(self.cfg.num_hidden_layers)}
+            for i in ids}
 
     def bytes_per_token(self) -> int:
         return sum(c.bytes_per_token() for c in self.caches.values())
 
-    @torch.no_grad()
-    def forward(self, pieces: Sequence[Piece]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [P, V] float32, final normed hidden [P, h]) at the last token of each piece that
-        samples, in piece order. The pieces' cache slots must be reserved (the scheduler does)."""
-        model, dev = self.model, self.device
-        ids = torch.tensor([t for p in pieces for t in p.seq.tokens[p.start:p.start + p.n]], device=dev)
-        pos = torch.cat([torch.arange(p.start, p.start + p.n, device=dev) for p in pieces])
-        cos, sin = model.rotary.cos_sin(pos[None])
-        h = model.embed(ids[None])
+    def _layer(self, layer, cache: PagedLatentCache, h: torch.Tensor, cos, sin, spans: Sequence[Span],
+               bounds: list[tuple[int, int]]) -> torch.Tensor:
+        attn, dev = layer.self_attn, self.device
+        x = layer.input_layernorm(h)
+        q_nope, q_pe = attn.query(x, cos, sin)
+        c, k_pe = attn.latent(x, cos, sin)
+        for sp, (a, b) in zip(spans, bounds):
+            cache.write(sp.blocks, c[0, a:b], k_pe[0, a:b], sp.start)
+        w_uk, w_uv = attn.absorbed_weights()
+        q_abs = torch.einsum("nhd,hdc->nhc", q_nope[0].float(), w_uk.float())
+        qp = q_pe[0].float()
+        o_lat = torch.empty(q_abs.shape, dtype=torch.float32, device=dev)
+        single = [j for j, sp in enumerate(spans) if sp.n == 1]
+        if single:
+            rows = [bounds[j][0] for j in single]
+            o_lat[rows] = paged_decode_attention(q_abs[rows], qp[rows], cache, [spans[j].blocks for j in single],
+                                                 [spans[j].start + 1 for j in single], attn.scale)
+        for sp, (a, b) in zip(spans, bounds):
+            if sp.n > 1:
+                o_lat[a:b] = paged_prefill_attention(q_abs[a:b], qp[a:b], cache, sp.blocks, sp.start, attn.scale)
+        o = torch.einsum("nhc,hdc->nhd", o_lat, w_uv.float()).to(h.dtype)
+        h = h + attn.o_proj(o.flatten(-2)[None])
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def _positions(self, spans: Sequence[Span]):
+        dev = self.device
+        pos = torch.cat([torch.arange(sp.start, sp.start + sp.n, device=dev) for sp in spans])
         bounds, k = [], 0
-        for p in pieces:
-            bounds.append((k, k + p.n))
-            k += p.n
-        decode = [j for j, p in enumerate(pieces) if p.n == 1]
+        for sp in spans:
+            bounds.append((k, k + sp.n))
+            k += sp.n
+        return self.model.rotary.cos_sin(pos[None]), bounds
+
+    @torch.no_grad()
+    def forward(self, spans: Sequence[Span], rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The main model over ``spans`` (their cache slots reserved); returns (logits [R, V] float32,
+        final normed hidden [N, h] of every token) with logits at the flat token ``rows``."""
+        model = self.model
+        (cos, sin), bounds = self._positions(spans)
+        h = model.embed(torch.tensor([t for sp in spans for t in sp.ids], device=self.device)[None])
         for i in range(self.cfg.num_hidden_layers):
-            layer, cache = model.model.layers[i], self.caches[i]
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q_nope, q_pe = attn.query(x, cos, sin)
-            c, k_pe = attn.latent(x, cos, sin)
-            for p, (a, b) in zip(pieces, bounds):
-                cache.write(p.seq.table, c[0, a:b], k_pe[0, a:b], p.start)
-            w_uk, w_uv = attn.absorbed_weights()
-            q_abs = torch.einsum("nhd,hdc->nhc", q_nope[0].float(), w_uk.float())
-            qp = q_pe[0].float()
-            o_lat = torch.empty(q_abs.shape, dtype=torch.float32, device=dev)
-            if decode:
-                rows = [bounds[j][0] for j in decode]
-                o_lat[rows] = paged_decode_attention(
-                    q_abs[rows], qp[rows], cache, [pieces[j].seq.table.blocks for j in decode],
-                    [pieces[j].start + 1 for j in decode], attn.scale)
-            for j, (p, (a, b)) in enumerate(zip(pieces, bounds)):
-                if p.n > 1:
-                    o_lat[a:b] = paged_prefill_attention(q_abs[a:b], qp[a:b], cache, p.seq.table.blocks,
-                                                         p.start, attn.scale)
-            o = torch.einsum("nhc,hdc->nhd", o_lat, w_uv.float()).to(h.dtype)
-            h = h + attn.o_proj(o.flatten(-2)[None])
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        last = [b - 1 for p, (a, b) in zip(pieces, bounds) if p.samples]
-        logits, hidden = model.head(h[:, last], return_hidden=True)
-        return logits[0], hidden[0]
+            h = self._layer(model.model.layers[i], self.caches[i], h, cos, sin, spans, bounds)
+        hidden = model.model.norm(h)
+        return model.lm_head(hidden[:, list(rows)]).float()[0], hidden[0]
+
+    @torch.no_grad()
+    def mtp_forward(self, spans: Sequence[Span], hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """The MTP layer: ``spans[k].ids`` are the NEXT tokens (t+1) of positions ``start ..`` and ``hidden``
+        [N, h] the main model's normed hidden state at those positions; returns logits [R, V] float32 (for
+        tokens t+2) at the flat ``rows``."""
+        layer = self.model.mtp_layers[0]
+        (cos, sin), bounds = self._positions(spans)
+        nxt = torch.tensor([t for sp in spans for t in sp.ids], device=self.device)[None]
+        x = layer.eh_proj(torch.cat([layer.enorm(layer.embed_tokens(nxt)), layer.hnorm(hidden[None])], dim=-1))
+        x = self._layer(layer, self.caches[self.mtp_id], x, cos, sin, spans, bounds)
+        return layer.shared_head.head(layer.shared_head.norm(x[:, list(rows)])).float()[0]

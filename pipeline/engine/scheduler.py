@@ -50,6 +50,7 @@ class Sequence:
     finish_reason: Optional[str] = None
     preemptions: int = 0
     generator: Optional[torch.Generator] = None
+    draft: Optional[int] = None                         # MTP's proposal for the token after the last one
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
@@ -74,15 +75,23 @@ class Sequence:
 @dataclass(frozen=True)
 class Piece:
     """Compute ``seq.tokens[start:start + n]``; ``samples``: the step ends with all of the sequence's
-    tokens computed, so its logits at the last one give the next token."""
+    tokens computed, so its logits at the last one give the next token. With ``draft`` (speculative
+    decoding), the piece is the last token and the draft after it (n == 2): its logits at both give the
+    verification and, when the draft is accepted, one more token."""
 
     seq: Sequence
     start: int
     n: int
+    draft: Optional[int] = None
 
     @property
     def samples(self) -> bool:
-        return self.start + self.n == len(self.seq.tokens)
+        return self.start + self.n == len(self.seq.tokens) + (self.draft is not None)
+
+    @property
+    def token_ids(self) -> list[int]:
+        ids = self.seq.tokens[self.start:self.start + self.n]
+        return ids + [self.draft] if self.draft is not None else ids
 
 
 @dataclass
@@ -154,6 +163,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         seq.table.release(self.allocator)
         seq.num_computed = 0
+        seq.draft = None
         seq.status = WAITING
         seq.preemptions += 1
         self.num_preemptions += 1
@@ -170,9 +180,10 @@ class Scheduler:
         for seq in order:  # decodes first, then prompt chunks
             if seq.status != RUNNING or budget == 0:
                 continue
-            n = min(seq.remaining, budget)
+            draft = seq.draft if seq.remaining == 1 and budget >= 2 else None
+            n = min(seq.remaining, budget) + (draft is not None)
             if self._reserve(seq, n):
-                pieces.append(Piece(seq, seq.num_computed, n))
+                pieces.append(Piece(seq, seq.num_computed, n, draft))
                 budget -= n
             elif len(self.running) == 1:  # alone and still too long for the whole cache
                 self._finish(seq, "length")
@@ -191,26 +202,34 @@ class Scheduler:
             budget -= n
         return Batch(pieces, self._preempted, finished)
 
-    def update(self, batch: Batch, sampled: dict[int, int]) -> list[Sequence]:
+    def update(self, batch: Batch, sampled: dict[int, "int | list[int]"]) -> list[Sequence]:
         """After the step: every piece's tokens are computed; ``sampled``: seq_id -> the next token of each
-        piece that samples. Returns the sequences that finished in this step."""
+        piece that samples, or for a draft piece the tokens it yields in order: ``[t]`` (draft rejected:
+        ``t`` replaces it, whose slot is given back) or ``[draft, t]`` (accepted). Returns the sequences
+        that finished in this step."""
         done = []
         for p in batch.pieces:
             seq = p.seq
             if seq.status != RUNNING:
                 continue
-            seq.num_computed = p.start + p.n
-            if not p.samples:
-                continue
-            tok = sampled[seq.seq_id]
-            if seq.eos_id is not None and tok == seq.eos_id:
-                self._finish(seq, "stop")
+            seq.draft = None
+            got = sampled.get(seq.seq_id) if p.samples else None
+            toks = [got] if isinstance(got, int) else list(got or [])
+            if p.draft is not None:
+                accepted = len(toks) == 2
+                seq.num_computed = p.start + (2 if accepted else 1)
+                if not accepted:
+                    seq.table.truncate(seq.num_computed, self.allocator)
             else:
+                seq.num_computed = p.start + p.n
+            for tok in toks:
+                if seq.eos_id is not None and tok == seq.eos_id:
+                    self._finish(seq, "stop")
+                    break
                 seq.tokens.append(tok)
-                if len(seq.output) >= seq.params.max_new_tokens:
+                if len(seq.output) >= seq.params.max_new_tokens or len(seq.tokens) >= self.max_model_len:
                     self._finish(seq, "length")
-                elif len(seq.tokens) >= self.max_model_len:
-                    self._finish(seq, "length")
+                    break
             if seq.status == FINISHED:
                 done.append(seq)
         return done
