@@ -114,7 +114,7 @@ def test_every_quantized_linear_equals_fakequant(quantized, activations):
         ref = QuantLinear(types[p + ".weight"], linear_tensors(tensors, p))(x)
         assert y.dtype == torch.bfloat16 and y.shape == ref.shape
         assert ulp_diff(y, ref) <= OUTPUT_ULPS, p
-        assert mod.last_kernel == FP32_CHUNKED, p
+        assert mod.last_kernel == select_kernel("cpu", mod.out_features, mod.in_features), p
         x32 = x.float()  # a float32 model: the float32 result of the epilogue itself, uncast
         assert ulp_diff(mod(x32), QuantLinear(types[p + ".weight"], linear_tensors(tensors, p))(x32)) <= OUTPUT_ULPS, p
         one_ulp_up = (y.view(torch.int16) + 1).view(torch.bfloat16)  # the comparison sees a single ulp
@@ -181,8 +181,9 @@ def test_chunking_is_what_makes_fp32_exact():
 
 
 def test_kernel_choice():
-    assert select_kernel("cpu", 64, 128) == FP32_CHUNKED
+    assert select_kernel("cpu", 64, 128) == INT_MM
     assert select_kernel("cpu", 61, 127) == FP32_CHUNKED
+    assert select_kernel("cpu", 64, 1) == FP32_CHUNKED     # CPU _int_mm is wrong for k = 1
     assert select_kernel("cuda", 64, 128) == INT_MM
     assert select_kernel(torch.device("cuda", 0), 64, 131064) == INT_MM
     assert select_kernel("cuda", 60, 128) == FLOAT64       # n not a multiple of 8
@@ -191,14 +192,15 @@ def test_kernel_choice():
 
 
 def test_every_kernel_gives_the_same_output(quantized, activations):
-    """Forcing int_mm (with the row padding for fewer than 17 rows) or float64 changes no bit."""
+    """Forcing fp32_chunked or float64 instead of int_mm (with its row padding for fewer than 17 rows)
+    changes no bit."""
     types, tensors = quantized
     for p in (STATIC_NAME, DYNAMIC_NAME, "model.layers.2.mlp.shared_experts.down_proj"):
         mod = build_from_checkpoint(p, tensors, types)
         x = activations[p]
         auto = mod(x)
-        assert mod.last_kernel == FP32_CHUNKED
-        for kernel in (INT_MM, FLOAT64):
+        assert mod.last_kernel == INT_MM
+        for kernel in (FP32_CHUNKED, FLOAT64):
             mod.kernel = kernel
             assert torch.equal(mod(x), auto), (p, kernel)
             assert torch.equal(mod(x[:5]), auto[:5]), (p, kernel)
