@@ -16,20 +16,36 @@ from pipeline.engine.paged_cache import PagedLatentCache, quantize_latent
 from pipeline.quant.fakequant import fa3_latent
 
 # Paged vs contiguous, both float32 on the same (dequantized) latent: only the summation order differs
-# (blocked online softmax vs one softmax). Measured max |diff| / max |ref| <= ~3e-7 here; stated bound:
+# (blocked online softmax vs one softmax). Measured max |diff| / max |ref|: 6.4e-7 at worst in these
+# tests. Stated bound:
 PAGED_RTOL = 1e-5
-# o_lat from the int8 cache against o_lat from a bf16 cache of the same float latent (fa_k = max|c| / 127):
-#   random Gaussian latent (no outliers), H=16, C=512, T=1000:  measured ~37.6 dB over 3 seeds
-#   the tiny fixture's real normed latents and real queries, all 3 layers, every position: ~39.3-40.6 dB
-# Thresholds sit ~3 dB under the lowest measurement (int8 of a max-scaled latent, 8-bit: ~6 dB per bit).
-SQNR_RANDOM_DB = 34.0
-SQNR_REAL_DB = 36.0
-# The bf16 cache itself against the float32 latent, for scale: bf16 has 8 mantissa bits (~50 dB).
-SQNR_BF16_DB = 45.0
-# Paged attention times W_UV against MLA._absorbed of the float32 tiny model (same math, float32).
+# o_lat from the int8 cache against o_lat from a bf16 cache of the same float latent (fa_k = max|c| / 127),
+# measured here (SQNR = 10 log10(sum ref^2 / sum err^2)):
+#   random Gaussian latent (no outliers, max|c| ~ 4.7-5.0 sigma), H=16, C=512, d_r=64, T=1000, 3 seeds:
+#     q_std 0.3 (scores' std ~1, the softmax moderately peaked): 38.4 / 39.0 / 39.0 dB
+#     q_std 1.0 (scores' std ~3, a sharp softmax: score errors are amplified): 32.1 / 32.3 / 33.3 dB
+#   the tiny fixture's real normed latents (C=48, so NZ pads columns; max|c| ~ 4.1-4.4 std) with its
+#   real queries (scores' std ~0.36), every position of 2 x 48 tokens: layer 0 39.5, layer 1 40.9, layer 2 40.0 dB
+# Thresholds sit ~3 dB under the lowest measurement of each case.
+SQNR_RANDOM_DB = {0.3: 35.0, 1.0: 29.0}
+SQNR_REAL_DB = 36.5
+# The bf16 cache itself against the float32 latent, for scale: measured 46.7-56.2 dB on the cases above.
+SQNR_BF16_DB = 43.0
+# Paged attention times W_UV against MLA._absorbed of the float32 tiny model (same math, float32; outputs
+# ~1 in size): measured max |diff| 2.1e-7.
 MLA_ATOL = 1e-5
 
 SCALE = 0.1352338          # V3's softmax_scale (192^-0.5 * mscale^2)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These matrices are small: one intra-op thread is about as fast, and it stays fast when other
+    processes keep the 2 cores busy (2 spin-waiting OpenMP threads can then be ~100x slower)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -253,13 +269,14 @@ def _int8_and_bf16_o_lat(c: torch.Tensor, pe: torch.Tensor, q: torch.Tensor, qp:
     return outs[0], outs[1]
 
 
-def test_int8_vs_bf16_sqnr_random_latent():
+@pytest.mark.parametrize("q_std", sorted(SQNR_RANDOM_DB))
+def test_int8_vs_bf16_sqnr_random_latent(q_std):
     H, C, R, T = 16, 512, 64, 1000
     worst = float("inf")
     for seed in range(3):
         c, pe = _latents(T, C, R, seed=seed, dtype=torch.float32)
         fa_k = c.abs().max() / 127
-        q, qp = _queries(1, H, C, R, seed=100 + seed, q_std=0.3)
+        q, qp = _queries(1, H, C, R, seed=100 + seed, q_std=q_std)
         caches = {}
         for name, fk in (("int8", fa_k), ("bf16", None)):
             caches[name] = PagedLatentCache(-(-T // 128), 128, C, R, torch.bfloat16, fa_k=fk, nz=True)
@@ -268,7 +285,7 @@ def test_int8_vs_bf16_sqnr_random_latent():
         ref = reference_attention(q, qp, c, pe.bfloat16().float(), SCALE)
         assert sqnr_db(o16, ref) >= SQNR_BF16_DB
         worst = min(worst, sqnr_db(o8, o16))
-    assert worst >= SQNR_RANDOM_DB, worst
+    assert worst >= SQNR_RANDOM_DB[q_std], worst
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ class EngineConfig:
     device: str = "cpu"
     cache_dtype: Optional[str] = None       # k_pe / non-FA3 latent storage; default the model's dtype
     mtp: bool = False                       # speculative decoding with the MTP layer (one draft token)
+    fa3: bool = True                        # int8 latent cache on FA3 layers (False: the latent in bf16)
 
 
 @dataclass
@@ -59,7 +60,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, config.block_size, max_len, config.max_num_seqs,
                                    config.max_batched_tokens)
         self.runner = ModelRunner(loaded, config.num_blocks, config.block_size, config.nz, config.device,
-                                  getattr(torch, config.cache_dtype) if config.cache_dtype else None, config.mtp)
+                                  getattr(torch, config.cache_dtype) if config.cache_dtype else None, config.mtp,
+                                  config.fa3)
         self.stats = EngineStats()
         self.eos_id = getattr(tokenizer, "eos_id", None) if tokenizer is not None else cfg.eos_token_id
 

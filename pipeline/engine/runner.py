@@ -41,7 +41,8 @@ class Span:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16, nz: bool = False,
-                 device: str = "cpu", cache_dtype: torch.dtype | None = None, mtp: bool = False):
+                 device: str = "cpu", cache_dtype: torch.dtype | None = None, mtp: bool = False,
+                 fa3: bool = True):
         self.loaded, self.model, self.cfg = loaded, loaded.model, loaded.config
         self.block_size, self.device = block_size, device
         cache_dtype = cache_dtype or model_dtype(self.cfg)  # k_pe (and a non-FA3 latent): the model's dtype
@@ -53,7 +54,7 @@ class ModelRunner:
         self.mtp_id = ids[-1] if mtp else None
         self.caches = {
             i: PagedLatentCache(num_blocks, block_size, self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim,
-                                dtype=cache_dtype, fa_k=loaded.fa_k.get(i), nz=nz, device=device)
+                                dtype=cache_dtype, fa_k=loaded.fa_k.get(i) if fa3 else None, nz=nz, device=device)
             for i in ids}
 
     def bytes_per_token(self) -> int:
