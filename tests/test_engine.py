@@ -126,3 +126,18 @@ def test_mtp_speculative_decoding_changes_no_token_and_counts_acceptance(qdir, t
     tight = engine(qdir, tok, mtp=True, num_blocks=6, max_batched_tokens=9)
     assert tight.generate(prompts, params) == want
     assert tight.stats.preemptions > 0 and tight.allocator.num_free == 6
+
+
+@pytest.mark.parametrize("fixture", ["msmodelslim-v1-bf16", "msmodelslim-v1-fp16"])
+def test_runs_msmodelslim_output_as_fakequant_does(fixture):
+    """msModelSlim's own ascendV1 output (its MTP layer quantized too): the engine with a float32 k_pe
+    cache gives the fake-quant model's greedy tokens; with MTP drafting, the same tokens again."""
+    from tiny import FIXTURES
+
+    path = str(FIXTURES / fixture)
+    prompt = [1, 17, 42, 99, 7, 256, 3]
+    params = SamplingParams(max_new_tokens=12)
+    want = generate_ids(load_fakequant_model(path), prompt, params)
+    eng = LLMEngine.from_dir(path, num_blocks=16, cache_dtype="float32")
+    assert eng.generate([prompt], params) == [want]
+    assert LLMEngine.from_dir(path, num_blocks=16, cache_dtype="float32", mtp=True).generate([prompt], params) == [want]
