@@ -54,8 +54,10 @@ def test_output_is_the_single_process_output(tmp_path, refs, stages, replicas, r
     summary = json.loads((tmp_path / "q" / SUMMARY_NAME).read_text())
     assert len(summary["actors"]) == stages * replicas
     assert all(a["peak_rss"] > 0 and "node_id" in a for a in summary["actors"])
-    # the stages quantized their own layers from the calibration weights (the MTP too when calibrated)
-    assert sum(a["units_from_memory"] for a in summary["actors"]) == (4 if r.quantize_mtp else 3), summary["actors"]
+    # each stage quantized at least its first own layer from its calibration weights (the first round of
+    # the weight phase gives every actor one of its own; later an idle actor may take a busy stage's unit
+    # and read it from the source): both paths are in the identical output above
+    assert sum(a["units_from_memory"] for a in summary["actors"]) >= stages, summary["actors"]
     assert {"plan_s", "calibration_stats_s", "weights_s", "finish_s"} <= set(summary["phases"])
 
     again = quantize_distributed(SRC, dst, r, OPTS, DistOptions(stages=stages, replicas=replicas), log=quiet)
