@@ -141,3 +141,22 @@ def test_runs_msmodelslim_output_as_fakequant_does(fixture):
     eng = LLMEngine.from_dir(path, num_blocks=16, cache_dtype="float32")
     assert eng.generate([prompt], params) == [want]
     assert LLMEngine.from_dir(path, num_blocks=16, cache_dtype="float32", mtp=True).generate([prompt], params) == [want]
+
+
+@pytest.mark.parametrize("kw", [{}, {"nz": True, "mtp": True}], ids=["nd", "nz-mtp"])
+def test_prefill_decode_handoff_gives_the_same_tokens(qdir, tok, prompts, kw):
+    """Prefill on one engine, hand the prompt's cache blocks (int8 latent, NZ when on, the MTP layer's
+    too) to another, decode there: the greedy tokens are those of one engine doing both."""
+    want = engine(qdir, tok, **kw).generate(prompts, GREEDY)
+    pre, dec = engine(qdir, tok, **kw), engine(qdir, tok, **kw)
+    handoffs = [pre.prefill(p, GREEDY) for p in prompts]
+    assert pre.allocator.num_free == 64  # the prefill side keeps nothing
+    assert all(h.nbytes > 0 and h.first_token == w[0] for h, w in zip(handoffs, want))
+    seqs = [dec.add_prefilled(h, GREEDY) for h in handoffs]
+    while dec.has_work:
+        dec.step()
+    assert [s.output for s in seqs] == want
+    assert dec.allocator.num_free == 64
+    other = engine(qdir, tok, block_size=32)
+    with pytest.raises(ValueError, match="cache layout differs in \\['block_size'"):
+        other.add_prefilled(handoffs[0], GREEDY)

@@ -12,7 +12,7 @@ or :meth:`LLMEngine.generate` for a list of prompts.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import torch
@@ -37,6 +37,26 @@ class EngineConfig:
     cache_dtype: Optional[str] = None       # k_pe / non-FA3 latent storage; default the model's dtype
     mtp: bool = False                       # speculative decoding with the MTP layer (one draft token)
     fa3: bool = True                        # int8 latent cache on FA3 layers (False: the latent in bf16)
+
+
+@dataclass
+class KVHandoff:
+    """A prefilled prompt, as a prefill engine hands it to a decode engine: the prompt, the first token
+    sampled from it, and the cache blocks holding the prompt's KV in their stored form (int8 latent with
+    fa_k on FA3 layers, NZ when the cache is NZ), per layer (the MTP layer's too when drafting), plus the
+    MTP draft for the next token. ``layout`` must match the receiving engine's (checked)."""
+
+    prompt: list[int]
+    first_token: Optional[int]              # None: the request ended at its first token (finish_reason)
+    finish_reason: Optional[str]
+    num_cached: int
+    blocks: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    draft: Optional[int]
+    layout: dict
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() + pe.numel() * pe.element_size() for c, pe in self.blocks.values())
 
 
 @dataclass
@@ -80,6 +100,53 @@ class LLMEngine:
 
     def abort(self, seq: Seq) -> None:
         self.scheduler.abort(seq)
+
+    # ----- prefill/decode disaggregation ----------------------------------------------------------
+    def kv_layout(self) -> dict:
+        """What a KV handoff between two engines must agree on (the serving layer checks it at start-up)."""
+        caches = self.runner.caches
+        return {"model": self.loaded.config.to_dict(),
+                "block_size": self.config.block_size, "nz": self.config.nz, "mtp": self.config.mtp,
+                "layers": {i: {"latent": str(c.latent_dtype), "k_pe": str(c.dtype),
+                               "fa_k": None if c.scale is None else float(c.scale)} for i, c in caches.items()}}
+
+    def prefill(self, prompt_ids: Sequence[int], params: SamplingParams) -> KVHandoff:
+        """Run the prompt (with whatever else is in flight), sample its first token, and hand off its
+        cache blocks; the sequence's blocks are freed here once copied out."""
+        seq = self.add_request(prompt_ids, replace(params, max_new_tokens=1))
+        seq.hold = True
+        while seq.status != FINISHED:
+            self.step()
+        try:
+            first = seq.output[0] if seq.output else None
+            n = len(seq.prompt)
+            blocks = seq.table.blocks[: -(-n // self.config.block_size)]
+            data = {i: (c.c[blocks].clone(), c.pe[blocks].clone()) for i, c in self.runner.caches.items()}
+            reason = "stop" if first is None else ("length" if params.max_new_tokens <= 1 else None)
+            return KVHandoff(list(seq.prompt), first, reason, n, data, seq.draft, self.kv_layout())
+        finally:
+            seq.hold = False
+            seq.table.release(self.allocator)
+
+    def add_prefilled(self, kv: KVHandoff, params: SamplingParams) -> Seq:
+        """Continue a request another engine prefilled: its blocks are copied into this engine's cache and
+        the sequence decodes from the next step. Raises ValueError when the layouts differ and OutOfBlocks
+        when the cache cannot take the blocks now."""
+        if kv.layout != self.kv_layout():
+            diff = sorted(k for k in set(kv.layout) | set(self.kv_layout()) if kv.layout.get(k) != self.kv_layout().get(k))
+            raise ValueError(f"KV handoff: the prefill engine's cache layout differs in {diff}")
+        if kv.first_token is None:
+            raise ValueError(f"KV handoff: the request already finished at prefill ({kv.finish_reason})")
+        seq = self.scheduler.add_running(kv.prompt + [kv.first_token], len(kv.prompt), kv.num_cached, params,
+                                         self.eos_id)
+        nb = len(seq.table.blocks)
+        for i, cache in self.runner.caches.items():
+            c, pe = kv.blocks[i]
+            cache.c[seq.table.blocks] = c[:nb].to(cache.c.device)
+            cache.pe[seq.table.blocks] = pe[:nb].to(cache.pe.device)
+        seq.draft = kv.draft if params.greedy else None
+        self.stats.prompt_tokens += len(kv.prompt)
+        return seq
 
     def step(self) -> list[tuple[Seq, list[int]]]:
         """One engine step; returns (sequence, its new tokens: one, two when an MTP draft was accepted,
@@ -139,7 +206,7 @@ class LLMEngine:
         spans, rows_h, draft_rows, drafting, k = [], [], [], [], 0
         for p, a in zip(pieces, offsets):
             seq = p.seq
-            if seq.status != RUNNING:
+            if seq.status != RUNNING and not seq.hold:
                 continue
             end = seq.num_computed  # positions p.start .. end - 1 are in the main cache now
             spans.append(Span([seq.tokens[i + 1] for i in range(p.start, end)], p.start, seq.table.blocks))

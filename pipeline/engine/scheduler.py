@@ -51,6 +51,7 @@ class Sequence:
     preemptions: int = 0
     generator: Optional[torch.Generator] = None
     draft: Optional[int] = None                         # MTP's proposal for the token after the last one
+    hold: bool = False                                  # keep the blocks when finished (a prefill to hand off)
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
@@ -131,6 +132,23 @@ class Scheduler:
                              f"cache has {self.allocator.num_blocks} in all")
         seq = Sequence(next(self._ids), prompt, params, eos_id, self.block_size)
         self.waiting.append(seq)
+        return seq
+
+    def add_running(self, tokens: Iterable[int], num_prompt: int, num_cached: int, params: SamplingParams,
+                    eos_id: Optional[int] = None) -> Sequence:
+        """A sequence whose first ``num_cached`` tokens' KV another engine computed (prefill/decode
+        disaggregation): blocks for them are allocated now (OutOfBlocks when the cache cannot take them:
+        the caller retries later) and the sequence runs from the next step; the caller fills the blocks."""
+        tokens = list(tokens)
+        if not 0 < num_cached < len(tokens) or not 0 < num_prompt <= num_cached:
+            raise ValueError(f"add_running: {num_cached} cached of {len(tokens)} tokens ({num_prompt} prompt)")
+        if len(tokens) >= self.max_model_len:
+            raise ValueError(f"the sequence has {len(tokens)} tokens; this model takes at most {self.max_model_len}")
+        seq = Sequence(next(self._ids), tokens[:num_prompt], params, eos_id, self.block_size)
+        seq.tokens = tokens
+        seq.table.append_tokens(num_cached, self.allocator)
+        seq.num_computed, seq.status = num_cached, RUNNING
+        self.running.append(seq)
         return seq
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
@@ -239,7 +257,8 @@ class Scheduler:
         self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.table.release(self.allocator)
+        if not seq.hold:
+            seq.table.release(self.allocator)
         seq.status, seq.finish_reason = FINISHED, reason
         if seq in self.running:
             self.running.remove(seq)
