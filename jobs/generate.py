@@ -1,7 +1,9 @@
-"""Answer a prompt with the float model: ``python -m jobs.generate "What's deep learning?"``.
+"""Answer a prompt: ``python -m jobs.generate [--model-path DIR] "What's deep learning?"``.
 
-With no --model-path it runs the embedded default model. Greedy by default; --temperature/--top-p/
---top-k/--seed sample.
+With no --model-path it runs the embedded default model (float). A quantized directory (one with
+quant_model_description.json, ours or msModelSlim's) runs in the inference engine: int8 linears, the
+int8 latent cache (NZ), MTP speculative decoding when the model has the layer. Greedy by default;
+--temperature/--top-p/--top-k/--seed sample.
 """
 
 from __future__ import annotations
@@ -32,7 +34,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from dataclasses import replace
+
+    from pipeline import storage
     from pipeline.embedded import EMBEDDED_MODEL_DIR
+    from pipeline.quant.description import DESCRIPTION_NAME
     from pipeline.generate import generate_text
     from pipeline.loading import load_model
     from pipeline.sampling import SamplingParams
@@ -43,10 +49,26 @@ def main(argv=None) -> int:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         t0 = time.time()
-        model = load_model(path, dtype=args.dtype, device=args.device, with_mtp=False)
+        if not storage.isdir(path):
+            raise FileNotFoundError(f"{path}: not a checkpoint directory")
         tok = Tokenizer.from_dir(path)
-        t1 = time.time()
-        text = generate_text(model, tok, args.prompt, params, chat=not args.raw)
+        if storage.exists(storage.join(path, DESCRIPTION_NAME)):
+            from pipeline.engine.engine import LLMEngine
+
+            eng = LLMEngine.from_dir(path, tokenizer=tok, nz=True, device=args.device or "cpu")
+            eng = LLMEngine(eng.loaded, replace(eng.config, mtp=bool(eng.loaded.model.mtp_layers)), tok)
+            t1 = time.time()
+            ids = tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user", "content": args.prompt}])
+            seq = eng.add_request(ids, params)
+            while eng.has_work:
+                eng.step()
+            text = eng.text(seq)
+            path = f"{path} (engine: int8 linears, int8-NZ latent cache" + (
+                f", MTP acceptance {eng.acceptance_rate:.2f})" if eng.config.mtp else ")")
+        else:
+            model = load_model(path, dtype=args.dtype, device=args.device, with_mtp=False)
+            t1 = time.time()
+            text = generate_text(model, tok, args.prompt, params, chat=not args.raw)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -160,3 +160,12 @@ def test_prefill_decode_handoff_gives_the_same_tokens(qdir, tok, prompts, kw):
     other = engine(qdir, tok, block_size=32)
     with pytest.raises(ValueError, match="cache layout differs in \\['block_size'"):
         other.add_prefilled(handoffs[0], GREEDY)
+
+
+def test_generate_job_runs_a_quantized_directory_in_the_engine(qdir, capsys):
+    from jobs import generate
+
+    assert generate.main(["--model-path", qdir, "What's deep learning?", "--max-new-tokens", "24"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0] == "> What's deep learning?" and len(" ".join(out.splitlines()[1:]).split()) >= 3
+    assert "engine: int8 linears, int8-NZ latent cache, MTP acceptance" in err
