@@ -72,3 +72,15 @@ def ray_cluster():
     finally:
         ray.shutdown()
         c.shutdown()
+
+
+@pytest.fixture(scope="session")
+def embedded_quantized(tmp_path_factory) -> str:
+    """The embedded model quantized with the default recipe (W8A8 + FA3), once per session; read-only."""
+    from pipeline.embedded import EMBEDDED_MODEL_DIR
+    from pipeline.quant.recipe import Recipe
+    from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+
+    dst = str(tmp_path_factory.mktemp("embedded-quantized") / "q")
+    quantize_checkpoint(str(EMBEDDED_MODEL_DIR), dst, Recipe(), QuantizeOptions(), log=lambda m: None)
+    return dst

@@ -15,8 +15,6 @@ from pipeline.engine.loader import load_quantized
 from pipeline.generate import generate_ids
 from pipeline.loading import load_model
 from pipeline.quant.fakequant import load_fakequant_model
-from pipeline.quant.recipe import Recipe
-from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
 from pipeline.safetensors_io import CheckpointError
 from pipeline.sampling import SamplingParams
 from pipeline.tokenizer import Tokenizer
@@ -32,10 +30,8 @@ AGREE_FLOAT_MIN = 0.35
 
 
 @pytest.fixture(scope="module")
-def qdir(tmp_path_factory) -> str:
-    dst = str(tmp_path_factory.mktemp("engine") / "q")
-    quantize_checkpoint(str(EMBEDDED_MODEL_DIR), dst, Recipe(), QuantizeOptions(), log=lambda m: None)
-    return dst
+def qdir(embedded_quantized) -> str:
+    return embedded_quantized
 
 
 @pytest.fixture(scope="module")

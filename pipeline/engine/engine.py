@@ -12,6 +12,7 @@ or :meth:`LLMEngine.generate` for a list of prompts.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
@@ -37,6 +38,9 @@ class EngineConfig:
     cache_dtype: Optional[str] = None       # k_pe / non-FA3 latent storage; default the model's dtype
     mtp: bool = False                       # speculative decoding with the MTP layer (one draft token)
     fa3: bool = True                        # int8 latent cache on FA3 layers (False: the latent in bf16)
+
+
+STEP_TIMES_KEPT = 10_000
 
 
 @dataclass
@@ -67,7 +71,7 @@ class EngineStats:
     preemptions: int = 0
     drafts: int = 0                 # MTP draft tokens proposed (and verified)
     accepted: int = 0               # ... and accepted
-    step_seconds: list = field(default_factory=list)
+    step_seconds: deque = field(default_factory=lambda: deque(maxlen=STEP_TIMES_KEPT))  # the latest steps'
 
 
 class LLMEngine:
