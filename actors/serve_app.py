@@ -24,251 +24,22 @@ answered its stats call; with one replica of each (the default) that is everythi
 # FastAPI view, and FastAPI cannot resolve string annotations (``request: "Request"``) in them.
 
 import asyncio
-import dataclasses
 import hmac
-import itertools
-import json
-import queue
-import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Mapping, Optional, Union
+from typing import Any, AsyncIterator, Mapping, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from actors.engine_loop import EngineDead, EngineLoop, PrefillFailed, task_cause as _cause  # noqa: F401
+from actors.serve_config import DEFAULT_ENGINE, DeploymentOptions, ServeConfig  # noqa: F401 (re-exported)
 from pipeline import openai_api as api
-from pipeline.engine.engine import EngineConfig
 from pipeline.openai_api import ApiError, GenerateRequest, TokenEvent
 
 ADMIN_HEADROOM = 16     # calls beyond max_in_flight a replica accepts: health, metrics, stats, refusals
 STATS_TIMEOUT_S = 5.0
-
-
-# ----- configuration -----------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class DeploymentOptions:
-    """Replica count and Ray actor options (``num_cpus``, ``num_gpus``, ``memory``, ``resources``, ...)."""
-
-    num_replicas: int = 1
-    ray_actor_options: Mapping[str, Any] = field(default_factory=lambda: {"num_cpus": 1})
-
-    def __post_init__(self):
-        if isinstance(self.num_replicas, bool) or not isinstance(self.num_replicas, int) or self.num_replicas < 1:
-            raise ValueError(f"num_replicas must be an integer >= 1, got {self.num_replicas!r}")
-        if not isinstance(self.ray_actor_options, Mapping):
-            raise ValueError(f"ray_actor_options must be a mapping, got {self.ray_actor_options!r}")
-
-
-DEFAULT_ENGINE = EngineConfig(num_blocks=256, block_size=16, max_num_seqs=16, max_batched_tokens=256, nz=True)
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """Everything the application needs. ``model_path``: a quantized directory (every replica reads it;
-    use an absolute or shared path). ``served_model_name``: the OpenAI model id (default: the directory's
-    name). ``engine``: the engine's options. ``api_key``: required bearer token on ``/v1`` (None: open).
-    ``max_in_flight``: generation requests per ingress replica before 429. ``torch_threads``: per engine
-    replica. ``host``/``port``/``app_name``/``route_prefix``: where ``jobs.serve`` serves it."""
-
-    model_path: str
-    served_model_name: Optional[str] = None
-    engine: EngineConfig = DEFAULT_ENGINE
-    api_key: Optional[str] = None
-    max_in_flight: int = 64
-    torch_threads: int = 1
-    llm: DeploymentOptions = field(default_factory=lambda: DeploymentOptions(1, {"num_cpus": 1}))
-    ingress: DeploymentOptions = field(default_factory=lambda: DeploymentOptions(1, {"num_cpus": 0.1}))
-    host: str = "127.0.0.1"
-    port: int = 8000
-    app_name: str = "dsquant"
-    route_prefix: str = "/"
-
-    def __post_init__(self):
-        if not isinstance(self.model_path, str) or not self.model_path:
-            raise ValueError(f"model_path must be a non-empty string, got {self.model_path!r}")
-        for f in ("max_in_flight", "torch_threads"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{f} must be an integer >= 1, got {v!r}")
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
-            raise ValueError("api_key must be a non-empty string or null")
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or Path(self.model_path.rstrip("/")).name
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ServeConfig":
-        """From plain data (a parsed JSON/YAML file); unknown keys are refused by name."""
-        d = dict(d)
-        _no_unknown(d, cls, "serve config")
-        if isinstance(d.get("engine"), Mapping):
-            _no_unknown(d["engine"], EngineConfig, "engine")
-            d["engine"] = EngineConfig(**d["engine"])
-        for key in ("llm", "ingress"):
-            if isinstance(d.get(key), Mapping):
-                _no_unknown(d[key], DeploymentOptions, key)
-                d[key] = DeploymentOptions(**d[key])
-        if "model_path" not in d:
-            raise ValueError("serve config: model_path is required")
-        return cls(**d)
-
-    @classmethod
-    def from_file(cls, path: str) -> "ServeConfig":
-        """Read a ``.json``, ``.yaml`` or ``.yml`` file holding :meth:`from_dict`'s mapping."""
-        text = Path(path).read_text()
-        if path.endswith((".yaml", ".yml")):
-            import yaml
-
-            data = yaml.safe_load(text)
-        else:
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not valid JSON: {e}") from None
-        if not isinstance(data, Mapping):
-            raise ValueError(f"{path}: expected a mapping of serve options, got {type(data).__name__}")
-        try:
-            return cls.from_dict(data)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{path}: {e}") from None
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def _no_unknown(d: Mapping[str, Any], cls: type, where: str) -> None:
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-        raise ValueError(f"{where}: unknown option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-
-
-# ----- the engine loop ---------------------------------------------------------------------------------
-
-class EngineDead(RuntimeError):
-    """The engine's step loop stopped on an error; the message carries it."""
-
-
-Sink = Callable[[Union[TokenEvent, BaseException]], None]
-
-
-class EngineLoop:
-    """An LLMEngine driven by its own thread. :meth:`submit` and :meth:`abort` may be called from any
-    thread; they only enqueue commands, which the loop applies between steps, so the engine is touched by
-    one thread only. Each request's events go to its sink (called on the loop thread); a request the
-    engine refuses gets the ValueError instead, and every open request gets :class:`EngineDead` if the
-    loop fails."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._keys = itertools.count()
-        self._sinks: dict[int, Sink] = {}
-        self._seqs: dict[int, Any] = {}       # key -> engine Sequence
-        self._key_of: dict[int, int] = {}     # seq_id -> key
-        self._stop = threading.Event()
-        self.error: Optional[BaseException] = None
-        self.aborted = 0
-        self.finished = {"stop": 0, "length": 0, "abort": 0}
-        self.snapshot: dict = {}
-        self._publish()
-        self._thread = threading.Thread(target=self._run, name="llm-engine-loop", daemon=True)
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
-
-    def submit(self, prompt_ids, params, sink: Sink) -> int:
-        key = next(self._keys)
-        self._cmds.put(("add", key, list(prompt_ids), params, sink))
-        return key
-
-    def abort(self, key: int) -> None:
-        self._cmds.put(("abort", key))
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self._cmds.put(("wake",))
-        self._thread.join(timeout)
-
-    def _apply(self, cmd: tuple) -> None:
-        if cmd[0] == "add":
-            _, key, prompt_ids, params, sink = cmd
-            try:
-                seq = self.engine.add_request(prompt_ids, params)
-            except ValueError as e:
-                _deliver(sink, e)
-                return
-            self._sinks[key], self._seqs[key], self._key_of[seq.seq_id] = sink, seq, key
-        elif cmd[0] == "abort":
-            seq = self._seqs.pop(cmd[1], None)
-            self._sinks.pop(cmd[1], None)
-            if seq is not None:
-                self._key_of.pop(seq.seq_id, None)
-                if seq.status != "finished":
-                    self.engine.abort(seq)
-                    self.aborted += 1
-                    self.finished["abort"] += 1
-
-    def _drain(self, block: bool) -> None:
-        try:
-            cmd = self._cmds.get(timeout=0.5) if block else self._cmds.get_nowait()
-        except queue.Empty:
-            return
-        self._apply(cmd)
-        while True:
-            try:
-                self._apply(self._cmds.get_nowait())
-            except queue.Empty:
-                return
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._drain(block=not self.engine.has_work)
-                if self.engine.has_work:
-                    for seq, new in self.engine.step():
-                        key = self._key_of.get(seq.seq_id)
-                        done = seq.status == "finished"
-                        if key is None:
-                            continue
-                        _deliver(self._sinks[key], TokenEvent(tuple(new), seq.finish_reason if done else None))
-                        if done:
-                            self.finished[seq.finish_reason] = self.finished.get(seq.finish_reason, 0) + 1
-                            del self._sinks[key], self._seqs[key], self._key_of[seq.seq_id]
-                self._publish()
-        except BaseException as e:  # noqa: BLE001 - reported to every open request and to health checks
-            self.error = e
-            for sink in self._sinks.values():
-                _deliver(sink, EngineDead(f"the engine loop stopped: {type(e).__name__}: {e}"))
-            self._sinks.clear()
-            self._publish()
-
-    def _publish(self) -> None:
-        eng = self.engine
-        free, total = eng.allocator.num_free, eng.config.num_blocks
-        self.snapshot = {
-            "running": len(eng.scheduler.running), "waiting": len(eng.scheduler.waiting),
-            "cache_blocks_total": total, "cache_blocks_free": free, "cache_blocks_used": total - free,
-            "steps": eng.stats.steps, "prompt_tokens": eng.stats.prompt_tokens,
-            "generated_tokens": eng.stats.generated_tokens, "preemptions": eng.stats.preemptions,
-            "mtp_drafts": eng.stats.drafts, "mtp_accepted": eng.stats.accepted,
-            "aborted": self.aborted, "finished": dict(self.finished), "alive": self.error is None,
-        }
-
-
-def _deliver(sink: Sink, item) -> None:
-    try:
-        sink(item)
-    except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
-        pass
 
 
 # ----- the engine deployment ---------------------------------------------------------------------------
@@ -279,26 +50,60 @@ class LLMServer:
     ``generate(GenerateRequest)`` (stream=True) -> TokenEvent*; ``info()`` -> dict with ``max_model_len``,
     ``num_blocks``, ``block_size``, ``model``; ``stats()`` -> the loop's snapshot; ``check_health()``."""
 
-    def __init__(self, config: ServeConfig):
+    def __init__(self, config: ServeConfig, prefill: Optional[DeploymentHandle] = None):
         import torch
 
         from pipeline.engine.engine import LLMEngine
         from pipeline.tokenizer import Tokenizer
 
         torch.set_num_threads(config.torch_threads)
-        self.config = config
+        self.config, self.prefill = config, prefill
         tok = Tokenizer.from_dir(config.model_path)
         engine = LLMEngine(_load(config), config.engine, tok)
         self.max_model_len = engine.scheduler.max_model_len
+        self.layout = engine.kv_layout()
+        self.handoffs, self.handoff_bytes, self.prefill_failures = 0, 0, 0
         self.loop = EngineLoop(engine)
+
+    async def _prefilled(self, request: GenerateRequest):
+        """Ask the prefill deployment for the prompt's first token and cache blocks (disaggregated mode)."""
+        try:
+            kv = await asyncio.wait_for(self.prefill.prefill.remote(request.prompt_ids, request.params),
+                                        self.config.prefill_timeout_s)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - unavailable, timed out, failed: this request only
+            cause = _cause(e)
+            if isinstance(cause, ValueError):
+                raise cause from None
+            self.prefill_failures += 1
+            raise PrefillFailed(f"prefill failed: {type(cause).__name__}: {cause}") from None
+        if kv.layout != self.layout:
+            raise PrefillFailed("prefill and decode disagree on the KV cache layout "
+                                f"({sorted(k for k in kv.layout if kv.layout[k] != self.layout.get(k))})")
+        self.handoffs += 1
+        self.handoff_bytes += kv.nbytes
+        return kv
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         """Token events for the request until one carries a finish reason. Raises the engine's ValueError
-        for a request it refuses. Cancelled or closed early: the sequence is aborted (blocks freed)."""
+        for a request it refuses. Cancelled or closed early: the sequence is aborted (blocks freed). In the
+        disaggregated mode the prompt is prefilled by the prefill deployment first (its first token is the
+        first event) and the handed-over blocks are decoded here."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        key = self.loop.submit(request.prompt_ids, request.params,
-                               lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+
+        def sink(ev):
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        if self.prefill is None:
+            key = self.loop.submit(request.prompt_ids, request.params, sink)
+        else:
+            kv = await self._prefilled(request)
+            yield TokenEvent(() if kv.first_token is None else (kv.first_token,), kv.finish_reason)
+            if kv.finish_reason is not None:
+                return
+            key = self.loop.submit_prefilled(kv, request.params, sink)
         done = False
         try:
             while True:
@@ -321,7 +126,11 @@ class LLMServer:
                 "block_size": cfg.block_size, "nz": cfg.nz, "mtp": cfg.mtp}
 
     async def stats(self) -> dict:
-        return dict(self.loop.snapshot)
+        out = dict(self.loop.snapshot)
+        if self.prefill is not None:
+            out.update(kv_handoffs=self.handoffs, kv_handoff_bytes=self.handoff_bytes,
+                       prefill_failures=self.prefill_failures)
+        return out
 
     def check_health(self) -> None:
         if not self.loop.alive:
@@ -384,7 +193,10 @@ class _EngineCollector:
               "cache_blocks_total": "KV cache blocks in all"}
     COUNTERS = {"aborted": "sequences aborted (client gone)", "preemptions": "sequences preempted",
                 "steps": "engine steps", "mtp_drafts": "MTP draft tokens proposed",
-                "mtp_accepted": "MTP draft tokens accepted"}
+                "mtp_accepted": "MTP draft tokens accepted",
+                "kv_handoffs": "prompts prefilled by the prefill deployment and decoded here",
+                "kv_handoff_bytes": "bytes of KV cache blocks received from prefill",
+                "prefill_failures": "requests failed at prefill (unavailable, timed out)"}
 
     def __init__(self, metrics: ServeMetrics):
         self.metrics = metrics
@@ -410,12 +222,6 @@ openai_app = FastAPI(title="dsquant OpenAI-compatible API")
 
 def _error(err: ApiError, headers: Optional[dict] = None) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
-
-
-def _cause(err: BaseException) -> BaseException:
-    """The application exception inside a Ray task error."""
-    cause = getattr(err, "cause", None)
-    return cause if isinstance(cause, BaseException) else err
 
 
 async def _prepend(head: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -548,6 +354,8 @@ class OpenAIIngress:
                 cause = _cause(e)
                 if isinstance(cause, ValueError):
                     return self._reply(route, api.invalid(str(cause)))
+                if isinstance(cause, PrefillFailed):
+                    return self._reply(route, ApiError(503, str(cause), "server_error", None, "prefill_unavailable"))
                 return self._reply(route, ApiError(500, f"the engine failed: {type(cause).__name__}: {cause}",
                                                    "server_error"))
             if req.stream:
@@ -658,10 +466,18 @@ def build_app(config: Union[ServeConfig, Mapping[str, Any]]):
     if not isinstance(config, ServeConfig):
         config = ServeConfig.from_dict(config)
     in_flight = config.max_in_flight * config.ingress.num_replicas
+    prefill = None
+    if config.mode == "disaggregated":
+        from actors.prefill_server import PrefillServer
+
+        prefill = PrefillServer.options(
+            num_replicas=config.prefill.num_replicas, ray_actor_options=dict(config.prefill.ray_actor_options),
+            max_ongoing_requests=in_flight + ADMIN_HEADROOM,
+        ).bind(config)
     llm = LLMServer.options(
         num_replicas=config.llm.num_replicas, ray_actor_options=dict(config.llm.ray_actor_options),
         max_ongoing_requests=in_flight + ADMIN_HEADROOM,
-    ).bind(config)
+    ).bind(config, prefill)
     return OpenAIIngress.options(
         num_replicas=config.ingress.num_replicas, ray_actor_options=dict(config.ingress.ray_actor_options),
         max_ongoing_requests=config.max_in_flight + ADMIN_HEADROOM,

@@ -6,6 +6,7 @@ backpressure (429), and a client that disconnects mid-stream freeing its cache b
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import time
@@ -49,8 +50,9 @@ def tok(qdir) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, qdir):
-    """Serve on a free port with two apps: ``main`` (no key, 32 in flight) at /, ``keyed`` (API key, 2 in
-    flight) at /keyed. Yields the base URL."""
+    """Serve on a free port with three apps: ``main`` (colocated, no key, 32 in flight) at /, ``keyed`` (API
+    key, 2 in flight) at /keyed, ``disagg`` (prefill and decode deployments apart) at /disagg. Yields the
+    base URL."""
     from ray import serve
 
     from actors.serve_app import DeploymentOptions, ServeConfig, build_app
@@ -63,8 +65,13 @@ def server(ray_cluster, qdir):
         main = ServeConfig(qdir, MODEL, ENGINE, max_in_flight=32, llm=cpu, ingress=small)
         keyed = ServeConfig(qdir, MODEL, EngineConfig(num_blocks=64, block_size=16, nz=True), api_key=KEY,
                             max_in_flight=2, llm=cpu, ingress=small)
+        disagg = ServeConfig(qdir, MODEL, ENGINE, max_in_flight=32, llm=cpu, ingress=small, mode="disaggregated",
+                             prefill=cpu)
         serve.run(build_app(main), name="main", route_prefix="/")
         serve.run(build_app(keyed), name="keyed", route_prefix="/keyed")
+        serve.run(build_app(disagg), name="disagg", route_prefix="/disagg")
+        slow = dataclasses.replace(disagg, prefill_timeout_s=0.001, prefill=small, llm=small)  # prefill always late
+        serve.run(build_app(slow), name="slowprefill", route_prefix="/slowprefill")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -160,6 +167,38 @@ def test_chat_greedy_equals_engine_and_stream_equals_non_stream(server, referenc
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == finish(n)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n
     assert len([ch for ch in chunks if ch.choices and ch.choices[0].delta.content]) > 3  # really streamed
+
+
+def test_disaggregated_answers_equal_colocated(server, reference):
+    """Prefill on its deployment, the int8-NZ blocks handed to decode through the object store: the same
+    greedy text as the colocated path (and the in-process engine), streamed or not, chat and completion."""
+    text, n, n_prompt = reference["chat"]
+    msgs = [{"role": "user", "content": QUESTION}]
+    d, m = client(server, "/disagg"), client(server)
+    got = d.chat.completions.create(model=MODEL, messages=msgs, max_tokens=MAX_TOKENS, temperature=0)
+    col = m.chat.completions.create(model=MODEL, messages=msgs, max_tokens=MAX_TOKENS, temperature=0)
+    assert got.choices[0].message.content == col.choices[0].message.content == text
+    assert got.usage.completion_tokens == n and got.choices[0].finish_reason == finish(n)
+    chunks = d.chat.completions.create(model=MODEL, messages=msgs, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    rtext, rn, _ = reference["raw"]
+    r = d.completions.create(model=MODEL, prompt=RAW, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == rtext and r.usage.completion_tokens == rn
+    stats = metrics(server, "/disagg")
+    assert stats["dsquant_engine_kv_handoffs_total"] >= 3 and stats["dsquant_engine_kv_handoff_bytes_total"] > 0
+    assert stats["dsquant_engine_cache_blocks_used"] == 0
+
+
+def test_prefill_timeout_is_503_for_the_request(server):
+    status, body = http("POST", f"{server}/slowprefill/v1/chat/completions",
+                        json.dumps({"model": MODEL, "messages": [{"role": "user", "content": QUESTION}],
+                                    "max_tokens": 4}).encode(), {"Content-Type": "application/json"})
+    err = json.loads(body)["error"]
+    assert status == 503 and err["code"] == "prefill_unavailable" and "prefill failed: TimeoutError" in err["message"]
+    assert metrics(server, "/slowprefill")["dsquant_engine_prefill_failures_total"] >= 1
+    ok = client(server, "/disagg").chat.completions.create(  # the other app's prefill still answers
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=4, temperature=0)
+    assert ok.choices[0].message.content
 
 
 def test_completion_greedy_equals_engine_and_stream_equals_non_stream(server, reference):

@@ -1,0 +1,43 @@
+"""The prefill deployment of the disaggregated mode: an engine that runs prompts to their first token and
+hands each prompt's cache blocks (int8 latent, NZ when on, the MTP layer's too) back to the caller, the
+decode deployment, through Ray's object store (``LLMEngine.prefill``). Prompts are prefilled one at a time
+per replica, on a worker thread so the replica keeps answering health checks."""
+
+import asyncio
+import threading
+
+from ray import serve
+
+from actors.serve_config import ServeConfig
+
+
+@serve.deployment(name="PrefillServer")
+class PrefillServer:
+    def __init__(self, config: ServeConfig):
+        import torch
+
+        from pipeline.engine.engine import LLMEngine
+        from pipeline.engine.loader import load_quantized
+        from pipeline.tokenizer import Tokenizer
+
+        torch.set_num_threads(config.torch_threads)
+        tok = Tokenizer.from_dir(config.model_path)
+        self.engine = LLMEngine(load_quantized(config.model_path, device=config.engine.device), config.engine, tok)
+        self.lock = threading.Lock()
+        self.prefilled = 0
+
+    def _prefill(self, prompt_ids, params):
+        with self.lock:
+            kv = self.engine.prefill(prompt_ids, params)
+            self.prefilled += 1
+            return kv
+
+    async def prefill(self, prompt_ids, params):
+        """The KVHandoff of one prompt (its first token and cache blocks)."""
+        return await asyncio.to_thread(self._prefill, list(prompt_ids), params)
+
+    async def layout(self) -> dict:
+        return self.engine.kv_layout()
+
+    async def stats(self) -> dict:
+        return {"prefilled": self.prefilled, "cache_blocks_free": self.engine.allocator.num_free}

@@ -1,0 +1,121 @@
+"""The serving application's configuration: a dataclass built in code or read from a JSON/YAML file."""
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from pipeline.engine.engine import EngineConfig
+
+@dataclass(frozen=True)
+class DeploymentOptions:
+    """Replica count and Ray actor options (``num_cpus``, ``num_gpus``, ``memory``, ``resources``, ...)."""
+
+    num_replicas: int = 1
+    ray_actor_options: Mapping[str, Any] = field(default_factory=lambda: {"num_cpus": 1})
+
+    def __post_init__(self):
+        if isinstance(self.num_replicas, bool) or not isinstance(self.num_replicas, int) or self.num_replicas < 1:
+            raise ValueError(f"num_replicas must be an integer >= 1, got {self.num_replicas!r}")
+        if not isinstance(self.ray_actor_options, Mapping):
+            raise ValueError(f"ray_actor_options must be a mapping, got {self.ray_actor_options!r}")
+
+
+MODES = ("colocated", "disaggregated")
+DEFAULT_ENGINE = EngineConfig(num_blocks=256, block_size=16, max_num_seqs=16, max_batched_tokens=256, nz=True)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything the application needs. ``model_path``: a quantized directory (every replica reads it;
+    use an absolute or shared path). ``served_model_name``: the OpenAI model id (default: the directory's
+    name). ``engine``: the engine's options. ``api_key``: required bearer token on ``/v1`` (None: open).
+    ``max_in_flight``: generation requests per ingress replica before 429. ``torch_threads``: per engine
+    replica. ``mode``: "colocated" (one engine deployment does prefill and decode) or "disaggregated" (a
+    prefill deployment, ``prefill`` replicas, computes each prompt's cache and hands the blocks to the
+    decode deployment, ``llm``, through the object store; a prefill slower than ``prefill_timeout_s``
+    fails that request only). Both sides run the same engine options, so they agree on the checkpoint,
+    the KV dtype, the block size and the layout; the decode side checks every handoff against its own. ``host``/``port``/``app_name``/``route_prefix``: where ``jobs.serve`` serves it."""
+
+    model_path: str
+    served_model_name: Optional[str] = None
+    engine: EngineConfig = DEFAULT_ENGINE
+    api_key: Optional[str] = None
+    max_in_flight: int = 64
+    torch_threads: int = 1
+    llm: DeploymentOptions = field(default_factory=lambda: DeploymentOptions(1, {"num_cpus": 1}))
+    ingress: DeploymentOptions = field(default_factory=lambda: DeploymentOptions(1, {"num_cpus": 0.1}))
+    mode: str = "colocated"         # or "disaggregated": prefill on its own deployment, KV handed to decode
+    prefill: DeploymentOptions = field(default_factory=lambda: DeploymentOptions(1, {"num_cpus": 1}))
+    prefill_timeout_s: float = 60.0
+    host: str = "127.0.0.1"
+    port: int = 8000
+    app_name: str = "dsquant"
+    route_prefix: str = "/"
+
+    def __post_init__(self):
+        if not isinstance(self.model_path, str) or not self.model_path:
+            raise ValueError(f"model_path must be a non-empty string, got {self.model_path!r}")
+        for f in ("max_in_flight", "torch_threads"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f} must be an integer >= 1, got {v!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("api_key must be a non-empty string or null")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not self.prefill_timeout_s > 0:
+            raise ValueError(f"prefill_timeout_s must be > 0, got {self.prefill_timeout_s!r}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_path.rstrip("/")).name
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ServeConfig":
+        """From plain data (a parsed JSON/YAML file); unknown keys are refused by name."""
+        d = dict(d)
+        _no_unknown(d, cls, "serve config")
+        if isinstance(d.get("engine"), Mapping):
+            _no_unknown(d["engine"], EngineConfig, "engine")
+            d["engine"] = EngineConfig(**d["engine"])
+        for key in ("llm", "ingress", "prefill"):
+            if isinstance(d.get(key), Mapping):
+                _no_unknown(d[key], DeploymentOptions, key)
+                d[key] = DeploymentOptions(**d[key])
+        if "model_path" not in d:
+            raise ValueError("serve config: model_path is required")
+        return cls(**d)
+
+    @classmethod
+    def from_file(cls, path: str) -> "ServeConfig":
+        """Read a ``.json``, ``.yaml`` or ``.yml`` file holding :meth:`from_dict`'s mapping."""
+        text = Path(path).read_text()
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not valid JSON: {e}") from None
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{path}: expected a mapping of serve options, got {type(data).__name__}")
+        try:
+            return cls.from_dict(data)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: {e}") from None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _no_unknown(d: Mapping[str, Any], cls: type, where: str) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+
+
