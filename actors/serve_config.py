@@ -89,6 +89,18 @@ class ServeConfig:
         return cls(**d)
 
     @classmethod
+    def from_mindie(cls, block: Any, devices_available: int, **overrides: Any) -> "ServeConfig":
+        """From a MindIE ModelConfig block (pipeline.mindie_config: refuses what the devices cannot honour);
+        ``overrides`` (from_dict's keys, e.g. ``port``) win; an ``engine``/``llm`` mapping is merged in."""
+        from pipeline.mindie_config import parse_mindie_model_config, to_serve_options
+
+        d = to_serve_options(parse_mindie_model_config(block, devices_available))
+        d["engine"] = {**dataclasses.asdict(DEFAULT_ENGINE), **d["engine"]}
+        for key, value in overrides.items():
+            d[key] = {**d[key], **value} if key in ("engine", "llm") and isinstance(value, Mapping) else value
+        return cls.from_dict(d)
+
+    @classmethod
     def from_file(cls, path: str) -> "ServeConfig":
         """Read a ``.json``, ``.yaml`` or ``.yml`` file holding :meth:`from_dict`'s mapping."""
         text = Path(path).read_text()

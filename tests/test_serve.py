@@ -445,3 +445,32 @@ def test_config_file_json_and_yaml(tmp_path):
     assert str(e.value).startswith(f"{tmp_path / 'bad.json'}: engine: unknown option(s) num_block (known: ")
     with pytest.raises(ValueError, match="max_in_flight must be an integer >= 1, got 0"):
         ServeConfig("x", max_in_flight=0)
+
+
+def test_a_killed_decode_replica_is_replaced_and_the_service_keeps_answering(server, reference):
+    """Kill the engine replica of the main app (as a crash would): Serve starts a new one, and requests
+    answer again, with the same greedy text. (Last in the module: it disturbs the main app.)"""
+    import ray
+
+    def replicas() -> list[str]:
+        return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                      if a["namespace"] == "serve" and "main#LLMServer" in a["name"])
+
+    before = replicas()
+    assert len(before) == 1, before
+    ray.kill(ray.get_actor(before[0], namespace="serve"), no_restart=True)
+    text, _, _ = reference["chat"]
+    deadline, answer = time.time() + 120, None
+    while time.time() < deadline:
+        try:
+            r = client(server, timeout=30).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=MAX_TOKENS, temperature=0)
+            answer = r.choices[0].message.content
+            if replicas() and replicas() != before:
+                break
+        except openai.APIError:
+            pass
+        time.sleep(1)
+    assert answer == text
+    after = replicas()
+    assert len(after) == 1 and after != before
