@@ -53,6 +53,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--mtp", dest="mtp", action=argparse.BooleanOptionalAction, default=None,
                     help="MTP speculative decoding")
     ap.add_argument("--device", default=None, help="cpu or cuda")
+    ap.add_argument("--mindie-config", dest="mindie_config", default=None,
+                    help="a MindIE config.json (or its ModelConfig block) to serve as it says; sizes the hardware "
+                         "cannot honour are refused")
+    ap.add_argument("--mode", choices=("colocated", "disaggregated"), default=None,
+                    help="prefill and decode in one deployment (default) or apart")
     ap.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local Ray)")
     ap.add_argument("--object-store-mb", dest="object_store_mb", type=int, default=256,
                     help="object store of a local Ray started here, MiB")
@@ -63,9 +68,17 @@ def make_config(args: argparse.Namespace):
     """The ServeConfig: the file's (if any), then the flags given on top."""
     from actors.serve_app import DeploymentOptions, ServeConfig
 
-    cfg = ServeConfig.from_file(args.config) if args.config else ServeConfig(model_path=DEFAULT_MODEL)
+    if args.mindie_config:
+        import json
+
+        import torch
+
+        block = json.loads(Path(args.mindie_config).read_text())
+        cfg = ServeConfig.from_mindie(block, torch.cuda.device_count())
+    else:
+        cfg = ServeConfig.from_file(args.config) if args.config else ServeConfig(model_path=DEFAULT_MODEL)
     top = {k: getattr(args, k) for k in ("model_path", "served_model_name", "host", "port", "api_key",
-                                         "max_in_flight", "torch_threads") if getattr(args, k) is not None}
+                                         "max_in_flight", "torch_threads", "mode") if getattr(args, k) is not None}
     engine = {k: getattr(args, k) for k in ("num_blocks", "block_size", "max_num_seqs", "max_batched_tokens",
                                             "max_model_len", "nz", "mtp", "device") if getattr(args, k) is not None}
     llm_opts = dict(cfg.llm.ray_actor_options)
