@@ -35,6 +35,7 @@ from ray.serve.handle import DeploymentHandle
 
 from actors.engine_loop import EngineDead, EngineLoop, PrefillFailed, task_cause as _cause  # noqa: F401
 from actors.serve_config import DEFAULT_ENGINE, DeploymentOptions, ServeConfig  # noqa: F401 (re-exported)
+from actors.serve_metrics import ServeMetrics
 from pipeline import openai_api as api
 from pipeline.openai_api import ApiError, GenerateRequest, TokenEvent
 
@@ -146,73 +147,6 @@ def _load(config: ServeConfig):
     from pipeline.engine.loader import load_quantized
 
     return load_quantized(config.model_path, device=config.engine.device)
-
-
-# ----- metrics -----------------------------------------------------------------------------------------
-
-class ServeMetrics:
-    """The ingress's Prometheus metrics (its own registry) plus the engine's figures, fetched per scrape."""
-
-    def __init__(self):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-        self.registry = CollectorRegistry()
-        self.requests = Counter("dsquant_requests", "HTTP requests by route and status code",
-                                ["route", "status"], registry=self.registry)
-        self.prompt_tokens = Counter("dsquant_prompt_tokens", "prompt tokens of accepted requests",
-                                     registry=self.registry)
-        self.generation_tokens = Counter("dsquant_generation_tokens", "tokens generated and sent",
-                                         registry=self.registry)
-        self.finished = Counter("dsquant_requests_finished", "generation requests by finish reason",
-                                ["reason"], registry=self.registry)
-        lat = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-        self.ttft = Histogram("dsquant_time_to_first_token_seconds", "time from request to first token",
-                              buckets=lat, registry=self.registry)
-        self.itl = Histogram("dsquant_inter_token_latency_seconds", "gap between consecutive token events",
-                             buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56),
-                             registry=self.registry)
-        self.e2e = Histogram("dsquant_e2e_request_latency_seconds", "time from request to last token",
-                             buckets=lat, registry=self.registry)
-        self.in_flight = Gauge("dsquant_requests_in_flight", "generation requests in flight on this ingress",
-                               registry=self.registry)
-        self.engine: dict = {}
-        self.registry.register(_EngineCollector(self))
-
-    def render(self, engine_stats: Optional[dict]) -> bytes:
-        from prometheus_client import generate_latest
-
-        self.engine = engine_stats or {}
-        return generate_latest(self.registry)
-
-
-class _EngineCollector:
-    """The engine replica's snapshot as gauges and counters."""
-
-    GAUGES = {"running": "sequences running in the engine", "waiting": "sequences waiting in the engine",
-              "cache_blocks_used": "KV cache blocks in use", "cache_blocks_free": "KV cache blocks free",
-              "cache_blocks_total": "KV cache blocks in all"}
-    COUNTERS = {"aborted": "sequences aborted (client gone)", "preemptions": "sequences preempted",
-                "steps": "engine steps", "mtp_drafts": "MTP draft tokens proposed",
-                "mtp_accepted": "MTP draft tokens accepted",
-                "kv_handoffs": "prompts prefilled by the prefill deployment and decoded here",
-                "kv_handoff_bytes": "bytes of KV cache blocks received from prefill",
-                "prefill_failures": "requests failed at prefill (unavailable, timed out)"}
-
-    def __init__(self, metrics: ServeMetrics):
-        self.metrics = metrics
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        s = self.metrics.engine
-        yield GaugeMetricFamily("dsquant_engine_up", "1 when the engine answered this scrape and its loop runs",
-                                value=1.0 if s.get("alive") else 0.0)
-        for k, doc in self.GAUGES.items():
-            if k in s:
-                yield GaugeMetricFamily(f"dsquant_engine_{k}", doc, value=float(s[k]))
-        for k, doc in self.COUNTERS.items():
-            if k in s:
-                yield CounterMetricFamily(f"dsquant_engine_{k}", doc, value=float(s[k]))
 
 
 # ----- the ingress -------------------------------------------------------------------------------------

@@ -84,3 +84,15 @@ def embedded_quantized(tmp_path_factory) -> str:
     dst = str(tmp_path_factory.mktemp("embedded-quantized") / "q")
     quantize_checkpoint(str(EMBEDDED_MODEL_DIR), dst, Recipe(), QuantizeOptions(), log=lambda m: None)
     return dst
+
+
+@pytest.fixture(scope="session")
+def tiny_references(tmp_path_factory) -> dict:
+    """The single-process outputs of the tiny fixture (tests/distributed.py's options) for the plain and
+    the smoothing + MTP recipes, once per session: what every distributed run must reproduce."""
+    from distributed import PLAIN, SMOOTH_MTP, reference
+    from tiny import TINY_FIXTURE
+
+    root = tmp_path_factory.mktemp("tiny-references")
+    return {"plain": reference(str(TINY_FIXTURE), root / "plain", PLAIN),
+            "smooth-mtp": reference(str(TINY_FIXTURE), root / "smooth", SMOOTH_MTP)}

@@ -34,9 +34,8 @@ def cluster(ray_cluster):
 
 
 @pytest.fixture(scope="module")
-def refs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reference")
-    return {"plain": reference(SRC, root / "plain", PLAIN), "smooth-mtp": reference(SRC, root / "smooth", SMOOTH_MTP)}
+def refs(tiny_references):
+    return tiny_references
 
 
 @pytest.mark.parametrize("stages,replicas,recipe", [(1, 1, "plain"), (2, 1, "smooth-mtp"), (3, 1, "plain"),

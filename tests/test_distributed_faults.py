@@ -17,7 +17,7 @@ import ray
 
 from actors.quantize_job import quantize_distributed
 from actors.ray_session import DistOptions
-from distributed import OPTS, PLAIN, RAY_WORKER, SMOOTH_MTP, assert_same_output, reference
+from distributed import OPTS, PLAIN, RAY_WORKER, SMOOTH_MTP, assert_same_output
 from tiny import TINY_FIXTURE
 
 pytestmark = pytest.mark.slow
@@ -30,9 +30,8 @@ def cluster(ray_cluster):
 
 
 @pytest.fixture(scope="module")
-def refs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reference")
-    return {"plain": reference(SRC, root / "plain", PLAIN), "smooth-mtp": reference(SRC, root / "smooth", SMOOTH_MTP)}
+def refs(tiny_references):
+    return tiny_references
 
 
 def actor(name: str, which: str):
