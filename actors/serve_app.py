@@ -37,6 +37,7 @@ from actors.engine_loop import EngineDead, EngineLoop, PrefillFailed, task_cause
 from actors.serve_config import DEFAULT_ENGINE, DeploymentOptions, ServeConfig  # noqa: F401 (re-exported)
 from actors.serve_metrics import ServeMetrics
 from pipeline import openai_api as api
+from pipeline import openai_responses as resp
 from pipeline.openai_api import ApiError, GenerateRequest, TokenEvent
 
 ADMIN_HEADROOM = 16     # calls beyond max_in_flight a replica accepts: health, metrics, stats, refusals
@@ -247,7 +248,7 @@ class OpenAIIngress:
         except ApiError as e:
             return self._reply("models", e)
         self._done("models", 200)
-        return api.models_response(self.model, info["max_model_len"], self.created)
+        return resp.models_response(self.model, info["max_model_len"], self.created)
 
     @openai_app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -329,7 +330,7 @@ class OpenAIIngress:
         raise EngineDead("the engine's event stream ended without a finish reason")
 
     async def _collect(self, req: GenerateRequest, gen, first: TokenEvent, t0: float, route: str):
-        detok = api.IncrementalDetokenizer(self.tokenizer, req.params.stop)
+        detok = resp.IncrementalDetokenizer(self.tokenizer, req.params.stop)
         last, n, reason = None, 0, None
         try:
             async for ev in self._events(gen, first):
@@ -349,15 +350,15 @@ class OpenAIIngress:
         self.metrics.generation_tokens.inc(n)
         self.metrics.finished.labels(reason=reason).inc()
         self._done(route, 200)
-        return api.response(req, detok.text, reason, n)
+        return resp.response(req, detok.text, reason, n)
 
     async def _stream(self, req: GenerateRequest, gen, first: TokenEvent, t0: float, route: str) -> AsyncIterator[str]:
-        detok = api.IncrementalDetokenizer(self.tokenizer, req.params.stop)
+        detok = resp.IncrementalDetokenizer(self.tokenizer, req.params.stop)
         created = int(time.time())
         last, n, complete = None, 0, False
         try:
             if req.kind == api.CHAT:
-                yield api.sse(api.stream_chunk(req, created, "", first=True))
+                yield resp.sse(resp.stream_chunk(req, created, "", first=True))
             try:
                 async for ev in self._events(gen, first):
                     if ev.token_ids:
@@ -366,21 +367,21 @@ class OpenAIIngress:
                         self.metrics.generation_tokens.inc(len(ev.token_ids))
                         text = detok.add(ev.token_ids)
                         if text:
-                            yield api.sse(api.stream_chunk(req, created, text))
+                            yield resp.sse(resp.stream_chunk(req, created, text))
                     if ev.finish_reason is not None:
                         tail = detok.finish()
                         if tail:
-                            yield api.sse(api.stream_chunk(req, created, tail))
-                        yield api.sse(api.stream_chunk(req, created, None, ev.finish_reason))
+                            yield resp.sse(resp.stream_chunk(req, created, tail))
+                        yield resp.sse(resp.stream_chunk(req, created, None, ev.finish_reason))
                         if req.include_usage:
-                            yield api.sse(api.usage_chunk(req, created, n))
+                            yield resp.sse(resp.usage_chunk(req, created, n))
                         self.metrics.finished.labels(reason=ev.finish_reason).inc()
                         self.metrics.e2e.observe(time.perf_counter() - t0)
             except Exception as e:  # noqa: BLE001 - headers are out: report in the stream
                 cause = _cause(e)
-                yield api.sse(ApiError(500, f"the engine failed: {type(cause).__name__}: {cause}",
+                yield resp.sse(ApiError(500, f"the engine failed: {type(cause).__name__}: {cause}",
                                        "server_error").body())
-            yield api.DONE_LINE
+            yield resp.DONE_LINE
             complete = True
         finally:
             if not complete:  # the client went away: stop generating for it

@@ -1,5 +1,5 @@
-"""The OpenAI HTTP API, pure (no Ray, no FastAPI): request validation, response and streaming-chunk
-builders, and incremental detokenization.
+"""The OpenAI HTTP API, pure (no Ray, no FastAPI): request validation (responses, streaming chunks and
+incremental detokenization are in :mod:`pipeline.openai_responses`).
 
 Requests (``/v1/completions``, ``/v1/chat/completions``) are parsed by :func:`parse_completion` and
 :func:`parse_chat` into a frozen :class:`GenerateRequest` (prompt token ids, :class:`SamplingParams`,
@@ -18,18 +18,16 @@ fit the context. ``temperature`` in [0, 2] (0 is greedy), ``top_p`` in (0, 1], `
 0 or -1 disables it), ``seed``, ``stop`` (a string or up to 4 strings).
 
 The engine side answers a :class:`GenerateRequest` with :class:`TokenEvent` s; the ingress turns them into
-text with :class:`IncrementalDetokenizer` (only stable text is sent: a trailing replacement character, or
-a tail that may still become a stop string, is held back) and into responses with the builders below.
+text with ``openai_responses.IncrementalDetokenizer`` and into responses with that module's builders.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from pipeline.sampling import SamplingParams
 
@@ -37,7 +35,6 @@ COMPLETION, CHAT = "completion", "chat"
 DEFAULT_COMPLETION_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 4                    # OpenAI's limit
 CHAT_ROLES = ("system", "developer", "user", "assistant")
-DONE_LINE = "data: [DONE]\n\n"
 
 _IGNORED = {"user", "stream_options"}   # accepted; stream_options is read, user is not used
 _COMMON = {"model", "stream", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
@@ -334,126 +331,3 @@ def _finish_parse(body: Mapping[str, Any], kind: str, model: str, prompt_ids: Se
     prefix = "cmpl" if kind == COMPLETION else "chatcmpl"
     return GenerateRequest(kind, model, tuple(prompt_ids), params, bool(stream), include_usage,
                            f"{prefix}-{uuid.uuid4().hex}")
-
-
-# ----- incremental detokenization --------------------------------------------------------------------
-
-class IncrementalDetokenizer:
-    """Text of a growing list of token ids, sent only once stable. Each :meth:`add` decodes the whole
-    output and returns the new suffix, holding back a trailing replacement character (an incomplete
-    multi-byte character) and any tail that could still grow into a stop string; once a stop string
-    appears the text is cut before it and :attr:`stopped` is set. :meth:`finish` returns whatever was held
-    back. The concatenation of all returned pieces equals :attr:`text`, the full output cut at its first
-    stop string (what ``LLMEngine.text`` returns)."""
-
-    def __init__(self, tokenizer, stop: Iterable[str] = ()):
-        self.tokenizer = tokenizer
-        self.stop = tuple(s for s in stop if s)
-        self.ids: list[int] = []
-        self.sent = ""
-        self.stopped = False
-
-    @property
-    def text(self) -> str:
-        return self._cut(self.tokenizer.decode(self.ids))[0]
-
-    def _cut(self, full: str) -> tuple[str, bool]:
-        cut = min((full.find(s) for s in self.stop if s in full), default=-1)
-        return (full[:cut], True) if cut >= 0 else (full, False)
-
-    def add(self, token_ids: Iterable[int]) -> str:
-        if self.stopped:
-            return ""
-        self.ids.extend(token_ids)
-        text, self.stopped = self._cut(self.tokenizer.decode(self.ids))
-        if not self.stopped:
-            text = text.rstrip("\ufffd")
-            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            text = text[:len(text) - hold]
-        return self._emit(text)
-
-    def finish(self) -> str:
-        return self._emit(self.text)
-
-    def _emit(self, text: str) -> str:
-        if not text.startswith(self.sent):  # a decode that rewrote earlier text: send nothing until it settles
-            return ""
-        new = text[len(self.sent):]
-        self.sent = text
-        return new
-
-
-# ----- responses --------------------------------------------------------------------------------------
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def openai_finish_reason(reason: Optional[str]) -> Optional[str]:
-    """The engine's finish reason as OpenAI names it ("abort" never reaches a client that is still there)."""
-    return {"stop": "stop", "length": "length", "abort": "stop"}.get(reason, reason) if reason else None
-
-
-def completion_response(req: GenerateRequest, text: str, finish_reason: str, completion_tokens: int,
-                        created: Optional[int] = None) -> dict:
-    """A ``text_completion`` object (one choice)."""
-    return {"id": req.request_id, "object": "text_completion", "created": created or int(time.time()),
-            "model": req.model,
-            "choices": [{"index": 0, "text": text, "logprobs": None,
-                         "finish_reason": openai_finish_reason(finish_reason)}],
-            "usage": usage(req.num_prompt_tokens, completion_tokens)}
-
-
-def chat_response(req: GenerateRequest, text: str, finish_reason: str, completion_tokens: int,
-                  created: Optional[int] = None) -> dict:
-    """A ``chat.completion`` object (one choice, the assistant's message)."""
-    return {"id": req.request_id, "object": "chat.completion", "created": created or int(time.time()),
-            "model": req.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": openai_finish_reason(finish_reason)}],
-            "usage": usage(req.num_prompt_tokens, completion_tokens)}
-
-
-def response(req: GenerateRequest, text: str, finish_reason: str, completion_tokens: int,
-             created: Optional[int] = None) -> dict:
-    """The non-streaming response for the request's kind."""
-    build = chat_response if req.kind == CHAT else completion_response
-    return build(req, text, finish_reason, completion_tokens, created)
-
-
-def sse(payload: Mapping[str, Any]) -> str:
-    """One server-sent event line: ``data: {json}`` and a blank line."""
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def stream_chunk(req: GenerateRequest, created: int, text: Optional[str], finish_reason: Optional[str] = None,
-                 first: bool = False) -> dict:
-    """A streaming chunk: ``text_completion`` with ``text``, or ``chat.completion.chunk`` with a ``delta``
-    (the first one carries the role; the one with ``finish_reason`` an empty delta)."""
-    reason = openai_finish_reason(finish_reason)
-    if req.kind == COMPLETION:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-        obj = "text_completion"
-    else:
-        delta: dict = {}
-        if first:
-            delta["role"] = "assistant"
-        if text is not None and (text or first):
-            delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        obj = "chat.completion.chunk"
-    return {"id": req.request_id, "object": obj, "created": created, "model": req.model, "choices": [choice]}
-
-
-def usage_chunk(req: GenerateRequest, created: int, completion_tokens: int) -> dict:
-    """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
-    obj = "text_completion" if req.kind == COMPLETION else "chat.completion.chunk"
-    return {"id": req.request_id, "object": obj, "created": created, "model": req.model, "choices": [],
-            "usage": usage(req.num_prompt_tokens, completion_tokens)}
-
-
-def models_response(served_model: str, max_model_len: int, created: int = 0) -> dict:
-    """``GET /v1/models``: the one model served."""
-    return {"object": "list", "data": [{"id": served_model, "object": "model", "created": created,
-                                        "owned_by": "dsquant", "max_model_len": max_model_len}]}

@@ -1,4 +1,4 @@
-"""pipeline.openai_api: request validation (status, type, param, code and a message naming what is wrong),
+"""pipeline.openai_api and pipeline.openai_responses: request validation (status, type, param, code and a message naming what is wrong),
 response and chunk shapes, and incremental detokenization (streamed pieces add up to the full text, never
 send an incomplete character or a stop string's beginning)."""
 
@@ -9,6 +9,7 @@ import json
 import pytest
 
 from pipeline import openai_api as api
+from pipeline import openai_responses as resp
 from pipeline.embedded import EMBEDDED_MODEL_DIR
 from pipeline.sampling import SamplingParams
 from pipeline.tokenizer import Tokenizer
@@ -206,14 +207,14 @@ def test_json_body():
 
 def test_response_shapes(tok):
     req = api.parse_chat(chat_body(), tok, MODEL, CTX)
-    r = api.response(req, "Hello", "length", 3, created=100)
+    r = resp.response(req, "Hello", "length", 3, created=100)
     n = req.num_prompt_tokens
     assert r == {"id": req.request_id, "object": "chat.completion", "created": 100, "model": MODEL,
                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello"}, "logprobs": None,
                               "finish_reason": "length"}],
                  "usage": {"prompt_tokens": n, "completion_tokens": 3, "total_tokens": n + 3}}
     creq = api.parse_completion(completion_body(), tok, MODEL, CTX)
-    r = api.response(creq, "abc", "stop", 2, created=5)
+    r = resp.response(creq, "abc", "stop", 2, created=5)
     assert r["object"] == "text_completion" and r["choices"] == [{"index": 0, "text": "abc", "logprobs": None,
                                                                    "finish_reason": "stop"}]
     assert r["usage"]["total_tokens"] == creq.num_prompt_tokens + 2
@@ -221,28 +222,28 @@ def test_response_shapes(tok):
 
 def test_chunks_and_sse(tok):
     req = api.parse_chat(chat_body(stream=True), tok, MODEL, CTX)
-    first = api.stream_chunk(req, 7, "", first=True)
+    first = resp.stream_chunk(req, 7, "", first=True)
     assert first["object"] == "chat.completion.chunk"
     assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None}]
-    assert api.stream_chunk(req, 7, "lo")["choices"][0]["delta"] == {"content": "lo"}
-    last = api.stream_chunk(req, 7, None, "length")
+    assert resp.stream_chunk(req, 7, "lo")["choices"][0]["delta"] == {"content": "lo"}
+    last = resp.stream_chunk(req, 7, None, "length")
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "length"
-    u = api.usage_chunk(req, 7, 4)
+    u = resp.usage_chunk(req, 7, 4)
     assert u["choices"] == [] and u["usage"]["completion_tokens"] == 4
-    line = api.sse({"a": "é"})
+    line = resp.sse({"a": "é"})
     assert line == 'data: {"a":"é"}\n\n' and json.loads(line[len("data: "):]) == {"a": "é"}
-    assert api.DONE_LINE == "data: [DONE]\n\n"
+    assert resp.DONE_LINE == "data: [DONE]\n\n"
     creq = api.parse_completion(completion_body(stream=True), tok, MODEL, CTX)
-    assert api.stream_chunk(creq, 7, "x")["choices"] == [{"index": 0, "text": "x", "logprobs": None,
+    assert resp.stream_chunk(creq, 7, "x")["choices"] == [{"index": 0, "text": "x", "logprobs": None,
                                                           "finish_reason": None}]
-    assert api.models_response(MODEL, CTX)["data"][0]["id"] == MODEL
+    assert resp.models_response(MODEL, CTX)["data"][0]["id"] == MODEL
 
 
 # ----- incremental detokenization -----------------------------------------------------------------------
 
 def pieces(tok, ids, stop=(), step=1):
-    d = api.IncrementalDetokenizer(tok, stop)
+    d = resp.IncrementalDetokenizer(tok, stop)
     out = [d.add(ids[i:i + step]) for i in range(0, len(ids), step)]
     out.append(d.finish())
     return d, out
@@ -256,7 +257,7 @@ def test_detokenizer_pieces_add_up(tok):
         assert "".join(out) == tok.decode(ids) == d.text
         assert not any("\ufffd" in p for p in out)
     # byte-level BPE splits the emoji over several tokens: some step sends nothing while it is incomplete
-    d = api.IncrementalDetokenizer(tok)
+    d = resp.IncrementalDetokenizer(tok)
     sent = [d.add([t]) for t in ids]
     assert "" in sent
 
@@ -268,7 +269,7 @@ def test_detokenizer_holds_back_stop_prefix_and_cuts(tok):
     assert not any("gam" in p for p in out)
     d, out = pieces(tok, ids, stop=("gamma x",))  # never completed: the held tail is sent at the end
     assert "".join(out) == "alpha beta gamma delta" and not d.stopped
-    d = api.IncrementalDetokenizer(tok, ("a beta",))
+    d = resp.IncrementalDetokenizer(tok, ("a beta",))
     assert d.add(tok.encode("alph", add_bos=False)) == "alph"
     assert d.add(tok.encode("a", add_bos=False)) == ""  # 'a' may start 'a beta'
 
