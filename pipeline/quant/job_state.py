@@ -31,7 +31,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 from pipeline import storage
 from pipeline.checkpoint import CheckpointReader
 from pipeline.quant.observers import Stats
-from pipeline.quant.output_files import ShardRecord, file_sha256
+from pipeline.quant.output_files import ShardRecord, completeness_first, file_sha256, is_output_entry
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.shard_layout import Shard, unit_layer
 from pipeline.quant.smooth import ChannelAbsMax
@@ -192,13 +192,10 @@ SUMMARY_NAME = "job_summary.json"
 
 
 def owned_entries(dst: str) -> list[str]:
-    """The entries of ``dst`` that belong to a quantized output or its job state."""
-    from pipeline.quant.description import DESCRIPTION_NAME, MANIFEST_NAME, NAMING
-
+    """The entries of ``dst`` that belong to a quantized output, its job state, or a crashed writer."""
     if not storage.exists(dst):
         return []
-    return [e for e in storage.listdir(dst) if e in (DESCRIPTION_NAME, MANIFEST_NAME, STATE_DIR, SUMMARY_NAME)
-            or any(n.owns(e) for n in NAMING.values()) or _leftover(e)]
+    return [e for e in storage.listdir(dst) if is_output_entry(e) or e in (STATE_DIR, SUMMARY_NAME) or _leftover(e)]
 
 
 def is_up_to_date(dst: str, key: JobKey) -> bool:
@@ -228,7 +225,7 @@ def open_destination(dst: str, overwrite: bool) -> str:
     ours = owned_entries(dst)
     if not ours:
         return "new"
-    first = sorted(ours, key=lambda e: (e != DESCRIPTION_NAME, not e.endswith(".index.json"), e != MANIFEST_NAME))
+    first = completeness_first(ours)
     if overwrite:
         for e in first:
             storage.remove(storage.join(dst, e))

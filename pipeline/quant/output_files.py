@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -27,6 +28,7 @@ from pipeline.quant.description import (
 from pipeline.safetensors_io import SafetensorsWriter, TensorSpec, encode_header
 
 COPIED_NAMES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "generation_config.json")
+PART_NAME = re.compile(r"\..*\.part-[0-9a-f]+-\d{5}\.safetensors(\.tmp-.*)?")  # QuantizedWriter's parts
 MANIFEST_FORMAT = "msmodelslim W8A8 + FA3"
 
 
@@ -77,6 +79,19 @@ class ShardFile:
             self._file.__exit__(RuntimeError, RuntimeError("shard discarded"), None)
         except Exception:  # best effort: the error that led here is the one to report
             pass
+
+
+def is_output_entry(name: str) -> bool:
+    """Whether a directory entry belongs to a quantized output: the description, the manifest, a weight
+    file or index of either dialect, or a writer's part."""
+    return (name in (DESCRIPTION_NAME, MANIFEST_NAME) or any(n.owns(name) for n in NAMING.values())
+            or bool(PART_NAME.fullmatch(name)))
+
+
+def completeness_first(entries) -> list[str]:
+    """``entries`` in the order to remove them so that the directory stops looking complete at once: the
+    description, then the index, then the manifest, then the rest."""
+    return sorted(entries, key=lambda e: (e != DESCRIPTION_NAME, not e.endswith(".index.json"), e != MANIFEST_NAME))
 
 
 def file_sha256(path: str, chunk: int = 64 * 1024 ** 2) -> tuple[int, str]:

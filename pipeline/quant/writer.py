@@ -42,16 +42,17 @@ import torch
 from pipeline import layout, storage
 from pipeline.quant.checker_rules import MD_NAMES, check_tensors, is_fa_module, split_name
 from pipeline.quant.description import (
-    ASCEND_V1, DESCRIPTION_NAME, FLOAT, LAYER_ENTRY_SUFFIX, LAYER_QUANT_TYPE, MANIFEST_NAME, NAMING, SEED,
+    ASCEND_V1, FLOAT, LAYER_ENTRY_SUFFIX, LAYER_QUANT_TYPE, NAMING, SEED,
     TENSOR_TYPES, W8A8, W8A8_DYNAMIC, check_dialect,
 )
-from pipeline.quant.output_files import ShardFile, ShardRecord, build_config, finalize  # noqa: F401 (re-export)
+from pipeline.quant.output_files import (  # noqa: F401 (build_config re-exported)
+    ShardFile, ShardRecord, build_config, completeness_first, finalize, is_output_entry,
+)
 from pipeline.quant.shard_layout import split_unit
 from pipeline.safetensors_io import DTYPE_NAMES, TensorSpec
 
 SHARD_BYTES = 4 * 1024**3  # msModelSlim's part_file_size
 _MTP_ONLY = re.compile(r"model\.layers\.\d+\.(" + "|".join(map(re.escape, layout.MTP_ONLY_MODULES)) + r")\.weight")
-_PART = re.compile(r"\..*\.part-[0-9a-f]+-\d{5}\.safetensors(\.tmp-.*)?")
 
 DtypeLike = Union[str, torch.dtype]
 
@@ -121,12 +122,11 @@ class QuantizedWriter:
         that output, description first so that the directory stops looking complete at once."""
         if not storage.exists(self.dst):
             return
-        ours = [e for e in storage.listdir(self.dst) if e in (DESCRIPTION_NAME, MANIFEST_NAME)
-                or any(n.owns(e) for n in NAMING.values()) or _PART.fullmatch(e)]
+        ours = [e for e in storage.listdir(self.dst) if is_output_entry(e)]
         if ours and not overwrite:
             raise FileExistsError(f"{self.dst}: already holds quantized output ({', '.join(ours[:4])}); "
                                   "pass overwrite=True to replace it")
-        for e in sorted(ours, key=lambda e: (e != DESCRIPTION_NAME, not e.endswith(".index.json"))):
+        for e in completeness_first(ours):
             storage.remove(storage.join(self.dst, e))
 
     # ----- context manager ---------------------------------------------------------------------------
