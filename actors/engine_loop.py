@@ -87,8 +87,11 @@ class EngineLoop:
             except ValueError as e:
                 _deliver(sink, e)
             else:
-                self._sinks[key], self._seqs[key], self._key_of[seq.seq_id] = sink, seq, key
+                self._register(key, seq, sink)
             self._prefilled.pop(0)
+
+    def _register(self, key: int, seq, sink: Sink) -> None:
+        self._sinks[key], self._seqs[key], self._key_of[seq.seq_id] = sink, seq, key
 
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "prefilled":
@@ -101,7 +104,7 @@ class EngineLoop:
             except ValueError as e:
                 _deliver(sink, e)
                 return
-            self._sinks[key], self._seqs[key], self._key_of[seq.seq_id] = sink, seq, key
+            self._register(key, seq, sink)
         elif cmd[0] == "abort":
             self._prefilled = [p for p in self._prefilled if p[0] != cmd[1]]
             seq = self._seqs.pop(cmd[1], None)

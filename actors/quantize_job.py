@@ -38,6 +38,7 @@ from pipeline.plan import plan as make_plan
 from pipeline.quant import job_state as js
 from pipeline.quant.observers import Stats
 from pipeline.quant.output_files import finalize, json_bytes
+from pipeline.quant.quantize_layer import model_dtype
 from pipeline.quant.run import QuantizeOptions, calibration_samples
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.shard_layout import checkpoint_shards
@@ -139,8 +140,6 @@ def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptio
     cfg = reader.config
     recipe.check_config(cfg)
     raw_config = json.loads(storage.read_bytes(storage.join(src, CONFIG_NAME)))
-    from pipeline.quant.quantize_layer import model_dtype
-
     check_finish_args(dst, raw_config, src, model_dtype(cfg))
     samples = calibration_samples(src, opts, cfg.max_position_embeddings)
     key = js.JobKey.of(reader, recipe, samples, smooth_alpha=opts.smooth_alpha, shard_bytes=opts.shard_bytes,

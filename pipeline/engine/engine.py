@@ -88,6 +88,7 @@ class LLMEngine:
                                   config.fa3)
         self.stats = EngineStats()
         self.eos_id = getattr(tokenizer, "eos_id", None) if tokenizer is not None else cfg.eos_token_id
+        self._layout = self._make_layout()
 
     @classmethod
     def from_dir(cls, path: str, tokenizer=None, **config) -> "LLMEngine":
@@ -107,7 +108,10 @@ class LLMEngine:
 
     # ----- prefill/decode disaggregation ----------------------------------------------------------
     def kv_layout(self) -> dict:
-        """What a KV handoff between two engines must agree on (the serving layer checks it at start-up)."""
+        """What a KV handoff between two engines must agree on (fixed once the engine is built)."""
+        return self._layout
+
+    def _make_layout(self) -> dict:
         caches = self.runner.caches
         return {"model": self.loaded.config.to_dict(),
                 "block_size": self.config.block_size, "nz": self.config.nz, "mtp": self.config.mtp,
@@ -136,8 +140,8 @@ class LLMEngine:
         """Continue a request another engine prefilled: its blocks are copied into this engine's cache and
         the sequence decodes from the next step. Raises ValueError when the layouts differ and OutOfBlocks
         when the cache cannot take the blocks now."""
-        if kv.layout != self.kv_layout():
-            diff = sorted(k for k in set(kv.layout) | set(self.kv_layout()) if kv.layout.get(k) != self.kv_layout().get(k))
+        if kv.layout != self._layout:
+            diff = sorted(k for k in set(kv.layout) | set(self._layout) if kv.layout.get(k) != self._layout.get(k))
             raise ValueError(f"KV handoff: the prefill engine's cache layout differs in {diff}")
         if kv.first_token is None:
             raise ValueError(f"KV handoff: the request already finished at prefill ({kv.finish_reason})")
@@ -253,7 +257,6 @@ class LLMEngine:
 
 
 def greedy_agreement(a: Sequence[int], b: Sequence[int]) -> float:
-    """Fraction of positions (over the longer) where two greedy outputs agree, up to the first divergence
-    counted position by position."""
+    """Fraction of positions (over the longer output) at which two greedy outputs hold the same token."""
     n = max(len(a), len(b), 1)
     return sum(1 for x, y in zip(a, b) if x == y) / n
