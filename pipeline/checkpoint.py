@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import json
 import posixpath
-from typing import Iterable, Mapping, Optional
+from typing import Container, Iterable, Mapping, Optional
 
 import torch
 
 from pipeline import layout, storage
 from pipeline.config import DeepseekV3Config
 from pipeline.finite import all_finite, nonfinite_counts
-from pipeline.fp8 import DEFAULT_BLOCK, FP8_DTYPE, FP8_MAX, dequantize_fp8_blocks, fp8_nan_count, scale_shape
+from pipeline.fp8 import DEFAULT_BLOCK, FP8_DTYPE, FP8_MAX, BlockRows, dequantize_fp8_blocks, fp8_nan_count, scale_shape
 from pipeline.safetensors_io import (
     DTYPE_NAMES, DTYPES, MAX_RUN_BYTES, CheckpointError, SafetensorsHeader, read_header, read_tensors,
 )
@@ -147,17 +147,20 @@ class CheckpointReader:
         names = self._plan({name: known[name]} if name in known else {name: None})
         return self._materialize(name, self._read_stored(names), dtype)
 
-    def read_layer(self, layer_id: int, dtype: Optional[torch.dtype] = None,
-                   dequantize: bool = True) -> dict[str, torch.Tensor]:
+    def read_layer(self, layer_id: int, dtype: Optional[torch.dtype] = None, dequantize: bool = True,
+                   deferred: Container[str] = ()) -> dict[str, torch.Tensor | BlockRows]:
         """Every tensor of ``model.layers.{layer_id}.`` (the MTP layer included), checked against
         ``layout.layer_shapes``: a missing tensor, an unexpected name, a wrong shape, an FP8 tensor
         without a well-shaped ``_scale_inv`` all raise. Scale tensors are consumed, not returned.
-        ``dequantize=False`` returns the tensors as stored, ``_scale_inv`` siblings included."""
+        ``dequantize=False`` returns the tensors as stored, ``_scale_inv`` siblings included.
+        The FP8 weights named in ``deferred`` come as :class:`pipeline.fp8.BlockRows` (checked, not yet
+        dequantized: ``materialize()`` gives what would have come), for a consumer that takes them a
+        block row at a time; a weight whose scales could overflow the dtype is dequantized as usual."""
         if layer_id not in layout.all_layer_ids(self.config):
             raise CheckpointError(f"{self.path}: layer {layer_id} is not in the config "
                                   f"(layers {layout.all_layer_ids(self.config)})")
         return self._read_unit(self._layer_shapes(layer_id), self._by_layer.get(layer_id, []),
-                               f"layer {layer_id}", dtype, dequantize)
+                               f"layer {layer_id}", dtype, dequantize, deferred)
 
     def read_globals(self, dtype: Optional[torch.dtype] = None, dequantize: bool = True) -> dict[str, torch.Tensor]:
         """``model.embed_tokens.weight``, ``model.norm.weight`` and ``lm_head.weight`` (unless tied).
@@ -183,7 +186,7 @@ class CheckpointReader:
         return layout.layer_shapes(self.config, layer_id)
 
     def _read_unit(self, expected: Mapping[str, tuple], stored: list[str], what: str,
-                   dtype: Optional[torch.dtype], dequantize: bool) -> dict[str, torch.Tensor]:
+                   dtype: Optional[torch.dtype], dequantize: bool, deferred: Container[str] = ()) -> dict:
         _check_dtype(dtype)
         if not dequantize and dtype is not None:
             raise ValueError("dtype applies only with dequantize=True")
@@ -208,7 +211,7 @@ class CheckpointReader:
         for batch in self._batches(names):
             got.update(self._read_stored(batch))
             for n in [n for n in got if n in expected and (n not in scale_of or scale_of[n] in got)]:
-                out[n] = self._materialize(n, got, dtype)
+                out[n] = self._materialize(n, got, dtype, n in deferred)
         return {n: out[n] for n in expected}
 
     def _batches(self, names: list[str]) -> list[list[str]]:
@@ -269,21 +272,27 @@ class CheckpointReader:
             _check_finite(got[n], f"{self.file_of(n)}: tensor {n!r}")
         return {n: got[n] for n in names}
 
-    def _materialize(self, name: str, stored: dict[str, torch.Tensor], dtype: Optional[torch.dtype]) -> torch.Tensor:
-        """Dequantize (FP8) and cast one stored tensor; pops it (and its scale) from ``stored``. The stored
-        tensors were checked for NaN/Inf; what dequantization or a narrowing cast could add is checked too."""
+    def _materialize(self, name: str, stored: dict[str, torch.Tensor], dtype: Optional[torch.dtype],
+                     defer: bool = False) -> torch.Tensor | BlockRows:
+        """Dequantize (FP8; with ``defer``, only when its scales could overflow the dtype: else its
+        BlockRows) and cast one stored tensor; pops it (and its scale) from ``stored``. The stored tensors
+        were checked for NaN/Inf; what dequantization or a narrowing cast could add is checked too."""
         t = stored.pop(name)
         where = f"{self.file_of(name)}: tensor {name!r}"
         target = read_dtype(name, DTYPE_NAMES[t.dtype], self.config.torch_dtype, dtype)
         if t.dtype == FP8_DTYPE:
             scale = stored.pop(name + SCALE_SUFFIX)
             try:
-                out = dequantize_fp8_blocks(t, scale, self.block, target, name)
+                rows = BlockRows(t, scale, self.block, name, target)
             except ValueError as e:
                 raise CheckpointError(f"{self.file_of(name)}: {e}") from None
             # Finite codes (|Wq| <= 448) times finite scales whose products stay within the target's range
             # are finite: only a scale too large for that needs the products checked, as the formula goes.
-            if FP8_MAX * float(scale.to(torch.float32).abs().max()) > torch.finfo(target).max:
+            fits = FP8_MAX * float(scale.to(torch.float32).abs().max()) <= torch.finfo(target).max
+            if defer and fits:
+                return rows
+            out = rows.materialize()
+            if not fits:
                 exact = dequantize_fp8_blocks(t, scale, self.block, torch.float32, name)
                 _check_finite(exact, where, " after dequantization")
                 _check_finite(out, where, f" after conversion to {target}")

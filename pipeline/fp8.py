@@ -52,32 +52,59 @@ def dequantize_fp8_blocks(w_fp8: torch.Tensor, scale_inv: torch.Tensor,
 
     Raises ValueError naming ``name`` when the dtypes or the scale shape do not fit the weight.
     """
-    if w_fp8.dtype != FP8_DTYPE:
-        raise ValueError(f"tensor {name!r}: expected {FP8_DTYPE}, got {w_fp8.dtype}")
-    if w_fp8.dim() != 2:
-        raise ValueError(f"tensor {name!r}: FP8 block weights are 2-D, got shape {list(w_fp8.shape)}")
-    want = scale_shape(w_fp8.shape, block)
-    if tuple(scale_inv.shape) != want:
-        raise ValueError(
-            f"tensor {name!r}: scale_inv shape {list(scale_inv.shape)} does not match weight shape "
-            f"{list(w_fp8.shape)} with block {list(block)} (expected {list(want)})")
-    if not scale_inv.dtype.is_floating_point:
-        raise ValueError(f"tensor {name!r}: scale_inv must be floating point, got {scale_inv.dtype}")
-    rows, cols = w_fp8.shape
-    out = torch.empty(rows, cols, dtype=dtype)
-    codes = w_fp8.contiguous().view(torch.int8)
-    scaled = scale_inv.to(torch.float32) * _F16_TO_E4M3  # [r, c], one scale per block
-    exact = torch.isfinite(scaled).all(dim=1).tolist()  # False where s * 2^8 overflowed (or s is not finite)
-    for i in range(want[0]):
-        r0, r1 = i * block[0], min((i + 1) * block[0], rows)
-        srow = scaled[i].repeat_interleave(block[1])[:cols]  # the scale of every column of this block row
-        if not exact[i]:  # the formula itself
-            w = w_fp8[r0:r1].to(torch.float32)
-            out[r0:r1] = w.mul_(scale_inv[i].to(torch.float32).repeat_interleave(block[1])[:cols])
-            continue
-        half = codes[r0:r1].to(torch.int16).bitwise_left_shift_(7).bitwise_and_(_F16_SIGN_EXP_MANT)
-        torch.mul(half.view(torch.float16), srow, out=out[r0:r1])
-    return out
+    return BlockRows(w_fp8, scale_inv, block, name, dtype).materialize()
+
+
+class BlockRows:
+    """An FP8 block weight dequantized one block row at a time into a caller's buffer, bit-identical to
+    :func:`dequantize_fp8_blocks` (which is built on it): for consumers that need only a block row at a
+    time (per-output-channel quantization), so that the whole weight never exists in a wider dtype.
+    ``dtype`` is what :meth:`materialize` gives (the block rows go into any float buffer).
+    Raises ValueError naming ``name`` when the dtypes or the scale shape do not fit the weight."""
+
+    def __init__(self, w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK,
+                 name: str = "weight", dtype: torch.dtype = torch.bfloat16):
+        if w_fp8.dtype != FP8_DTYPE:
+            raise ValueError(f"tensor {name!r}: expected {FP8_DTYPE}, got {w_fp8.dtype}")
+        if w_fp8.dim() != 2:
+            raise ValueError(f"tensor {name!r}: FP8 block weights are 2-D, got shape {list(w_fp8.shape)}")
+        want = scale_shape(w_fp8.shape, block)
+        if tuple(scale_inv.shape) != want:
+            raise ValueError(
+                f"tensor {name!r}: scale_inv shape {list(scale_inv.shape)} does not match weight shape "
+                f"{list(w_fp8.shape)} with block {list(block)} (expected {list(want)})")
+        if not scale_inv.dtype.is_floating_point:
+            raise ValueError(f"tensor {name!r}: scale_inv must be floating point, got {scale_inv.dtype}")
+        self.w_fp8, self.scale_inv, self.block, self.name = w_fp8, scale_inv, block, name
+        self.dtype = dtype  # what the weight dequantizes to (materialize)
+        self.shape = tuple(w_fp8.shape)
+        self.count = scale_inv.shape[0]
+        self._codes = w_fp8.contiguous().view(torch.int8)
+        self._scaled = scale_inv.to(torch.float32) * _F16_TO_E4M3  # [r, c], one scale per block
+        self._exact = torch.isfinite(self._scaled).all(dim=1).tolist()  # False where s * 2^8 overflowed
+
+    def materialize(self) -> torch.Tensor:
+        """The whole weight in ``dtype``: :func:`dequantize_fp8_blocks`."""
+        out = torch.empty(self.shape, dtype=self.dtype)
+        for i in range(self.count):
+            r0, r1 = self.bounds(i)
+            self.dequantize(i, out[r0:r1])
+        return out
+
+    def bounds(self, i: int) -> tuple[int, int]:
+        """The rows [r0, r1) of block row ``i`` (the last one may be short)."""
+        return i * self.block[0], min((i + 1) * self.block[0], self.shape[0])
+
+    def dequantize(self, i: int, out: torch.Tensor) -> None:
+        """Block row ``i`` into ``out`` ([r1 - r0, cols], any float dtype): see dequantize_fp8_blocks."""
+        (r0, r1), cols, b1 = self.bounds(i), self.shape[1], self.block[1]
+        if not self._exact[i]:  # the formula itself
+            w = self.w_fp8[r0:r1].to(torch.float32)
+            out.copy_(w.mul_(self.scale_inv[i].to(torch.float32).repeat_interleave(b1)[:cols]))
+            return
+        srow = self._scaled[i].repeat_interleave(b1)[:cols]  # the scale of every column of this block row
+        half = self._codes[r0:r1].to(torch.int16).bitwise_left_shift_(7).bitwise_and_(_F16_SIGN_EXP_MANT)
+        torch.mul(half.view(torch.float16), srow, out=out)
 
 
 def fp8_nan_count(w_fp8: torch.Tensor) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import struct
 import sys
 from dataclasses import dataclass
@@ -91,7 +92,7 @@ def read_header(path: str) -> SafetensorsHeader:
         raise CheckpointError(
             f"{path}: corrupt header: header length {n} is impossible for a file of {size} bytes")
     try:
-        raw = json.loads(storage.read_range(path, 8, 8 + n).decode("utf-8"))
+        raw = json.loads(bytes(storage.read_range(path, 8, 8 + n)).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: corrupt header: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
@@ -156,7 +157,7 @@ def read_tensors(header: SafetensorsHeader, names: Iterable[str],
     for run in runs:
         start, end = run[0][1].start, run[-1][1].end
         data = storage.read_range(header.path, start, end) if end > start else bytearray()
-        buf = data if isinstance(data, bytearray) else bytearray(data)  # writable, for torch.frombuffer
+        buf = bytearray(data) if isinstance(data, bytes) else data  # writable, for torch.frombuffer
         if len(buf) != end - start:
             raise CheckpointError(f"{header.path}: tensor {run[-1][0]!r}: truncated file: "
                                   f"read {len(buf)} of {end - start} bytes at offset {start}")
@@ -165,7 +166,7 @@ def read_tensors(header: SafetensorsHeader, names: Iterable[str],
     return out
 
 
-def _from_bytes(buf: bytearray, offset: int, info: TensorInfo) -> torch.Tensor:
+def _from_bytes(buf: bytearray | mmap.mmap, offset: int, info: TensorInfo) -> torch.Tensor:
     dtype = DTYPES[info.dtype]
     numel = math.prod(info.shape)
     if numel == 0:

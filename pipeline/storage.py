@@ -15,6 +15,7 @@ deletes the markers too, so a removed directory is gone.
 
 from __future__ import annotations
 
+import mmap
 import posixpath
 import uuid
 from contextlib import contextmanager
@@ -23,6 +24,8 @@ from typing import Any, Iterator
 import fsspec
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
+
+from pipeline.buffers import empty_buffer
 
 _OPTIONS: dict[str, dict[str, Any]] = {}
 
@@ -93,13 +96,13 @@ def read_bytes(path: str) -> bytes:
         return f.read()
 
 
-def read_range(path: str, start: int, end: int) -> bytes | bytearray:
+def read_range(path: str, start: int, end: int) -> bytes | bytearray | mmap.mmap:
     """Bytes [start, end) of a file (fewer past its end), with one ranged read (one HTTP range request on
-    object storage). On a local path they are read straight into a new bytearray (writable, so tensors can
-    view it without a copy)."""
+    object storage). On a local path they are read straight into a new writable buffer (so tensors can
+    view it without a copy; a large one is a :func:`pipeline.buffers.empty_buffer` mapping)."""
     fs, p = filesystem(path)
     if isinstance(fs, LocalFileSystem):
-        buf = bytearray(max(0, end - start))
+        buf = empty_buffer(max(0, end - start))
         view, n = memoryview(buf), 0
         with open(p, "rb", buffering=0) as f:
             f.seek(start)
@@ -108,9 +111,9 @@ def read_range(path: str, start: int, end: int) -> bytes | bytearray:
                 if not k:
                     break
                 n += k
+        short = view[:n].tobytes() if n < len(buf) else None  # past the end: a copy of what was there
         view.release()
-        del buf[n:]
-        return buf
+        return buf if short is None else bytearray(short)
     return fs.cat_file(p, start=start, end=end)
 
 

@@ -20,11 +20,11 @@ from safetensors.torch import load_file, save_file
 from pipeline import layout
 from pipeline.checkpoint import CheckpointError, CheckpointReader
 from pipeline.finite import all_finite
-from pipeline.fp8 import FP8_DTYPE, dequantize_fp8_blocks, expand_scale, fp8_nan_count, quantize_fp8_blocks
+from pipeline.fp8 import FP8_DTYPE, BlockRows, dequantize_fp8_blocks, expand_scale, fp8_nan_count, quantize_fp8_blocks
 from pipeline.fp8_copy import write_fp8_copy
 from pipeline.quant import qparams
 from pipeline.quant.qparams import QuantError, quantize_weight_per_channel
-from pipeline.quant.quantize_layer import model_dtype, quantize_globals, quantize_layer
+from pipeline.quant.quantize_layer import deferred_weights, model_dtype, quantize_globals, quantize_layer
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.run import QuantizeOptions, calibrate, quantize_weights
 from pipeline.quant.writer import QuantizedWriter
@@ -113,6 +113,36 @@ def test_chunked_weight_quantization_is_the_formula(monkeypatch, dtype):
                 quantize_weight_per_channel(bad, "lin.weight")
 
 
+@pytest.mark.parametrize("block", [(128, 128), (64, 48)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_block_rows_quantize_as_their_dequantization(dtype, block):
+    """An FP8 weight quantized a block row at a time (never dequantized whole) gives the int8 and scales of
+    quantizing its dequantization, bit for bit: every code, ragged edges, an all-zero row, scales from tiny
+    to large (a block row whose s * 2^8 overflows float32 takes the formula), negative and zero scales."""
+    w = every_code((300, 260))
+    w.view(torch.uint8)[7] = 0  # an all-zero row
+    r, c = math.ceil(300 / block[0]), math.ceil(260 / block[1])
+    g = torch.Generator().manual_seed(5)
+    s = torch.rand(r, c, generator=g) * 10.0 ** torch.randint(-30, 3, (r, c), generator=g).float()
+    s[0, 0], s[0, -1], s[-1, 0] = 1.4e-45, -0.0, -3.5
+    if dtype == torch.float32:  # s * 2^8 overflows float32, the products (codes kept small) do not
+        s[1, 1] = 5e36
+        w.view(torch.uint8)[block[0]:2 * block[0], block[1]:2 * block[1]] &= 0x8F
+    rows = BlockRows(w, s, block, "x.weight", dtype)
+    want = quantize_weight_per_channel(rows.materialize(), "x.weight")
+    got = quantize_weight_per_channel(rows, "x.weight")
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want))
+    assert got[1].dtype == dtype and bool((got[0][7] == 0).all())
+
+
+def test_fp8_block_rows_with_overflowing_products_name_the_weight():
+    w = every_code((130, 64))
+    s = torch.ones(2, 1)
+    s[1, 0] = 1e3  # 448e3 overflows float16
+    with pytest.raises(QuantError, match=r"x.weight: \d+ non-finite values"):
+        quantize_weight_per_channel(BlockRows(w, s, (128, 128), "x.weight", torch.float16), "x.weight")
+
+
 def test_row_sums_are_exact():
     q = torch.randint(-128, 128, (1000, 3000), dtype=torch.int8, generator=torch.Generator().manual_seed(3))
     assert torch.equal(qparams._row_sums(q), q.to(torch.int64).sum(dim=1))
@@ -146,6 +176,27 @@ def test_read_specs_are_what_the_reads_give(sources, src, dtype):
         assert r.read_specs(lid, dtype) == {n: (t.dtype, tuple(t.shape)) for n, t in got.items()}
 
 
+@pytest.mark.parametrize("src", ["fp8", "fp8-f16"])
+def test_deferred_fp8_weights_are_what_the_read_gives(sources, src):
+    """read_layer(deferred=...) gives the named FP8 weights as BlockRows whose materialization is the
+    plain read's tensor; other tensors come as always."""
+    r = CheckpointReader(sources[src])
+    deferred = 0
+    for lid in layout.all_layer_ids(r.config):  # the MTP layer (FLOAT) has none
+        plain = r.read_layer(lid)
+        names = deferred_weights(r.config, lid, Recipe())
+        got = r.read_layer(lid, deferred=names)
+        assert list(got) == list(plain)
+        for n, t in got.items():
+            if n in names:
+                deferred += 1
+                assert isinstance(t, BlockRows) and t.shape == tuple(plain[n].shape)
+                assert torch.equal(bits(t.materialize()), bits(plain[n]))
+            else:
+                assert torch.equal(bits(t), bits(plain[n]))
+    assert deferred >= 2 * 5
+
+
 def test_dequantization_overflow_names_the_stage(tmp_path, sources):
     """A scale too large for the model dtype: finite float32 products that overflow float16 are reported
     after the conversion, products that overflow float32 after dequantization, and a huge scale over
@@ -162,12 +213,13 @@ def test_dequantization_overflow_names_the_stage(tmp_path, sources):
         if codes is not None:
             tensors[name].view(torch.uint8)[:] = codes
         save_file(tensors, shard)
-        if when is None:
-            assert bool((CheckpointReader(str(dst)).read_layer(1)[name] == 0).all())
-        else:
-            what = rf"{re.escape(shard)}: tensor '{name}': \d+ NaN and [1-9]\d* Inf values {when}"
-            with pytest.raises(CheckpointError, match=what):
-                CheckpointReader(str(dst)).read_layer(1)
+        for deferred in ((), {name}):  # a scale that could overflow is dequantized (and checked) even if deferred
+            if when is None:
+                assert bool((CheckpointReader(str(dst)).read_layer(1, deferred=deferred)[name] == 0).all())
+            else:
+                what = rf"{re.escape(shard)}: tensor '{name}': \d+ NaN and [1-9]\d* Inf values {when}"
+                with pytest.raises(CheckpointError, match=what):
+                    CheckpointReader(str(dst)).read_layer(1, deferred=deferred)
 
 
 # ----- quantize_weights -------------------------------------------------------------------------------
@@ -193,6 +245,7 @@ def files(path: Path) -> dict[str, bytes]:
     ("fp8", Recipe(dialect="ascendV1", quantize_mtp=True)),
     ("f16", Recipe(dialect="ascendV1", dynamic=True)),
     ("fp8-f16", Recipe(fa_quant=False)),
+    ("fp8", Recipe(smooth=True)),
 ])
 def test_quantize_weights_equals_the_plain_loop(tmp_path, sources, src, recipe):
     """Planned streaming shards, with and without the prefetch, are the queuing writer's files byte for
@@ -233,11 +286,15 @@ def test_a_failing_background_read_surfaces_and_leaves_no_thread(tmp_path, sourc
 
 
 # ----- the planned writer -----------------------------------------------------------------------------
-def test_planned_writer_holds_nothing_and_refuses_the_unplanned(tmp_path):
+@pytest.mark.parametrize("background", [False, True])
+def test_planned_writer_holds_nothing_and_refuses_the_unplanned(tmp_path, background):
+    """Without the writer thread a unit is written when add() returns; with it, once the next call waits
+    for it (here finish): neither holds the tensors afterwards."""
     a = {"model.norm.weight": torch.ones(64, dtype=torch.bfloat16)}
     b = {"model.embed_tokens.weight": torch.zeros(8, 64, dtype=torch.bfloat16)}
     specs = [[TensorSpec.of(n, t) for n, t in d.items()] for d in (a, b)]  # two units
-    w = QuantizedWriter(str(tmp_path / "q"), "seed", model_dtype=torch.bfloat16, shard_bytes=150)
+    w = QuantizedWriter(str(tmp_path / "q"), "seed", model_dtype=torch.bfloat16, shard_bytes=150,
+                        background=background)
     w.plan(specs)
     with pytest.raises(RuntimeError, match="plan\\(\\) must come once"):
         w.plan(specs)
@@ -247,18 +304,47 @@ def test_planned_writer_holds_nothing_and_refuses_the_unplanned(tmp_path):
     ref = weakref.ref(a["model.norm.weight"])
     w.add(a, {"model.norm.weight": "FLOAT"})
     del a
-    assert ref() is None  # written, not queued
+    if not background:
+        assert ref() is None  # written, not queued
     with pytest.raises(ValueError, match="1 planned tensors were never added: \\['model.embed_tokens.weight'\\]"):
         w.finish({})
+    assert ref() is None
     w.abort()
     assert not list((tmp_path / "q").iterdir())
 
 
 def test_abort_removes_the_part_being_written(tmp_path):
     t = {f"model.layers.0.mlp.experts.{k}.up_proj.weight": torch.zeros(4, 4, dtype=torch.bfloat16) for k in range(3)}
-    w = QuantizedWriter(str(tmp_path / "q"), "seed", model_dtype=torch.bfloat16)
+    w = QuantizedWriter(str(tmp_path / "q"), "seed", model_dtype=torch.bfloat16, background=False)
     w.plan([[TensorSpec.of(n, v) for n, v in t.items()]])
     w.add({n: t[n] for n in list(t)[:1]}, dict.fromkeys(list(t)[:1], "FLOAT"))
     assert [p.name for p in (tmp_path / "q").iterdir() if ".tmp-" in p.name]  # the shard is open
     w.abort()
     assert not list((tmp_path / "q").iterdir())
+
+
+def test_a_failing_background_write_fails_the_writer_and_removes_everything(tmp_path, monkeypatch):
+    """The writer thread's error (a full disk, injected here: it cannot be made on this machine's disk)
+    is raised by the next add(), which writes nothing more; the writer is failed, the with block removes
+    every file and the thread is gone."""
+    import pipeline.safetensors_io as sio
+
+    units = [{f"model.layers.{i}.mlp.experts.{k}.up_proj.weight": torch.full((64, 64), float(i), dtype=torch.bfloat16)
+              for k in range(2)} for i in range(3)]
+    real = sio.SafetensorsWriter.write
+
+    def write(self, name, tensor):
+        if name.startswith("model.layers.1."):
+            raise OSError(28, "No space left on device")
+        real(self, name, tensor)
+
+    monkeypatch.setattr(sio.SafetensorsWriter, "write", write)
+    with pytest.raises(OSError, match="No space left"):
+        with QuantizedWriter(str(tmp_path / "q"), "seed", model_dtype=torch.bfloat16, shard_bytes=10_000) as w:
+            w.plan([[TensorSpec.of(n, v) for n, v in u.items()] for u in units])
+            for u in units:
+                w.add(u, dict.fromkeys(u, "FLOAT"))
+    assert w._state == "aborted" and not list((tmp_path / "q").iterdir())
+    with pytest.raises(RuntimeError, match="writer is aborted"):
+        w.add(units[2], dict.fromkeys(units[2], "FLOAT"))
+    assert not [t for t in threading.enumerate() if t.name.startswith("shard-writer")]

@@ -31,7 +31,9 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from pipeline.buffers import empty
 from pipeline.finite import all_finite
+from pipeline.fp8 import BlockRows
 
 QMIN, QMAX = -128, 127
 _BLOCK_ELEMENTS = 1 << 20  # elements per block of rows in quantize_weight_per_channel: a cache-sized buffer
@@ -76,29 +78,54 @@ def _eps(md: torch.dtype) -> Tensor:
 
 
 # ----- weights -------------------------------------------------------------------------------------
-def quantize_weight_per_channel(w: Tensor, name: str = "weight") -> tuple[Tensor, Tensor, Tensor]:
+def quantize_weight_per_channel(w: Union[Tensor, BlockRows], name: str = "weight") -> tuple[Tensor, Tensor, Tensor]:
     """W [n, k] (md) -> (int8 [n, k], weight_scale md [n, 1], weight_offset md zeros [n, 1]).
 
     ws = max(amax_j |W[i, j]| / 127, eps) and W8 = clamp(round(W / ws), -128, 127), every op in md,
     round half to even. All-zero row rule: ws = eps (float32 epsilon in md), int8 row all 0.
     Computed in blocks of rows (each row is independent) through one small buffer; a NaN or Inf in W
-    shows in its row's amax, so W is checked through ws."""
+    shows in its row's amax, so W is checked through ws.
+
+    W may also be an FP8 block weight not yet dequantized (:class:`pipeline.fp8.BlockRows`, md its
+    ``dtype``): each block row is dequantized into a buffer and quantized from there, bit-identical to
+    quantizing ``W.materialize()`` but never holding W in md (the weight phase of an FP8 checkpoint)."""
+    if isinstance(w, BlockRows):
+        return _quantize_block_rows(w, name)
     check_float(w, name, ndim=2, finite=False)
     n, k = w.shape
     rows = max(1, _BLOCK_ELEMENTS // k)
-    ws = torch.empty(n, 1, dtype=w.dtype)
-    q = torch.empty(n, k, dtype=torch.int8)
+    q, ws = empty((n, k), torch.int8), torch.empty(n, 1, dtype=w.dtype)
     buf = torch.empty(min(rows, n), k, dtype=w.dtype)
-    eps = _eps(w.dtype)
     for r0 in range(0, n, rows):
         r1 = min(r0 + rows, n)
-        x, s = buf[: r1 - r0], ws[r0:r1]
-        torch.amax(torch.abs(w[r0:r1], out=x), dim=1, keepdim=True, out=s)
-        torch.maximum(s.div_(127), eps, out=s)
-        torch.div(w[r0:r1], s, out=x).round_().clamp_(QMIN, QMAX)
-        q[r0:r1] = x
+        _quantize_rows(w[r0:r1], q[r0:r1], ws[r0:r1], buf[: r1 - r0])
+    return _checked(w, q, ws, name)
+
+
+def _quantize_block_rows(w: BlockRows, name: str) -> tuple[Tensor, Tensor, Tensor]:
+    if w.dtype not in MODEL_DTYPES:
+        raise QuantError(f"{name}: dtype {w.dtype} is not one of {list(MODEL_DTYPES)}")
+    (n, k), b0 = w.shape, w.block[0]
+    q, ws = empty((n, k), torch.int8), torch.empty(n, 1, dtype=w.dtype)
+    x, buf = torch.empty(min(b0, n), k, dtype=w.dtype), torch.empty(min(b0, n), k, dtype=w.dtype)
+    for i in range(w.count):
+        r0, r1 = w.bounds(i)
+        w.dequantize(i, x[: r1 - r0])
+        _quantize_rows(x[: r1 - r0], q[r0:r1], ws[r0:r1], buf[: r1 - r0])
+    return _checked(w, q, ws, name)
+
+
+def _quantize_rows(w: Tensor, q: Tensor, ws: Tensor, buf: Tensor) -> None:
+    """Rows of W (md) into their int8 rows ``q`` and scales ``ws``, through ``buf`` (w's shape, md)."""
+    torch.amax(torch.abs(w, out=buf), dim=1, keepdim=True, out=ws)
+    torch.maximum(ws.div_(127), _eps(w.dtype), out=ws)
+    torch.div(w, ws, out=buf).round_().clamp_(QMIN, QMAX)
+    q.copy_(buf)
+
+
+def _checked(w: Union[Tensor, BlockRows], q: Tensor, ws: Tensor, name: str) -> tuple[Tensor, Tensor, Tensor]:
     if not all_finite(ws):
-        _raise_nonfinite(w, name)
+        _raise_nonfinite(w.materialize() if isinstance(w, BlockRows) else w, name)
     return q, ws, torch.zeros_like(ws)
 
 

@@ -20,13 +20,14 @@ entry) to its type for quant_model_description.json.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Container, Mapping, Optional
 
 import torch
 from torch import Tensor
 
 from pipeline import layout
 from pipeline.config import DeepseekV3Config
+from pipeline.fp8 import BlockRows
 from pipeline.quant.description import LAYER_ENTRY_SUFFIX, LAYER_QUANT_TYPE
 from pipeline.quant.observers import Stats
 from pipeline.quant.qparams import (
@@ -51,7 +52,7 @@ def model_dtype(cfg: DeepseekV3Config) -> torch.dtype:
 def _check_tensors(tensors: Mapping[str, Tensor], expected: Mapping[str, tuple], what: str,
                    quantized: frozenset = frozenset()) -> None:
     """Names, shapes, float dtypes, and finiteness except for the ``quantized`` weights, which
-    quantize_weight_per_channel checks on its way."""
+    quantize_weight_per_channel checks on its way (and which alone may come as FP8 BlockRows)."""
     missing = [n for n in expected if n not in tensors]
     unexpected = [n for n in tensors if n not in expected]
     if missing or unexpected:
@@ -59,7 +60,10 @@ def _check_tensors(tensors: Mapping[str, Tensor], expected: Mapping[str, tuple],
                          f"unexpected {unexpected[:5]}")
     for n, shape in expected.items():
         t = tensors[n]
-        check_float(t, n, finite=n not in quantized)
+        if isinstance(t, BlockRows) and n not in quantized:
+            raise QuantError(f"{n}: an FP8 weight still to dequantize, but it is not quantized here")
+        if not isinstance(t, BlockRows):
+            check_float(t, n, finite=n not in quantized)
         if tuple(t.shape) != tuple(shape):
             raise QuantError(f"{n}: shape {list(t.shape)} does not match the config ({list(shape)})")
 
@@ -90,7 +94,9 @@ def _fa(p: str, stats: Stats, md: torch.dtype, rows: int, ascend: bool) -> dict[
 
 def quantize_layer(cfg: DeepseekV3Config, layer_id: int, tensors: Mapping[str, Tensor], stats: Stats,
                    recipe: Recipe) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """One layer's float tensors (HF names, md; the router bias may be float32) -> (tensors, types)."""
+    """One layer's float tensors (HF names, md; the router bias may be float32) -> (tensors, types).
+    The weights it quantizes may come as FP8 BlockRows (``CheckpointReader.read_layer(deferred=...)``,
+    :func:`deferred_weights`): the result is the same as for their dequantized tensors."""
     types_of = recipe.layer_types(cfg, layer_id)
     quantized = frozenset(p + ".weight" for p, kind in types_of.items() if kind in (W8A8, W8A8_DYNAMIC))
     _check_tensors(tensors, layout.layer_shapes(cfg, layer_id), f"layer {layer_id}", quantized)
@@ -134,6 +140,15 @@ def quantize_layer(cfg: DeepseekV3Config, layer_id: int, tensors: Mapping[str, T
                     t = t.to(md)
                 out[name], types[name] = t, FLOAT
     return out, types
+
+
+def deferred_weights(cfg: DeepseekV3Config, layer_id: int, recipe: Recipe,
+                     keep: Container[str] = frozenset()) -> frozenset[str]:
+    """The weights of layer ``layer_id`` that :func:`quantize_layer` quantizes per channel, less those
+    in ``keep`` (ones a smoothing fold must change first): the FP8 weights the reader may leave as
+    BlockRows."""
+    return frozenset(p + ".weight" for p, kind in recipe.layer_types(cfg, layer_id).items()
+                     if kind in (W8A8, W8A8_DYNAMIC) and p + ".weight" not in keep)
 
 
 def quantize_globals(cfg: DeepseekV3Config, tensors: Mapping[str, Tensor],

@@ -35,7 +35,8 @@ from pipeline.quant.observers import Stats
 from pipeline.quant.quantize_layer import model_dtype, quantize_globals, quantize_layer
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.shard_layout import output_units
-from pipeline.quant.smooth import ChannelAbsMax, apply_smoothing, collect_smoothing_stats, smooth_layer
+from pipeline.quant.smooth import ChannelAbsMax, apply_smoothing, collect_smoothing_stats
+from pipeline.quant.unit_writer import read_layer
 from pipeline.quant.writer import QuantizedWriter
 from pipeline.safetensors_io import TensorSpec
 from pipeline.tokenizer import Tokenizer
@@ -132,9 +133,8 @@ def quantize_weights(reader: CheckpointReader, writer: QuantizedWriter, stats: S
     writer.plan([specs for _, specs in output_units(reader, recipe)])
     writer.add(*quantize_globals(cfg, reader.read_globals(), recipe))
 
-    def load(i: int) -> dict[str, torch.Tensor]:
-        tensors = reader.read_layer(i)
-        return tensors if smooth_stats is None else smooth_layer(tensors, i, smooth_stats, smooth_alpha)
+    def load(i: int) -> dict:
+        return read_layer(reader, i, recipe, smooth_stats, smooth_alpha)
 
     layer_ids = layout.all_layer_ids(cfg)
     with closing(_prefetched(layer_ids, load, prefetch)) as layers:

@@ -137,6 +137,12 @@ def collect_smoothing_stats(model, samples: list[list[int]], layer_ids=None) -> 
     return stats
 
 
+def smoothed_weights(layer_id: int) -> frozenset[str]:
+    """The linear weights of layer ``layer_id`` that :func:`smooth_layer` may change."""
+    a = f"model.layers.{layer_id}.self_attn."
+    return frozenset(a + m + ".weight" for m in ("q_a_proj", "q_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj"))
+
+
 def smooth_layer(tensors: dict[str, torch.Tensor], layer_id: int, stats: dict[str, ChannelAbsMax],
                  alpha: float = 0.5, latent: bool = True) -> dict[str, torch.Tensor]:
     """One layer's HF-named tensors with smoothing folded in (a new dict; untouched tensors shared).

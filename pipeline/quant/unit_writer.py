@@ -15,10 +15,11 @@ from pipeline import storage
 from pipeline.checkpoint import CheckpointReader
 from pipeline.quant.observers import Stats
 from pipeline.quant.output_files import ShardFile, ShardRecord
-from pipeline.quant.quantize_layer import model_dtype, quantize_globals, quantize_layer
+from pipeline.fp8 import BlockRows
+from pipeline.quant.quantize_layer import deferred_weights, model_dtype, quantize_globals, quantize_layer
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.shard_layout import GLOBALS, Shard, unit_layer
-from pipeline.quant.smooth import ChannelAbsMax, smooth_layer
+from pipeline.quant.smooth import ChannelAbsMax, smooth_layer, smoothed_weights
 from pipeline.quant.writer import check_next, prepare_unit
 
 
@@ -30,10 +31,18 @@ def quantize_unit(reader: CheckpointReader, unit: str, stats: Stats, recipe: Rec
     if unit == GLOBALS:
         return quantize_globals(cfg, reader.read_globals(), recipe)
     i = unit_layer(unit)
-    tensors = reader.read_layer(i)
-    if smooth_stats:
-        tensors = smooth_layer(tensors, i, dict(smooth_stats), smooth_alpha)
-    return quantize_layer(cfg, i, tensors, stats, recipe)
+    return quantize_layer(cfg, i, read_layer(reader, i, recipe, smooth_stats, smooth_alpha), stats, recipe)
+
+
+def read_layer(reader: CheckpointReader, layer_id: int, recipe: Recipe,
+               smooth_stats: Optional[Mapping[str, ChannelAbsMax]] = None, smooth_alpha: float = 0.5
+               ) -> dict[str, torch.Tensor | BlockRows]:
+    """Layer ``layer_id`` from the source as :func:`quantize_layer` takes it: smoothed when
+    ``smooth_stats`` is given, and the FP8 weights it quantizes per channel left as BlockRows (those the
+    smoothing does not change): they are dequantized a block row at a time as they are quantized."""
+    keep = smoothed_weights(layer_id) if smooth_stats else frozenset()
+    tensors = reader.read_layer(layer_id, deferred=deferred_weights(reader.config, layer_id, recipe, keep))
+    return smooth_layer(tensors, layer_id, dict(smooth_stats), smooth_alpha) if smooth_stats else tensors
 
 
 def write_unit(dst: str, shards: Sequence[Shard], tensors: Mapping[str, torch.Tensor], types: Mapping[str, str],

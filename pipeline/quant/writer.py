@@ -35,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 import re
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any, Container, Mapping, Optional, Sequence, Union
 
 import torch
@@ -97,7 +99,7 @@ class QuantizedWriter:
     """Streams a quantized checkpoint into ``dst`` (a local path or fsspec URL); see the module doc."""
 
     def __init__(self, dst: str, dialect: str = SEED, *, model_dtype: DtypeLike,
-                 shard_bytes: int = SHARD_BYTES, overwrite: bool = False):
+                 shard_bytes: int = SHARD_BYTES, overwrite: bool = False, background: bool = True):
         if shard_bytes <= 0:
             raise ValueError(f"shard_bytes must be > 0, got {shard_bytes}")
         self.dst = dst.rstrip("/") or dst
@@ -114,6 +116,8 @@ class QuantizedWriter:
         self._part: Optional[ShardFile] = None  # the part being written
         self._parts: list[ShardRecord] = []
         self._written: list[str] = []  # every path this writer created, for abort()
+        self._pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(1, "shard-writer") if background else None
+        self._job: Optional[Future] = None  # the unit being written in the background
         self._state = "open"
         self._prepare(overwrite)
 
@@ -146,6 +150,7 @@ class QuantizedWriter:
         if self._state == "finished":
             return
         self._state = "aborted"
+        self._stop_background()
         self._pending, self._pending_bytes = [], 0
         self._discard_part()
         for path in reversed(self._written + [p.path for p in self._parts]):
@@ -177,38 +182,72 @@ class QuantizedWriter:
                 self._shard_ends.append((self._shard_ends[-1] if self._shard_ends else 0) + len(shard))
 
     def add(self, tensors: Mapping[str, torch.Tensor], types: Mapping[str, str]) -> None:
-        """Write (without a plan: queue) one unit, a layer or the global tensors: whole modules, every
-        tensor with its type, in either dialect's form (:func:`prepare_unit`). Raises ValueError naming the
-        tensors for a mismatch of names, a repeated name, a broken format rule, or a tensor that is not
-        the next one planned; nothing is written then."""
+        """Write one unit, a layer or the global tensors: whole modules, every tensor with its type, in
+        either dialect's form (:func:`prepare_unit`). Raises ValueError naming the tensors for a mismatch
+        of names, a repeated name, a broken format rule, or a tensor that is not the next one planned;
+        nothing is written then.
+
+        With ``background`` (the default) the unit is checked here and written by a writer thread (hashed
+        and streamed out) while the caller computes the next one: ``add`` first waits for the previous
+        unit to be written, so at most one unit is in flight, and an error writing it is raised by the
+        next ``add`` or by ``finish`` (the writer is failed then). Do not modify the tensors afterwards."""
         self._require_open()
         conv, conv_types, specs = prepare_unit(tensors, types, self.dialect, self.model_dtype, self._types)
+        start = len(self._types)
         if self._planned is not None:
-            check_next(list(specs.values()), self._planned, len(self._types))
+            check_next(list(specs.values()), self._planned, start)
+        self._wait()
+        self._types.update((n, conv_types[n]) for n in conv)
+        if self._pool is None:
+            self._checked(self._write_unit, conv, specs, start)
+        else:
+            self._job = self._pool.submit(self._write_unit, conv, specs, start)
+
+    def _write_unit(self, conv: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec], start: int) -> None:
         try:
-            for name, t in conv.items():
+            for k, (name, t) in enumerate(conv.items(), start=start):
                 if self._planned is not None:
-                    self._write_planned(name, t)
+                    self._write_planned(name, t, k)
                 else:
                     nbytes = specs[name].nbytes
                     if self._pending and self._pending_bytes + nbytes > self.shard_bytes:
                         self._flush()
                     self._pending.append((name, t))
                     self._pending_bytes += nbytes
-                self._types[name] = conv_types[name]
             self._flush()  # a shard never spans two units
         except BaseException:
-            self._state = "failed"
             self._discard_part()
             raise
+
+    def _checked(self, fn, *args):
+        try:
+            return fn(*args)
+        except BaseException:
+            self._state = "failed"
+            raise
+
+    def _wait(self) -> None:
+        """Wait for the unit being written; its error, if any, is raised here (and fails the writer)."""
+        job, self._job = self._job, None
+        if job is not None:
+            self._checked(job.result)
+
+    def _stop_background(self) -> None:
+        """Let the unit being written end (its outcome does not matter here), then stop the thread."""
+        job, self._job = self._job, None
+        if job is not None:
+            futures_wait([job])
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     def _part_path(self) -> str:
         return storage.join(self.dst, f".{self.naming.stem}.part-{self._run}-{len(self._parts) + 1:05d}.safetensors")
 
-    def _write_planned(self, name: str, t: torch.Tensor) -> None:
-        """The next planned tensor into its shard's part: the part (its header) opened first, committed
-        after its last tensor."""
-        k, i = len(self._parts), len(self._types)  # the shard, the tensor's index in the plan
+    def _write_planned(self, name: str, t: torch.Tensor, i: int) -> None:
+        """The next planned tensor (index ``i`` in the plan) into its shard's part: the part (its header)
+        opened first, committed after its last tensor."""
+        k = len(self._parts)  # the shard
         if self._part is None:
             self._part = ShardFile(self._part_path(), self._planned[self._shard_ends[k - 1] if k else 0:
                                                                     self._shard_ends[k]])
@@ -240,11 +279,9 @@ class QuantizedWriter:
         from (None: nothing copied); ``job``: free-form JSON-able info recorded in the manifest."""
         self._require_open()
         check_finish_args(self.dst, config, src_dir, self.model_dtype)
-        try:
-            return self._finish(config, src_dir, mindie_format, job)
-        except BaseException:
-            self._state = "failed"
-            raise
+        self._wait()
+        self._stop_background()
+        return self._checked(self._finish, config, src_dir, mindie_format, job)
 
     def _finish(self, config, src_dir, mindie_format, job) -> dict:
         self._flush()
