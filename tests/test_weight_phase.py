@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
+import subprocess
+import sys
 import threading
 import weakref
 from pathlib import Path
@@ -18,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline import layout
+from pipeline import native as native_kernels
 from pipeline.checkpoint import CheckpointError, CheckpointReader
 from pipeline.finite import all_finite
 from pipeline.fp8 import FP8_DTYPE, BlockRows, dequantize_fp8_blocks, expand_scale, fp8_nan_count, quantize_fp8_blocks
@@ -113,10 +117,12 @@ def test_chunked_weight_quantization_is_the_formula(monkeypatch, dtype):
                 quantize_weight_per_channel(bad, "lin.weight")
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("block", [(128, 128), (64, 48)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_fp8_block_rows_quantize_as_their_dequantization(dtype, block):
-    """An FP8 weight quantized a block row at a time (never dequantized whole) gives the int8 and scales of
+def test_fp8_block_rows_quantize_as_their_dequantization(dtype, block, native):
+    """An FP8 weight quantized without being dequantized whole (bf16: the native kernel, one pass per
+    row; else, and with native=False, torch ops a block row at a time) gives the int8 and scales of
     quantizing its dequantization, bit for bit: every code, ragged edges, an all-zero row, scales from tiny
     to large (a block row whose s * 2^8 overflows float32 takes the formula), negative and zero scales."""
     w = every_code((300, 260))
@@ -130,22 +136,62 @@ def test_fp8_block_rows_quantize_as_their_dequantization(dtype, block):
         w.view(torch.uint8)[block[0]:2 * block[0], block[1]:2 * block[1]] &= 0x8F
     rows = BlockRows(w, s, block, "x.weight", dtype)
     want = quantize_weight_per_channel(rows.materialize(), "x.weight")
-    got = quantize_weight_per_channel(rows, "x.weight")
+    got = quantize_weight_per_channel(rows, "x.weight", native=native)
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want))
     assert got[1].dtype == dtype and bool((got[0][7] == 0).all())
 
 
-def test_fp8_block_rows_with_overflowing_products_name_the_weight():
+@pytest.mark.parametrize("shape", [(1536, 7168), (7168, 2048), (576, 1000)])
+def test_native_kernel_on_release_like_weights(shape):
+    """Gaussian weights in the release's FP8 form (V3's shapes and a ragged one): the kernel's int8 and
+    scales are the torch path's and those of the dequantized weight, bit for bit."""
+    g = torch.Generator().manual_seed(shape[0])
+    w8, s = quantize_fp8_blocks(torch.randn(*shape, generator=g).mul_(shape[1] ** -0.5).to(torch.bfloat16))
+    rows = BlockRows(w8, s)
+    want = quantize_weight_per_channel(rows.materialize())
+    for native in (True, False):
+        got = quantize_weight_per_channel(rows, native=native)
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want)), native
+
+
+def test_native_kernel_is_built_where_a_compiler_is():
+    """Where a C compiler is on PATH (CI, this machine) the kernel must build: a silent fall back to the
+    torch ops would hide a broken build. DSQUANT_NATIVE=0 turns it off."""
+    if native_kernels._compiler() is None:
+        pytest.skip("no C compiler on PATH: the torch ops run (tested above)")
+    assert native_kernels.library() is not None, native_kernels.status()
+    code = "from pipeline import native; print(native.status())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "DSQUANT_NATIVE": "0"}, cwd=Path(__file__).parents[1])
+    assert out.stdout.startswith("torch ops (disabled by DSQUANT_NATIVE=0)")
+
+
+@pytest.mark.parametrize("native, dtype, scale, code", [
+    (native, torch.float16, 1e3, None) for native in (True, False)] + [
+    (native, torch.bfloat16, float("inf"), None) for native in (True, False)] + [
+    (True, torch.bfloat16, 1.0, 0x7F)])  # the torch ops decode NaN codes as anything: the reader rejects them first
+def test_fp8_block_rows_non_finite_results_name_the_weight(dtype, scale, code, native):
+    """Products that overflow the model dtype, an infinite scale, a NaN code: QuantError naming the weight."""
     w = every_code((130, 64))
+    if code is not None:
+        w.view(torch.uint8)[129, 3] = code
     s = torch.ones(2, 1)
-    s[1, 0] = 1e3  # 448e3 overflows float16
+    s[1, 0] = scale
     with pytest.raises(QuantError, match=r"x.weight: \d+ non-finite values"):
-        quantize_weight_per_channel(BlockRows(w, s, (128, 128), "x.weight", torch.float16), "x.weight")
+        quantize_weight_per_channel(BlockRows(w, s, (128, 128), "x.weight", dtype), "x.weight", native=native)
 
 
 def test_row_sums_are_exact():
+    """The kernel's (and torch's, on a non-contiguous view the kernel declines) int64 row sums, extreme rows
+    included."""
     q = torch.randint(-128, 128, (1000, 3000), dtype=torch.int8, generator=torch.Generator().manual_seed(3))
-    assert torch.equal(qparams._row_sums(q), q.to(torch.int64).sum(dim=1))
+    q[0], q[1] = -128, 127
+    want = q.to(torch.int64).sum(dim=1)
+    assert torch.equal(qparams._row_sums(q), want) and want[0] == -128 * 3000
+    if native_kernels.library() is not None:
+        assert torch.equal(native_kernels.int8_row_sums(q), want)
+    assert native_kernels.int8_row_sums(q[:, ::2]) is None
+    assert torch.equal(qparams._row_sums(q[:, ::2]), q[:, ::2].to(torch.int64).sum(dim=1))
 
 
 # ----- reading ----------------------------------------------------------------------------------------

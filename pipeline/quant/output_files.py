@@ -14,6 +14,9 @@ import copy
 import hashlib
 import json
 import re
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -51,14 +54,30 @@ class ShardRecord:
         return cls(str(raw["path"]), tuple(raw["names"]), int(raw["nbytes"]), int(raw["size"]), str(raw["sha256"]))
 
 
+_hasher_lock = threading.Lock()
+_hasher: Optional[ThreadPoolExecutor] = None
+
+
+def _hashing_thread() -> ThreadPoolExecutor:
+    """The process's one hashing thread: tasks run in submission order, so each shard's digest sees its
+    bytes in file order; hashlib releases the GIL on large buffers, so it runs beside the file write."""
+    global _hasher
+    with _hasher_lock:
+        if _hasher is None:
+            _hasher = ThreadPoolExecutor(1, thread_name_prefix="sha256")
+        return _hasher
+
+
 class ShardFile:
     """One shard being written at ``path`` (atomically: it appears only once every tensor is in), its
-    sha256 computed along. Use :meth:`close` to commit, :meth:`discard` to drop."""
+    sha256 computed along, on a hashing thread while this thread writes the same bytes to the file.
+    Use :meth:`close` to commit, :meth:`discard` to drop."""
 
     def __init__(self, path: str, specs: Sequence[TensorSpec]):
         self.path, self.specs = path, list(specs)
         header = encode_header(self.specs)
         self._digest = hashlib.sha256(header)
+        self._hashed: Optional[Future] = None  # the last tensor handed to the hashing thread
         self._size = len(header) + sum(s.nbytes for s in self.specs)
         self._file = SafetensorsWriter(path, self.specs)
         self._file.__enter__()
@@ -66,16 +85,24 @@ class ShardFile:
     def write(self, name: str, t: torch.Tensor) -> None:
         t = t.detach().to("cpu").contiguous()
         if t.numel():
-            self._digest.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            self._hashed = _hashing_thread().submit(self._digest.update, memoryview(t.reshape(-1).view(torch.uint8).numpy()))
         self._file.write(name, t)
 
+    def _digest_hex(self) -> str:
+        if self._hashed is not None:
+            self._hashed.result()  # and every tensor before it: one thread, in order
+        return self._digest.hexdigest()
+
     def close(self) -> ShardRecord:
+        sha256 = self._digest_hex()
         self._file.__exit__(None, None, None)
         return ShardRecord(self.path, tuple(s.name for s in self.specs), sum(s.nbytes for s in self.specs),
-                           self._size, self._digest.hexdigest())
+                           self._size, sha256)
 
     def discard(self) -> None:
         try:
+            if self._hashed is not None:
+                futures_wait([self._hashed])  # the thread may still read the tensors
             self._file.__exit__(RuntimeError, RuntimeError("shard discarded"), None)
         except Exception:  # best effort: the error that led here is the one to report
             pass

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from pipeline.buffers import empty
+from pipeline import native
 from pipeline.finite import all_finite
 from pipeline.fp8 import BlockRows
 
@@ -78,7 +79,8 @@ def _eps(md: torch.dtype) -> Tensor:
 
 
 # ----- weights -------------------------------------------------------------------------------------
-def quantize_weight_per_channel(w: Union[Tensor, BlockRows], name: str = "weight") -> tuple[Tensor, Tensor, Tensor]:
+def quantize_weight_per_channel(w: Union[Tensor, BlockRows], name: str = "weight", *,
+                                native: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """W [n, k] (md) -> (int8 [n, k], weight_scale md [n, 1], weight_offset md zeros [n, 1]).
 
     ws = max(amax_j |W[i, j]| / 127, eps) and W8 = clamp(round(W / ws), -128, 127), every op in md,
@@ -87,10 +89,12 @@ def quantize_weight_per_channel(w: Union[Tensor, BlockRows], name: str = "weight
     shows in its row's amax, so W is checked through ws.
 
     W may also be an FP8 block weight not yet dequantized (:class:`pipeline.fp8.BlockRows`, md its
-    ``dtype``): each block row is dequantized into a buffer and quantized from there, bit-identical to
-    quantizing ``W.materialize()`` but never holding W in md (the weight phase of an FP8 checkpoint)."""
+    ``dtype``), bit-identical to quantizing ``W.materialize()`` but never holding W in md (the weight
+    phase of an FP8 checkpoint): for a bf16 model, with ``native``, by the compiled kernel of
+    :mod:`pipeline.native` in one pass per row; otherwise each block row is dequantized into a buffer
+    and quantized from there with torch ops."""
     if isinstance(w, BlockRows):
-        return _quantize_block_rows(w, name)
+        return _quantize_block_rows(w, name, native)
     check_float(w, name, ndim=2, finite=False)
     n, k = w.shape
     rows = max(1, _BLOCK_ELEMENTS // k)
@@ -102,11 +106,19 @@ def quantize_weight_per_channel(w: Union[Tensor, BlockRows], name: str = "weight
     return _checked(w, q, ws, name)
 
 
-def _quantize_block_rows(w: BlockRows, name: str) -> tuple[Tensor, Tensor, Tensor]:
+def _quantize_block_rows(w: BlockRows, name: str, use_native: bool) -> tuple[Tensor, Tensor, Tensor]:
     if w.dtype not in MODEL_DTYPES:
         raise QuantError(f"{name}: dtype {w.dtype} is not one of {list(MODEL_DTYPES)}")
+    if 0 in w.shape:
+        raise QuantError(f"{name}: empty tensor of shape {list(w.shape)}")
     (n, k), b0 = w.shape, w.block[0]
-    q, ws = empty((n, k), torch.int8), torch.empty(n, 1, dtype=w.dtype)
+    q = empty((n, k), torch.int8)
+    if use_native and w.dtype == torch.bfloat16:
+        ws32 = torch.empty(n, dtype=torch.float32)
+        codes = w.w_fp8.contiguous().view(torch.uint8)
+        if native.fp8_to_int8_bf16(codes, w.scale_inv.to(torch.float32).contiguous(), w.block, q, ws32):
+            return _checked(w, q, ws32.to(torch.bfloat16).view(n, 1), name)
+    ws = torch.empty(n, 1, dtype=w.dtype)
     x, buf = torch.empty(min(b0, n), k, dtype=w.dtype), torch.empty(min(b0, n), k, dtype=w.dtype)
     for i in range(w.count):
         r0, r1 = w.bounds(i)
@@ -218,8 +230,11 @@ def deq_scale_and_quant_bias(input_scale: Tensor, input_offset: Tensor, weight_i
 
 
 def _row_sums(q: Tensor) -> Tensor:
-    """Exact int64 row sums of an int8 [n, k], a block of rows at a time (an int64 copy of a whole weight
-    would be eight times its size)."""
+    """Exact int64 row sums of an int8 [n, k]: the native kernel, else torch a block of rows at a time (an
+    int64 copy of a whole weight would be eight times its size)."""
+    fast = native.int8_row_sums(q)
+    if fast is not None:
+        return fast
     rows = max(1, _BLOCK_ELEMENTS // q.shape[1])
     return torch.cat([q[r:r + rows].sum(dim=1, dtype=torch.int64) for r in range(0, q.shape[0], rows)])
 
