@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import struct
 import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 
 from pipeline import storage
@@ -166,7 +166,7 @@ def read_tensors(header: SafetensorsHeader, names: Iterable[str],
     return out
 
 
-def _from_bytes(buf: bytearray | mmap.mmap, offset: int, info: TensorInfo) -> torch.Tensor:
+def _from_bytes(buf: bytearray | np.ndarray, offset: int, info: TensorInfo) -> torch.Tensor:
     dtype = DTYPES[info.dtype]
     numel = math.prod(info.shape)
     if numel == 0:

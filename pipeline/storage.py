@@ -15,17 +15,17 @@ deletes the markers too, so a removed directory is gone.
 
 from __future__ import annotations
 
-import mmap
 import posixpath
 import uuid
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    import numpy as np
 
 import fsspec
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
-
-from pipeline.buffers import empty_buffer
 
 _OPTIONS: dict[str, dict[str, Any]] = {}
 
@@ -96,13 +96,15 @@ def read_bytes(path: str) -> bytes:
         return f.read()
 
 
-def read_range(path: str, start: int, end: int) -> bytes | bytearray | mmap.mmap:
+def read_range(path: str, start: int, end: int) -> bytes | np.ndarray:
     """Bytes [start, end) of a file (fewer past its end), with one ranged read (one HTTP range request on
-    object storage). On a local path they are read straight into a new writable buffer (so tensors can
-    view it without a copy; a large one is a :func:`pipeline.buffers.empty_buffer` mapping)."""
+    object storage). On a local path they are read straight into a new, uninitialized uint8 array
+    (writable, so tensors can view it without a copy)."""
     fs, p = filesystem(path)
     if isinstance(fs, LocalFileSystem):
-        buf = empty_buffer(max(0, end - start))
+        import numpy as np  # here, not at the top: the corpus reader imports this module and must stay lean
+
+        buf = np.empty(max(0, end - start), dtype=np.uint8)  # uninitialized: a bytearray would be zeroed first
         view, n = memoryview(buf), 0
         with open(p, "rb", buffering=0) as f:
             f.seek(start)
@@ -111,9 +113,8 @@ def read_range(path: str, start: int, end: int) -> bytes | bytearray | mmap.mmap
                 if not k:
                     break
                 n += k
-        short = view[:n].tobytes() if n < len(buf) else None  # past the end: a copy of what was there
         view.release()
-        return buf if short is None else bytearray(short)
+        return buf[:n]
     return fs.cat_file(p, start=start, end=end)
 
 

@@ -1,22 +1,24 @@
 """Benchmark: the weight-only quantization phase against the I/O floor, on an FP8 checkpoint with
 DeepSeek-V3's real layer shapes (hidden 7168, 128 heads, MLA 1536/512/64, expert width 2048).
 
-    python scripts/bench_quantize_weights.py [--layers 4] [--experts 8] [--repeat 1] [--dir /tmp/bench]
+    python scripts/bench_quantize_weights.py [--layers 4] [--experts 8] [--repeat 5] [--dir /tmp/bench]
                                              [--out FILE]
 
 1. generates (once, cached in --dir) an FP8 e4m3 checkpoint in the release layout: layer 0 dense, the
    rest MoE with --experts routed experts + 1 shared, plus embeddings/head cut to 16k rows;
 2. I/O floor: read every tensor's stored bytes and write the same bytes into a safetensors file;
 3. weight phase: the library's ``pipeline.quant.run.quantize_weights`` (what quantize_checkpoint runs
-   after calibration): read each layer (FP8 dequantized on the fly, the next layer prefetched), quantize
-   (W8A8 static attention, W8A8_DYNAMIC MLP/experts, FA3 scales) with given statistics, stream into the
-   writer, then ``finish``;
+   after calibration): read each layer (the next one prefetched), quantize it module by module (W8A8
+   static attention, W8A8_DYNAMIC MLP/experts straight from the FP8 codes, FA3 scales) with given
+   statistics, stream each piece into the writer (which writes and sha256-hashes on its own threads),
+   then ``finish``;
 each in a fresh process, timing wall clock and the process's peak RSS. Before each run the page cache is
 flushed (``os.sync()``) and the source files are evicted from it (``posix_fadvise(POSIX_FADV_DONTNEED)``
 on each), so that both runs read the source from disk, as a real run does; what they write lands in the
 page cache as usual. With --repeat N the two runs alternate N times and the figures are the median time
-and the largest peak RSS (every run's time is kept too): on a small shared VM a single run can be off
-by half. Prints the figures and writes them as JSON to --out (default benchmarks/quantize_weights.json).
+and the largest peak RSS (every run's time is kept too), plus the median of each weight run's ratio to
+the floor run just before it: on a small shared VM a single run can be off by half, and the disk's speed
+drifts over minutes. The JSON says which kernel ran (native or torch ops). Prints the figures and writes them as JSON to --out (default benchmarks/quantize_weights.json).
 """
 
 from __future__ import annotations
@@ -187,7 +189,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=1, help="alternate the two runs this many times (median)")
+    ap.add_argument("--repeat", type=int, default=5, help="alternate the two runs this many times (median)")
     ap.add_argument("--dir", default="/tmp/dsquant-bench")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "quantize_weights.json"))
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
@@ -212,11 +214,21 @@ def main() -> int:
         runs["io"].append(run_child("io", src, Path(args.dir) / "io-copy"))
         runs["weights"].append(run_child("weights", src, Path(args.dir) / "quantized"))
     io, wp = (summarize(runs[k]) for k in ("io", "weights"))
+    import statistics
+
+    from pipeline import native
+
+    pairs = [w["seconds"] / i["seconds"] for i, w in zip(runs["io"], runs["weights"])]
     res = {
         "checkpoint": {"layers": args.layers, "experts": args.experts, "fp8_bytes": src_bytes,
-                       "largest_layer_params": layer_bytes, "largest_layer_bf16_gib": layer_bytes * 2 / 1024 ** 3},
+                       "largest_layer_params": layer_bytes, "largest_layer_bf16_gib": layer_bytes * 2 / 1024 ** 3,
+                       "largest_layer_fp8_gib": layer_bytes / 1024 ** 3},
         "io_floor": io, "weight_phase": wp,
         "ratio_to_io_floor": wp["seconds"] / io["seconds"],
+        # each weight run against the floor run just before it: the VM's disk and page-cache speed drift
+        # over minutes, so adjacent pairs compare like with like
+        "ratio_of_adjacent_pairs": {"median": statistics.median(pairs), "runs": [round(r, 3) for r in pairs]},
+        "kernel": native.status(),
         "repeat": args.repeat, "machine": {"cpus": os.cpu_count()},
     }
     print(json.dumps(res, indent=1))

@@ -28,7 +28,10 @@ from pipeline.fp8 import FP8_DTYPE, BlockRows, dequantize_fp8_blocks, expand_sca
 from pipeline.fp8_copy import write_fp8_copy
 from pipeline.quant import qparams
 from pipeline.quant.qparams import QuantError, quantize_weight_per_channel
-from pipeline.quant.quantize_layer import deferred_weights, model_dtype, quantize_globals, quantize_layer
+from pipeline.quant.quantize_layer import (
+    deferred_weights, model_dtype, quantize_globals, quantize_layer, quantize_layer_pieces,
+)
+from pipeline.quant.unit_writer import read_layer
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.run import QuantizeOptions, calibrate, quantize_weights
 from pipeline.quant.writer import QuantizedWriter
@@ -329,6 +332,27 @@ def test_a_failing_background_read_surfaces_and_leaves_no_thread(tmp_path, sourc
             quantize_weights(reader, w, stats, Recipe())
     assert not [t for t in threading.enumerate() if t.name.startswith("prefetch-layer")]
     assert not [p.name for p in (tmp_path / "q").iterdir()]
+
+
+@pytest.mark.parametrize("dialect", ["seed", "ascendV1"])
+def test_layer_pieces_are_whole_modules_in_order(sources, dialect):
+    """quantize_layer_pieces: concatenated, quantize_layer's tensors and types in its order; each piece
+    whole modules, the attention's in one piece (its format rules pair them), the rest one module each."""
+    recipe = Recipe(dialect=dialect, quantize_mtp=True)
+    reader = CheckpointReader(sources["fp8"])
+    stats, _ = calibrate(sources["fp8"], recipe, OPTS)
+    for i in layout.all_layer_ids(reader.config):
+        tensors = read_layer(reader, i, recipe)
+        whole, whole_types = quantize_layer(reader.config, i, tensors, stats, recipe)
+        pieces = list(quantize_layer_pieces(reader.config, i, tensors, stats, recipe))
+        names = [n for piece, _ in pieces for n in piece]
+        assert names == list(whole) and all(torch.equal(bits(whole[n]), bits(t)) for piece, _ in pieces
+                                            for n, t in piece.items())
+        assert [n for _, ty in pieces for n in ty] == list(whole_types)
+        modules = [{n.rsplit(".", 1)[0] for n in ty} for _, ty in pieces]
+        attention = [m for m in modules if any(".self_attn" in x for x in m)]  # ascendV1: self_attn.quant_type
+        assert len(attention) == 1 and all(".self_attn" in x for x in attention[0])
+        assert all(len(m) == 1 for m in modules if m is not attention[0])
 
 
 # ----- the planned writer -----------------------------------------------------------------------------

@@ -62,18 +62,20 @@ def write_checkpoint(path: Path, cfg_dict: dict, seed: int = 0, dtype=torch.bflo
 
 
 def fail_quantize_layer(monkeypatch, layer: int) -> None:
-    """Make the quantizer raise RuntimeError("injected failure in layer N") when it reaches ``layer``
-    (a crash mid-run, after earlier layers were written)."""
+    """Make the quantizer raise RuntimeError("injected failure in layer N") in the middle of ``layer``
+    (after its first piece went to the writer: a crash mid-run, mid-layer, after earlier layers were
+    written)."""
     from pipeline.quant import run as run_mod
 
-    real = run_mod.quantize_layer
+    real = run_mod.quantize_layer_pieces
 
     def failing(cfg, layer_id, *a, **k):
-        if layer_id == layer:
-            raise RuntimeError(f"injected failure in layer {layer}")
-        return real(cfg, layer_id, *a, **k)
+        for n, piece in enumerate(real(cfg, layer_id, *a, **k)):
+            if layer_id == layer and n == 1:
+                raise RuntimeError(f"injected failure in layer {layer}")
+            yield piece
 
-    monkeypatch.setattr(run_mod, "quantize_layer", failing)
+    monkeypatch.setattr(run_mod, "quantize_layer_pieces", failing)
 
 
 def split_by_layer(src: Path, dst: Path) -> Path:

@@ -31,7 +31,6 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from pipeline.buffers import empty
 from pipeline import native
 from pipeline.finite import all_finite
 from pipeline.fp8 import BlockRows
@@ -98,7 +97,7 @@ def quantize_weight_per_channel(w: Union[Tensor, BlockRows], name: str = "weight
     check_float(w, name, ndim=2, finite=False)
     n, k = w.shape
     rows = max(1, _BLOCK_ELEMENTS // k)
-    q, ws = empty((n, k), torch.int8), torch.empty(n, 1, dtype=w.dtype)
+    q, ws = torch.empty(n, k, dtype=torch.int8), torch.empty(n, 1, dtype=w.dtype)
     buf = torch.empty(min(rows, n), k, dtype=w.dtype)
     for r0 in range(0, n, rows):
         r1 = min(r0 + rows, n)
@@ -112,7 +111,7 @@ def _quantize_block_rows(w: BlockRows, name: str, use_native: bool) -> tuple[Ten
     if 0 in w.shape:
         raise QuantError(f"{name}: empty tensor of shape {list(w.shape)}")
     (n, k), b0 = w.shape, w.block[0]
-    q = empty((n, k), torch.int8)
+    q = torch.empty(n, k, dtype=torch.int8)
     if use_native and w.dtype == torch.bfloat16:
         ws32 = torch.empty(n, dtype=torch.float32)
         codes = w.w_fp8.contiguous().view(torch.uint8)

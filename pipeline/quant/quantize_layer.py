@@ -20,7 +20,8 @@ entry) to its type for quant_model_description.json.
 
 from __future__ import annotations
 
-from typing import Container, Mapping, Optional
+import itertools
+from typing import Container, Iterator, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -97,6 +98,20 @@ def quantize_layer(cfg: DeepseekV3Config, layer_id: int, tensors: Mapping[str, T
     """One layer's float tensors (HF names, md; the router bias may be float32) -> (tensors, types).
     The weights it quantizes may come as FP8 BlockRows (``CheckpointReader.read_layer(deferred=...)``,
     :func:`deferred_weights`): the result is the same as for their dequantized tensors."""
+    out: dict[str, Tensor] = {}
+    types: dict[str, str] = {}
+    for piece, piece_types in quantize_layer_pieces(cfg, layer_id, tensors, stats, recipe):
+        out.update(piece)
+        types.update(piece_types)
+    return out, types
+
+
+def quantize_layer_pieces(cfg: DeepseekV3Config, layer_id: int, tensors: Mapping[str, Tensor], stats: Stats,
+                          recipe: Recipe) -> Iterator[tuple[dict[str, Tensor], dict[str, str]]]:
+    """:func:`quantize_layer`'s result in pieces, in its order, each computed only when asked for: one per
+    module, except that the attention's modules (whose format rules pair them: q_a/kv_a, the fa_* group)
+    come as one piece. A streaming writer can write each piece while the next is computed. The inputs are
+    checked before the first piece."""
     types_of = recipe.layer_types(cfg, layer_id)
     quantized = frozenset(p + ".weight" for p, kind in types_of.items() if kind in (W8A8, W8A8_DYNAMIC))
     _check_tensors(tensors, layout.layer_shapes(cfg, layer_id), f"layer {layer_id}", quantized)
@@ -104,42 +119,49 @@ def quantize_layer(cfg: DeepseekV3Config, layer_id: int, tensors: Mapping[str, T
     ascend = recipe.dialect == "ascendV1"
     lp = layout.layer_prefix(layer_id)
     is_mtp = layer_id >= cfg.num_hidden_layers
-    out: dict[str, Tensor] = {}
-    types: dict[str, str] = {}
     names_of: dict[str, list[str]] = {}
     for name in tensors:
         names_of.setdefault(name.rsplit(".", 1)[0], []).append(name)
 
-    def put(prefix: str, parts: Mapping[str, Tensor], kind: str) -> None:
-        for k, v in parts.items():
-            out[f"{prefix}.{k}"] = v
-            types[f"{prefix}.{k}"] = kind
-
-    for p, kind in types_of.items():
+    def module(p: str, kind: str) -> tuple[dict[str, Tensor], dict[str, str]]:
         if kind in (W8A8, W8A8_DYNAMIC):
             w = tensors[p + ".weight"]
             if w.dtype != md:
                 raise QuantError(f"{p}.weight: dtype {w.dtype} is not the model dtype {md}")
             if kind == W8A8:
-                put(p, _w8a8(p, w, stats, md, ascend), kind)
+                parts = _w8a8(p, w, stats, md, ascend)
             else:
                 q, ws, wo = quantize_weight_per_channel(w, p + ".weight")
-                put(p, {"weight": q, "weight_scale": _scale_out(ws, ascend),
-                        "weight_offset": _scale_out(wo, ascend)}, kind)
+                parts = {"weight": q, "weight_scale": _scale_out(ws, ascend), "weight_offset": _scale_out(wo, ascend)}
         elif kind == FAQUANT:
-            rows = cfg.num_attention_heads if p.endswith(".fa_q") else 1
-            put(p, _fa(p, stats, md, rows, ascend), kind)
-            if ascend and p.endswith(".fa_q"):
-                types[lp + QUANT_TYPE_KEY] = QUANT_TYPE_INT8
+            parts = _fa(p, stats, md, cfg.num_attention_heads if p.endswith(".fa_q") else 1, ascend)
         else:
+            out = {}
             for name in names_of[p]:
                 t = tensors[name]
                 if ascend and is_mtp and p[len(lp):] in MTP_ONLY:
                     t = t.float()
                 elif ascend and name.endswith("e_score_correction_bias"):
                     t = t.to(md)
-                out[name], types[name] = t, FLOAT
-    return out, types
+                out[name] = t
+            return out, dict.fromkeys(out, FLOAT)
+        out = {f"{p}.{k}": v for k, v in parts.items()}
+        types = dict.fromkeys(out, kind)
+        if ascend and p.endswith(".fa_q"):
+            types[lp + QUANT_TYPE_KEY] = QUANT_TYPE_INT8
+        return out, types
+
+    def piece_key(p: str) -> str:
+        return "attention" if p.startswith(lp + "self_attn.") else p
+
+    for _, group in itertools.groupby(types_of.items(), key=lambda item: piece_key(item[0])):
+        out: dict[str, Tensor] = {}
+        types: dict[str, str] = {}
+        for p, kind in group:
+            t, ty = module(p, kind)
+            out.update(t)
+            types.update(ty)
+        yield out, types
 
 
 def deferred_weights(cfg: DeepseekV3Config, layer_id: int, recipe: Recipe,

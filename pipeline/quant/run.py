@@ -5,12 +5,13 @@ Two phases, so that the memory-heavy part is only the calibration forward:
 1. calibration: the float model (model dtype, as msModelSlim runs it) over each calibration sample
    (batch of one); with ``recipe.smooth`` first the smoothing statistics and their fold into the model,
    then the W8A8/FA3 statistics of the smoothed model;
-2. weights (:func:`quantize_weights`): one layer at a time from the source (FP8 dequantized on the fly),
-   the same smoothing fold applied to its tensors (bit-identical to phase 1's), quantized, streamed into
-   the writer, which knows every output tensor ahead (:func:`output_specs`) and so holds none. The next
-   layer is read in a background thread meanwhile (``QuantizeOptions.prefetch``): peak memory here is
-   about two layers' weights in the model dtype (the one being quantized, with its int8 outputs, and the
-   next one), one without the prefetch.
+2. weights (:func:`quantize_weights`): one layer at a time from the source, the same smoothing fold
+   applied to its tensors (bit-identical to phase 1's), quantized module by module (FP8 weights straight
+   from their codes, never dequantized whole) and streamed into the writer, which knows every output
+   tensor ahead (:func:`output_specs`) and writes (and hashes) each piece on its own thread while the next
+   is computed. The next layer is read in a background thread meanwhile (``QuantizeOptions.prefetch``):
+   peak memory is about two layers as stored (the one being quantized and the next) plus a piece or two
+   of int8 output.
 
 The distributed pipeline runs the same two phases per layer range and must produce identical files.
 """
@@ -32,7 +33,7 @@ from pipeline.loading import load_model
 from pipeline.quant.calib_data import load_texts, tokenize
 from pipeline.quant.calibrate import collect_stats
 from pipeline.quant.observers import Stats
-from pipeline.quant.quantize_layer import model_dtype, quantize_globals, quantize_layer
+from pipeline.quant.quantize_layer import model_dtype, quantize_globals, quantize_layer_pieces
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.shard_layout import output_units
 from pipeline.quant.smooth import ChannelAbsMax, apply_smoothing, collect_smoothing_stats
@@ -139,7 +140,8 @@ def quantize_weights(reader: CheckpointReader, writer: QuantizedWriter, stats: S
     layer_ids = layout.all_layer_ids(cfg)
     with closing(_prefetched(layer_ids, load, prefetch)) as layers:
         for i, tensors in _progress(layers, progress, len(layer_ids)):
-            writer.add(*quantize_layer(cfg, i, tensors, stats, recipe))
+            for piece in quantize_layer_pieces(cfg, i, tensors, stats, recipe):
+                writer.add(*piece)  # written on the writer's thread while the next piece is computed
             del tensors  # before the next layer arrives
 
 

@@ -183,14 +183,17 @@ class QuantizedWriter:
 
     def add(self, tensors: Mapping[str, torch.Tensor], types: Mapping[str, str]) -> None:
         """Write one unit, a layer or the global tensors: whole modules, every tensor with its type, in
-        either dialect's form (:func:`prepare_unit`). Raises ValueError naming the tensors for a mismatch
-        of names, a repeated name, a broken format rule, or a tensor that is not the next one planned;
-        nothing is written then.
+        either dialect's form (:func:`prepare_unit`). With a plan, a unit may also come in consecutive
+        pieces (``quantize_layer_pieces``: whole modules, the attention's together, as the format checks
+        pair them): the shards are the plan's either way. Raises ValueError naming the tensors for a
+        mismatch of names, a repeated name, a broken format rule, or a tensor that is not the next one
+        planned; nothing is written then.
 
-        With ``background`` (the default) the unit is checked here and written by a writer thread (hashed
-        and streamed out) while the caller computes the next one: ``add`` first waits for the previous
-        unit to be written, so at most one unit is in flight, and an error writing it is raised by the
-        next ``add`` or by ``finish`` (the writer is failed then). Do not modify the tensors afterwards."""
+        With ``background`` (the default) the tensors are checked here and written by a writer thread
+        (hashed and streamed out) while the caller computes the next ones: ``add`` first waits for the
+        previous call's tensors to be written, so at most one call is in flight, and an error writing them
+        is raised by the next ``add`` or by ``finish`` (the writer is failed then). Do not modify the
+        tensors afterwards."""
         self._require_open()
         conv, conv_types, specs = prepare_unit(tensors, types, self.dialect, self.model_dtype, self._types)
         start = len(self._types)
