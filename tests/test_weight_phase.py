@@ -101,23 +101,40 @@ def test_all_finite_finds_one_bad_value_anywhere(dtype):
 
 
 # ----- the quantizer ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_chunked_weight_quantization_is_the_formula(monkeypatch, dtype):
-    """Blocks of rows (forced small, with a ragged last block) give the one-shot formula's int8 and scale;
-    a NaN or Inf in any row is found through that row's scale."""
+def test_chunked_weight_quantization_is_the_formula(monkeypatch, dtype, native):
+    """Blocks of rows (forced small, with a ragged last block; bf16 with native: the kernel) give the
+    one-shot formula's int8 and scale; a NaN or Inf in any row is found through that row's scale."""
     monkeypatch.setattr(qparams, "_BLOCK_ELEMENTS", 3 * 40)
     w = (torch.randn(23, 40, generator=torch.Generator().manual_seed(2)) * 0.05).to(dtype)
     w[4] = 0
     ws = torch.maximum(w.abs().amax(dim=1, keepdim=True) / 127, torch.tensor(qparams.F32_EPS, dtype=dtype))
-    q, got_ws, wo = quantize_weight_per_channel(w)
+    q, got_ws, wo = quantize_weight_per_channel(w, native=native)
     assert torch.equal(q, torch.clamp(torch.round(w / ws), -128, 127).to(torch.int8))
     assert torch.equal(bits(got_ws), bits(ws)) and torch.equal(wo, torch.zeros_like(ws))
     for row in (0, 10, 22):
-        for v, k in ((float("nan"), 1), (float("inf"), 2)):
+        for v, k in ((float("nan"), 1), (float("inf"), 2), (-float("inf"), 1)):
             bad = w.clone()
             bad[row, :k] = v
             with pytest.raises(QuantError, match=f"lin.weight: {k} non-finite values"):
-                quantize_weight_per_channel(bad, "lin.weight")
+                quantize_weight_per_channel(bad, "lin.weight", native=native)
+
+
+def test_native_bf16_kernel_on_every_bf16_value():
+    """Every finite bf16 bit pattern (shuffled into rows, so that row maxima range from subnormal to the
+    largest finite), plus rows with an exact 127.5 case: the kernel's int8 and scales are torch's."""
+    if native_kernels.library() is None:
+        pytest.skip(native_kernels.status())
+    pats = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    pats = pats[torch.isfinite(pats)]
+    perm = torch.randperm(len(pats), generator=torch.Generator().manual_seed(4))
+    w = pats[perm][: (len(pats) // 250) * 250].view(-1, 250).contiguous()
+    w = torch.cat([w, pats[:250].view(1, 250), torch.tensor([[127.5, -127.5, 1.0] + [0.0] * 247],
+                                                            dtype=torch.bfloat16)])
+    got = quantize_weight_per_channel(w, native=True)
+    want = quantize_weight_per_channel(w, native=False)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want))
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])

@@ -4,8 +4,9 @@ which computes the same bits.
 
 Why: on a CPU the per-channel quantization of an FP8 weight through torch ops takes about 1.1 s per
 billion weights on one core (ten elementwise passes, most on bf16, which this kind of CPU has no
-instructions for); the kernel (:file:`fp8_int8.c`) does it in one vectorized pass per row, ~0.3 s, so
-the weight phase is bound by reading, hashing and writing, not by arithmetic.
+instructions for); the kernels (:file:`fp8_int8.c`: from FP8 codes, from bf16 weights, int8 row sums)
+do it in one vectorized pass per row, ~0.3 s, so the weight phase is bound by reading, hashing and
+writing, not by arithmetic.
 
 The shared object is built with ``cc -O3 -march=native`` into a cache directory (``DSQUANT_CACHE_DIR``,
 else ``~/.cache/dsquant``, else the temp directory) under a name keyed by the source, the flags, the
@@ -84,6 +85,8 @@ def _build() -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     dll.fp8_to_int8_bf16.argtypes = [p, i64, i64, p, i64, i64, p, p, ctypes.c_float, p]
     dll.fp8_to_int8_bf16.restype = None
+    dll.bf16_to_int8.argtypes = [p, i64, i64, p, p, ctypes.c_float]
+    dll.bf16_to_int8.restype = None
     dll.int8_row_sums.argtypes = [p, i64, i64, p]
     dll.int8_row_sums.restype = None
     _state["path"] = str(lib)
@@ -129,6 +132,21 @@ def fp8_to_int8_bf16(codes: torch.Tensor, scales: torch.Tensor, block: tuple[int
     srow = torch.empty(k, dtype=torch.float32)
     lib.fp8_to_int8_bf16(codes.data_ptr(), n, k, scales.data_ptr(), block[0], block[1], q.data_ptr(),
                          ws.data_ptr(), ctypes.c_float(torch.finfo(torch.float32).eps), srow.data_ptr())
+    return True
+
+
+def bf16_to_int8(w: torch.Tensor, q: torch.Tensor, ws: torch.Tensor) -> bool:
+    """Per-channel int8 of a bf16 weight [n, k] into ``q`` (int8 [n, k]) and ``ws`` (float32 [n], bf16
+    values), as quantize_weight_per_channel computes it; False (nothing written) when the kernel is not
+    available or the tensors are not contiguous CPU ones."""
+    lib = library()
+    if lib is None or not all(t.is_contiguous() and t.device.type == "cpu" for t in (w, q, ws)):
+        return False
+    n, k = w.shape
+    if (w.dtype, q.dtype, ws.dtype) != (torch.bfloat16, torch.int8, torch.float32) or tuple(q.shape) != (n, k) \
+            or ws.numel() != n:
+        raise ValueError("bf16_to_int8: expected bf16 w [n, k], int8 q [n, k], float32 ws [n]")
+    lib.bf16_to_int8(w.data_ptr(), n, k, q.data_ptr(), ws.data_ptr(), ctypes.c_float(torch.finfo(torch.float32).eps))
     return True
 
 

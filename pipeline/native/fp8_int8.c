@@ -1,4 +1,5 @@
-/* FP8 e4m3 block weights -> per-output-channel int8, in one pass per row, for bf16 models.
+/* Per-output-channel int8 quantization of bf16 models' weights, from FP8 e4m3 block weights (one pass
+ * per row) or from bf16 weights.
  *
  * Computes exactly what pipeline.quant.qparams.quantize_weight_per_channel gives for the bf16
  * dequantization of the weight (pipeline.fp8.dequantize_fp8_blocks), each operation rounded as torch
@@ -61,6 +62,29 @@ void fp8_to_int8_bf16(const uint8_t *codes, int64_t n, int64_t k, const float *s
                 float x = rintf(round_bf16(round_bf16(e4m3_value(c[j]) * srow[j]) / scale));
                 qr[j] = (int8_t)(int32_t)(x > 127.0f ? 127.0f : x);
             }
+        }
+    }
+}
+
+/* bf16 weights [n, k] (as uint16 bit patterns) -> int8 [n, k] and ws [n]: the same rules as above with
+ * W given. max_j |W[i, j]| is taken on the bit patterns (|W| orders as its low 15 bits; above 0x7F80 is
+ * NaN, which makes ws NaN). */
+void bf16_to_int8(const uint16_t *w, int64_t n, int64_t k, int8_t *q, float *ws, float eps) {
+    for (int64_t r = 0; r < n; r++) {
+        const uint16_t *row = w + r * k;
+        int8_t *qr = q + r * k;
+        uint16_t top = 0;
+        for (int64_t j = 0; j < k; j++) {
+            uint16_t v = row[j] & 0x7FFFu;
+            top = v > top ? v : top;
+        }
+        float amax = top > 0x7F80u ? NAN : float_of((uint32_t)top << 16);
+        float scale = round_bf16(amax / 127.0f);
+        if (scale < eps) scale = eps;
+        ws[r] = scale;
+        for (int64_t j = 0; j < k; j++) {
+            float x = rintf(round_bf16(float_of((uint32_t)row[j] << 16) / scale));
+            qr[j] = (int8_t)(int32_t)(x > 127.0f ? 127.0f : x);
         }
     }
 }

@@ -31,7 +31,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from pipeline import native
+from pipeline import native as native_kernels
 from pipeline.finite import all_finite
 from pipeline.fp8 import BlockRows
 
@@ -89,13 +89,17 @@ def quantize_weight_per_channel(w: Union[Tensor, BlockRows], name: str = "weight
 
     W may also be an FP8 block weight not yet dequantized (:class:`pipeline.fp8.BlockRows`, md its
     ``dtype``), bit-identical to quantizing ``W.materialize()`` but never holding W in md (the weight
-    phase of an FP8 checkpoint): for a bf16 model, with ``native``, by the compiled kernel of
-    :mod:`pipeline.native` in one pass per row; otherwise each block row is dequantized into a buffer
-    and quantized from there with torch ops."""
+    phase of an FP8 checkpoint), each block row dequantized into a buffer and quantized from there.
+    For a bf16 model, with ``native`` (the default), both forms go through the compiled kernels of
+    :mod:`pipeline.native` (one pass per row, same bits) when they are available."""
     if isinstance(w, BlockRows):
         return _quantize_block_rows(w, name, native)
     check_float(w, name, ndim=2, finite=False)
     n, k = w.shape
+    if native and w.dtype == torch.bfloat16:
+        q, ws32 = torch.empty(n, k, dtype=torch.int8), torch.empty(n, dtype=torch.float32)
+        if native_kernels.bf16_to_int8(w, q, ws32):
+            return _checked(w, q, ws32.to(torch.bfloat16).view(n, 1), name)
     rows = max(1, _BLOCK_ELEMENTS // k)
     q, ws = torch.empty(n, k, dtype=torch.int8), torch.empty(n, 1, dtype=w.dtype)
     buf = torch.empty(min(rows, n), k, dtype=w.dtype)
@@ -115,7 +119,7 @@ def _quantize_block_rows(w: BlockRows, name: str, use_native: bool) -> tuple[Ten
     if use_native and w.dtype == torch.bfloat16:
         ws32 = torch.empty(n, dtype=torch.float32)
         codes = w.w_fp8.contiguous().view(torch.uint8)
-        if native.fp8_to_int8_bf16(codes, w.scale_inv.to(torch.float32).contiguous(), w.block, q, ws32):
+        if native_kernels.fp8_to_int8_bf16(codes, w.scale_inv.to(torch.float32).contiguous(), w.block, q, ws32):
             return _checked(w, q, ws32.to(torch.bfloat16).view(n, 1), name)
     ws = torch.empty(n, 1, dtype=w.dtype)
     x, buf = torch.empty(min(b0, n), k, dtype=w.dtype), torch.empty(min(b0, n), k, dtype=w.dtype)
@@ -231,7 +235,7 @@ def deq_scale_and_quant_bias(input_scale: Tensor, input_offset: Tensor, weight_i
 def _row_sums(q: Tensor) -> Tensor:
     """Exact int64 row sums of an int8 [n, k]: the native kernel, else torch a block of rows at a time (an
     int64 copy of a whole weight would be eight times its size)."""
-    fast = native.int8_row_sums(q)
+    fast = native_kernels.int8_row_sums(q)
     if fast is not None:
         return fast
     rows = max(1, _BLOCK_ELEMENTS // q.shape[1])

@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
-from pipeline import layout, storage
+from pipeline import layout, native, storage
 from pipeline.checkpoint import CheckpointReader
 from pipeline.loading import load_model
 from pipeline.quant.calib_data import load_texts, tokenize
@@ -105,7 +105,8 @@ def quantize_checkpoint(src: str, dst: str, recipe: Recipe, opts: QuantizeOption
     log(f"calibrating {src} ({cfg.num_hidden_layers} layers + {len(cfg.mtp_layer_ids)} MTP, {md})")
     stats, smooth_stats = calibrate(src, recipe, opts)
     t1 = time.time()
-    summary = {"source": src, "recipe": recipe.to_dict(), "calibration_s": round(t1 - t0, 3)}
+    summary = {"source": src, "recipe": recipe.to_dict(), "calibration_s": round(t1 - t0, 3),
+               "weight_kernel": native.status()}
     with QuantizedWriter(dst, recipe.dialect, model_dtype=md, shard_bytes=opts.shard_bytes,
                          overwrite=opts.overwrite) as writer:
         quantize_weights(reader, writer, stats, recipe, smooth_stats, opts.smooth_alpha, prefetch=opts.prefetch,
@@ -114,7 +115,8 @@ def quantize_checkpoint(src: str, dst: str, recipe: Recipe, opts: QuantizeOption
         raw_config = json.loads(storage.read_bytes(storage.join(src, "config.json")))
         writer.finish(raw_config, src_dir=src, mindie_format=opts.mindie_format, job=summary)
     summary["total_s"] = round(time.time() - t0, 3)
-    log(f"wrote {dst} in {summary['total_s']:.1f}s (calibration {summary['calibration_s']:.1f}s)")
+    log(f"wrote {dst} in {summary['total_s']:.1f}s (calibration {summary['calibration_s']:.1f}s; "
+        f"weights with {summary['weight_kernel'].split(' (')[0]})")
     return summary
 
 
