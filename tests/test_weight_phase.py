@@ -412,8 +412,8 @@ def test_abort_removes_the_part_being_written(tmp_path):
 
 def test_a_failing_background_write_fails_the_writer_and_removes_everything(tmp_path, monkeypatch):
     """The writer thread's error (a full disk, injected here: it cannot be made on this machine's disk)
-    is raised by the next add(), which writes nothing more; the writer is failed, the with block removes
-    every file and the thread is gone."""
+    is raised by a later add() or finish(); the units queued behind it are not written (no new part
+    starts), the writer is failed, the with block removes every file and the thread is gone."""
     import pipeline.safetensors_io as sio
 
     units = [{f"model.layers.{i}.mlp.experts.{k}.up_proj.weight": torch.full((64, 64), float(i), dtype=torch.bfloat16)
@@ -427,10 +427,12 @@ def test_a_failing_background_write_fails_the_writer_and_removes_everything(tmp_
 
     monkeypatch.setattr(sio.SafetensorsWriter, "write", write)
     with pytest.raises(OSError, match="No space left"):
-        with QuantizedWriter(str(tmp_path / "q"), "seed", model_dtype=torch.bfloat16, shard_bytes=10_000) as w:
+        with QuantizedWriter(str(tmp_path / "q"), "seed", model_dtype=torch.bfloat16, shard_bytes=10_000,
+                             in_flight_bytes=1 << 30) as w:  # every unit queued behind the failing one
             w.plan([[TensorSpec.of(n, v) for n, v in u.items()] for u in units])
             for u in units:
                 w.add(u, dict.fromkeys(u, "FLOAT"))
+            w.finish({})
     assert w._state == "aborted" and not list((tmp_path / "q").iterdir())
     with pytest.raises(RuntimeError, match="writer is aborted"):
         w.add(units[2], dict.fromkeys(units[2], "FLOAT"))

@@ -229,7 +229,9 @@ def test_exception_in_add_leaves_nothing_final(tmp_path):
     assert not [f for f in _names(tmp_path) if f.startswith(".")]  # parts removed on the way out
 
 
-def test_failure_while_writing_a_shard(tmp_path, monkeypatch):
+@pytest.mark.parametrize("background", [False, True])
+def test_failure_while_writing_a_shard(tmp_path, monkeypatch, background):
+    """Without the writer thread the failing add() raises; with it, a later add() or finish() does."""
     calls = []
 
     def failing_write(self, name, tensor):
@@ -240,10 +242,12 @@ def test_failure_while_writing_a_shard(tmp_path, monkeypatch):
 
     original = writer_mod.SafetensorsWriter.write
     monkeypatch.setattr(writer_mod.SafetensorsWriter, "write", failing_write)
-    w = QuantizedWriter(str(tmp_path), SEED, model_dtype=torch.bfloat16, shard_bytes=SMALL_SHARD)
+    w = QuantizedWriter(str(tmp_path), SEED, model_dtype=torch.bfloat16, shard_bytes=SMALL_SHARD,
+                        background=background)
     with pytest.raises(OSError, match="disk full"):
         for tensors, types in synthetic_model():
             w.add(tensors, types)
+        w.finish(_cfg_dict())
     _assert_nothing_final(tmp_path)  # earlier shards exist only under hidden part names
     assert [f for f in _names(tmp_path) if f.startswith(".")]
     with pytest.raises(RuntimeError, match="failed"):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import uuid
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any, Container, Mapping, Optional, Sequence, Union
@@ -54,6 +55,7 @@ from pipeline.quant.shard_layout import split_unit
 from pipeline.safetensors_io import DTYPE_NAMES, TensorSpec
 
 SHARD_BYTES = 4 * 1024**3  # msModelSlim's part_file_size
+IN_FLIGHT_BYTES = 512 * 1024**2  # tensors handed to the writer thread and not yet written, at most
 _MTP_ONLY = re.compile(r"model\.layers\.\d+\.(" + "|".join(map(re.escape, layout.MTP_ONLY_MODULES)) + r")\.weight")
 
 DtypeLike = Union[str, torch.dtype]
@@ -99,7 +101,8 @@ class QuantizedWriter:
     """Streams a quantized checkpoint into ``dst`` (a local path or fsspec URL); see the module doc."""
 
     def __init__(self, dst: str, dialect: str = SEED, *, model_dtype: DtypeLike,
-                 shard_bytes: int = SHARD_BYTES, overwrite: bool = False, background: bool = True):
+                 shard_bytes: int = SHARD_BYTES, overwrite: bool = False, background: bool = True,
+                 in_flight_bytes: int = IN_FLIGHT_BYTES):
         if shard_bytes <= 0:
             raise ValueError(f"shard_bytes must be > 0, got {shard_bytes}")
         self.dst = dst.rstrip("/") or dst
@@ -117,7 +120,9 @@ class QuantizedWriter:
         self._parts: list[ShardRecord] = []
         self._written: list[str] = []  # every path this writer created, for abort()
         self._pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(1, "shard-writer") if background else None
-        self._job: Optional[Future] = None  # the unit being written in the background
+        self._jobs: deque[tuple[Future, int]] = deque()  # (write, bytes) handed to the writer thread, in order
+        self._in_flight_bytes = in_flight_bytes
+        self._write_failed = False
         self._state = "open"
         self._prepare(overwrite)
 
@@ -190,23 +195,26 @@ class QuantizedWriter:
         planned; nothing is written then.
 
         With ``background`` (the default) the tensors are checked here and written by a writer thread
-        (hashed and streamed out) while the caller computes the next ones: ``add`` first waits for the
-        previous call's tensors to be written, so at most one call is in flight, and an error writing them
-        is raised by the next ``add`` or by ``finish`` (the writer is failed then). Do not modify the
-        tensors afterwards."""
+        (hashed and streamed out, in order) while the caller computes the next ones: ``add`` waits only
+        while more than ``in_flight_bytes`` would be waiting to be written (one call's tensors at least),
+        and an error writing them is raised by a later ``add`` or by ``finish`` (the writer is failed
+        then). Do not modify the tensors afterwards."""
         self._require_open()
         conv, conv_types, specs = prepare_unit(tensors, types, self.dialect, self.model_dtype, self._types)
         start = len(self._types)
         if self._planned is not None:
             check_next(list(specs.values()), self._planned, start)
-        self._wait()
+        nbytes = sum(sp.nbytes for sp in specs.values())
+        self._wait(max(0, self._in_flight_bytes - nbytes))
         self._types.update((n, conv_types[n]) for n in conv)
         if self._pool is None:
             self._checked(self._write_unit, conv, specs, start)
         else:
-            self._job = self._pool.submit(self._write_unit, conv, specs, start)
+            self._jobs.append((self._pool.submit(self._write_unit, conv, specs, start), nbytes))
 
     def _write_unit(self, conv: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec], start: int) -> None:
+        if self._write_failed:  # writes queued behind a failed one must not go on into a new part
+            raise RuntimeError(f"{self.dst}: an earlier write failed")
         try:
             for k, (name, t) in enumerate(conv.items(), start=start):
                 if self._planned is not None:
@@ -219,6 +227,7 @@ class QuantizedWriter:
                     self._pending_bytes += nbytes
             self._flush()  # a shard never spans two units
         except BaseException:
+            self._write_failed = True
             self._discard_part()
             raise
 
@@ -229,17 +238,22 @@ class QuantizedWriter:
             self._state = "failed"
             raise
 
-    def _wait(self) -> None:
-        """Wait for the unit being written; its error, if any, is raised here (and fails the writer)."""
-        job, self._job = self._job, None
-        if job is not None:
-            self._checked(job.result)
+    def _wait(self, keep_bytes: int = 0) -> None:
+        """Wait for written tensors until at most ``keep_bytes`` remain in flight (0: all written); an
+        error from the writer thread is raised here (and fails the writer)."""
+        while self._jobs and (self._jobs[0][0].done() or sum(b for _, b in self._jobs) > keep_bytes):
+            job, _ = self._jobs.popleft()
+            try:
+                self._checked(job.result)
+            except BaseException:
+                self._stop_background()
+                raise
 
     def _stop_background(self) -> None:
-        """Let the unit being written end (its outcome does not matter here), then stop the thread."""
-        job, self._job = self._job, None
-        if job is not None:
-            futures_wait([job])
+        """Let the writes handed over end (their outcome does not matter here), then stop the thread."""
+        jobs, self._jobs = [j for j, _ in self._jobs], deque()
+        if jobs:
+            futures_wait(jobs)
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
