@@ -18,9 +18,11 @@ layer); a shard never spans two units, and within a unit a shard closes as soon 
 take it past ``shard_bytes`` of tensor data. A safetensors header precedes the data, so a shard can be
 written once its tensors are known: declared up front with :meth:`QuantizedWriter.plan` (each unit's
 tensors' names, dtypes and shapes, in order; ``shard_layout.output_units`` computes them from the headers
-and the recipe), shards are laid out at once and ``add`` writes every tensor straight out, holding none;
-without a plan ``add`` queues a unit's tensors (references: do not modify them afterwards) and writes them
-at its end. Both write the same files, and the distributed job writes the same again. Each complete shard
+and the recipe), shards are laid out at once and every tensor is written as it comes, in consecutive
+pieces of a unit if the caller likes; without a plan ``add`` queues a whole unit's tensors and writes them
+at its end. By default a writer thread writes (and a hashing thread hashes) what ``add`` hands over while
+the caller computes the next tensors, at most ``in_flight_bytes`` ahead (references: do not modify them
+afterwards); ``background=False`` writes within ``add``. Both write the same files, and the distributed job writes the same again. Each complete shard
 is first committed under a hidden part name (``.<stem>.part-<run>-00001.safetensors``) and ``finish``
 renames the parts to their final names (``-00001-of-0000N``) and writes the other files with
 :func:`pipeline.quant.output_files.finalize`: config.json, copies of the tokenizer files,
