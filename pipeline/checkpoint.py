@@ -27,7 +27,9 @@ import torch
 from pipeline import layout, storage
 from pipeline.config import DeepseekV3Config
 from pipeline.finite import all_finite, nonfinite_counts
-from pipeline.fp8 import DEFAULT_BLOCK, FP8_DTYPE, FP8_MAX, BlockRows, dequantize_fp8_blocks, fp8_nan_count, scale_shape
+from pipeline.fp8 import (
+    DEFAULT_BLOCK, FP8_DTYPE, FP8_MAX, BlockRows, dequantize_fp8_blocks, fp8_nan_count, scale_shape,
+)
 from pipeline.safetensors_io import (
     DTYPE_NAMES, DTYPES, MAX_RUN_BYTES, CheckpointError, SafetensorsHeader, read_header, read_tensors,
 )

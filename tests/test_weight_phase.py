@@ -174,16 +174,25 @@ def test_native_kernel_on_release_like_weights(shape):
         assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want)), native
 
 
-def test_native_kernel_is_built_where_a_compiler_is():
+def test_native_kernel_is_built_where_a_compiler_is(tmp_path):
     """Where a C compiler is on PATH (CI, this machine) the kernel must build: a silent fall back to the
-    torch ops would hide a broken build. DSQUANT_NATIVE=0 turns it off."""
+    torch ops would hide a broken build. DSQUANT_NATIVE=0 turns it off; a compiler that fails leaves the
+    torch ops, with the reason, and the same results."""
     if native_kernels._compiler() is None:
         pytest.skip("no C compiler on PATH: the torch ops run (tested above)")
     assert native_kernels.library() is not None, native_kernels.status()
-    code = "from pipeline import native; print(native.status())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "DSQUANT_NATIVE": "0"}, cwd=Path(__file__).parents[1])
-    assert out.stdout.startswith("torch ops (disabled by DSQUANT_NATIVE=0)")
+    code = ("import torch; from pipeline import native; from pipeline.quant.qparams import quantize_weight_per_channel;"
+            "w = torch.linspace(-3, 3, 64 * 48).view(64, 48).to(torch.bfloat16);"
+            "print(native.status()); print(quantize_weight_per_channel(w)[0].sum().item())")
+    env = {**os.environ, "DSQUANT_CACHE_DIR": str(tmp_path)}
+    runs = {how: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=extra,
+                                cwd=Path(__file__).parents[1]).stdout.splitlines()
+            for how, extra in [("native", env), ("off", {**env, "DSQUANT_NATIVE": "0"}),
+                               ("broken", {**env, "CC": "false"})]}
+    assert runs["native"][0].startswith(f"native ({tmp_path}")
+    assert runs["off"][0] == "torch ops (disabled by DSQUANT_NATIVE=0)"
+    assert runs["broken"][0].startswith("torch ops (false -O3") and "failed on fp8_int8.c" in runs["broken"][0]
+    assert runs["native"][1] == runs["off"][1] == runs["broken"][1]
 
 
 @pytest.mark.parametrize("native, dtype, scale, code", [

@@ -8,7 +8,8 @@ instructions for); the kernels (:file:`fp8_int8.c`: from FP8 codes, from bf16 we
 do it in one vectorized pass per row, ~0.3 s, so the weight phase is bound by reading, hashing and
 writing, not by arithmetic.
 
-The shared object is built with ``cc -O3 -march=native`` into a cache directory (``DSQUANT_CACHE_DIR``,
+The shared object is built with ``cc -O3 -march=native`` (without ``-march`` if the compiler refuses it)
+into a cache directory (``DSQUANT_CACHE_DIR``,
 else ``~/.cache/dsquant``, else the temp directory) under a name keyed by the source, the flags, the
 compiler and the CPU's feature flags, so that nodes sharing a home directory never load a library built
 for another CPU; it is written under a temporary name and renamed, so concurrent workers are safe.
@@ -48,7 +49,7 @@ def _cpu_flags() -> str:
 
 def _cache_dir() -> Path:
     for d in (os.environ.get("DSQUANT_CACHE_DIR"), Path.home() / ".cache" / "dsquant",
-              Path(tempfile.gettempdir()) / f"dsquant-{os.getuid()}"):
+              Path(tempfile.gettempdir()) / f"dsquant-{getattr(os, 'getuid', lambda: 0)()}"):
         if d is None:
             continue
         try:
@@ -71,16 +72,22 @@ def _build() -> ctypes.CDLL:
     if cc is None:
         raise OSError("no C compiler (cc, gcc or clang) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, platform.machine(), _cpu_flags()])
-                         .encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"fp8_int8-{key}.so"
-    if not lib.exists():
+    errors = []
+    for flags in (FLAGS, tuple(f for f in FLAGS if not f.startswith("-march="))):  # a compiler may lack -march=native
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, version, platform.machine(), _cpu_flags()])
+                             .encode()).hexdigest()[:16]
+        lib = _cache_dir() / f"fp8_int8-{key}.so"
+        if lib.exists():
+            break
         tmp = lib.with_name(f".{lib.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        out = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True)
-        if out.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            raise OSError(f"{cc} failed on {SOURCE.name}: {out.stderr.strip()[-500:]}")
-        os.replace(tmp, lib)
+        out = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True)
+        if out.returncode == 0:
+            os.replace(tmp, lib)
+            break
+        tmp.unlink(missing_ok=True)
+        errors.append(f"{cc} {' '.join(flags)} failed on {SOURCE.name}: {out.stderr.strip()[-300:]}")
+    else:
+        raise OSError("; ".join(errors))
     dll = ctypes.CDLL(str(lib))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     dll.fp8_to_int8_bf16.argtypes = [p, i64, i64, p, i64, i64, p, p, ctypes.c_float, p]

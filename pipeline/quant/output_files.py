@@ -85,7 +85,8 @@ class ShardFile:
     def write(self, name: str, t: torch.Tensor) -> None:
         t = t.detach().to("cpu").contiguous()
         if t.numel():
-            self._hashed = _hashing_thread().submit(self._digest.update, memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            self._hashed = _hashing_thread().submit(self._digest.update, data)
         self._file.write(name, t)
 
     def _digest_hex(self) -> str:

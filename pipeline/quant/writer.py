@@ -22,14 +22,14 @@ and the recipe), shards are laid out at once and every tensor is written as it c
 pieces of a unit if the caller likes; without a plan ``add`` queues a whole unit's tensors and writes them
 at its end. By default a writer thread writes (and a hashing thread hashes) what ``add`` hands over while
 the caller computes the next tensors, at most ``in_flight_bytes`` ahead (references: do not modify them
-afterwards); ``background=False`` writes within ``add``. Both write the same files, and the distributed job writes the same again. Each complete shard
-is first committed under a hidden part name (``.<stem>.part-<run>-00001.safetensors``) and ``finish``
-renames the parts to their final names (``-00001-of-0000N``) and writes the other files with
-:func:`pipeline.quant.output_files.finalize`: config.json, copies of the tokenizer files,
-generation_config.json and ``*.py`` from the source, ``manifest.json`` (every file's size and sha256,
-computed while writing, plus the caller's ``job`` info), and last the index and
-``quant_model_description.json``: a directory with a description is complete, and a crash at
-any point before leaves none. On an exception inside ``with``, everything this writer wrote is removed.
+afterwards); ``background=False`` writes within ``add``. Both write the same files, and the distributed
+job writes the same again. Each complete shard is first committed under a hidden part name
+(``.<stem>.part-<run>-00001.safetensors``) and ``finish`` renames the parts to their final names
+(``-00001-of-0000N``) and writes the other files with :func:`pipeline.quant.output_files.finalize`:
+config.json, copies of the tokenizer files, generation_config.json and ``*.py`` from the source,
+``manifest.json`` (every file's size and sha256, computed while writing, plus the caller's ``job`` info),
+and last the index and ``quant_model_description.json``: a directory with a description is complete, and
+a crash at any point before leaves none. On an exception inside ``with``, everything this writer wrote is removed.
 """
 
 from __future__ import annotations
