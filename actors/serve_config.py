@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from pipeline.engine.engine import EngineConfig
+from pipeline.strict import check_keys
 
 @dataclass(frozen=True)
 class DeploymentOptions:
@@ -75,15 +76,12 @@ class ServeConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ServeConfig":
         """From plain data (a parsed JSON/YAML file); unknown keys are refused by name."""
-        d = dict(d)
-        _no_unknown(d, cls, "serve config")
+        d = check_keys(d, cls, "serve config")
         if isinstance(d.get("engine"), Mapping):
-            _no_unknown(d["engine"], EngineConfig, "engine")
-            d["engine"] = EngineConfig(**d["engine"])
+            d["engine"] = EngineConfig(**check_keys(d["engine"], EngineConfig, "engine"))
         for key in ("llm", "ingress", "prefill"):
             if isinstance(d.get(key), Mapping):
-                _no_unknown(d[key], DeploymentOptions, key)
-                d[key] = DeploymentOptions(**d[key])
+                d[key] = DeploymentOptions(**check_keys(d[key], DeploymentOptions, key))
         if "model_path" not in d:
             raise ValueError("serve config: model_path is required")
         return cls(**d)
@@ -122,12 +120,5 @@ class ServeConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def _no_unknown(d: Mapping[str, Any], cls: type, where: str) -> None:
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-        raise ValueError(f"{where}: unknown option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
 
 

@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 from pipeline.plan import GiB, Plan, PlanError, PlanParams, ShardPlan, StagePlan, WorkerPlan, units_label
 from pipeline.plan_costs import LayerCost
+from pipeline.strict import build, check_keys
 
 _DERIVED = ("totals",)
 
@@ -33,25 +34,12 @@ def plan_to_dict(plan: Plan) -> dict:
 
 def _build(cls, raw: Any, where: str):
     """A frozen dataclass from a dict: unknown or missing keys raise; lists become tuples."""
-    if not isinstance(raw, Mapping):
-        raise PlanError(f"plan: {where} must be an object, got {type(raw).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
-    if unknown:
-        raise PlanError(f"plan: {where}: unknown key(s) {unknown}")
-    try:
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
-    except TypeError as e:
-        raise PlanError(f"plan: {where}: {e}") from None
+    return build(cls, raw, f"plan: {where}", PlanError)
 
 
 def plan_from_dict(raw: Mapping[str, Any]) -> Plan:
-    if not isinstance(raw, Mapping):
-        raise PlanError(f"plan: expected an object, got {type(raw).__name__}")
-    known = {f.name for f in dataclasses.fields(Plan)} | set(_DERIVED)
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise PlanError(f"plan: unknown key(s) {unknown}")
+    check_keys({k: v for k, v in raw.items() if k not in _DERIVED} if isinstance(raw, Mapping) else raw, Plan,
+               "plan", PlanError)
     missing = sorted({"model", "params", "hidden_bytes_per_token", "units", "stages", "shards"} - set(raw))
     if missing:
         raise PlanError(f"plan: missing key(s) {missing}")

@@ -442,7 +442,7 @@ def test_config_file_json_and_yaml(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"model_path": "x", "engine": {"num_block": 3}}))
     with pytest.raises(ValueError) as e:
         ServeConfig.from_file(str(tmp_path / "bad.json"))
-    assert str(e.value).startswith(f"{tmp_path / 'bad.json'}: engine: unknown option(s) num_block (known: ")
+    assert str(e.value).startswith(f"{tmp_path / 'bad.json'}: engine: unknown key(s) ['num_block'] (known: [")
     with pytest.raises(ValueError, match="max_in_flight must be an integer >= 1, got 0"):
         ServeConfig("x", max_in_flight=0)
 

@@ -22,6 +22,7 @@ from pipeline import layout
 from pipeline.config import DeepseekV3Config
 from pipeline.quant.description import DIALECTS, FAQUANT, FLOAT, W8A8, W8A8_DYNAMIC
 from pipeline.quant.qparams import QuantError
+from pipeline.strict import build
 
 STATIC_ATTN = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "q_proj")
 FA_BRANCHES = ("fa_q", "fa_k", "fa_v")
@@ -60,16 +61,7 @@ class Recipe:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "Recipe":
         """Strict: unknown keys raise; missing keys take the defaults."""
-        if not isinstance(raw, Mapping):
-            raise QuantError(f"recipe: expected a JSON object, got {type(raw).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise QuantError(f"recipe: unknown key(s) {unknown} (known: {sorted(known)})")
-        kw = dict(raw)
-        if isinstance(kw.get("fa_exclude_layers"), list):
-            kw["fa_exclude_layers"] = tuple(kw["fa_exclude_layers"])
-        return cls(**kw)
+        return build(cls, raw, "recipe", QuantError)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
