@@ -34,7 +34,6 @@ skipped and listed. Prints a table and writes JSON to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -44,6 +43,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_io import write_result  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -280,10 +281,8 @@ def main(argv=None) -> dict:
         "fill_s": fill_s, "total_s": time.perf_counter() - t_start,
     }
     print_table(result)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_result(args.out, result, show=False)
+    print(f"wrote {args.out}")
     return result
 
 

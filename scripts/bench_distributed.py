@@ -29,6 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
+from bench_io import write_result  # noqa: E402
+sys.path.insert(0, str(REPO / "scripts"))
 
 
 def prepare(args) -> tuple[Path, Path]:
@@ -126,9 +128,7 @@ def main() -> int:
            "stages": args.stages, "repeat": args.repeat, "machine": {"cpus": os.cpu_count()},
            "single_s": round(med["single"], 2), "distributed_s": round(med["distributed"], 2),
            "speedup": round(med["single"] / med["distributed"], 2), "identical_shards": same, "runs": runs}
-    print(json.dumps({k: v for k, v in res.items() if k != "runs"}, indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    write_result(args.out, res, hide=["runs"])
     return 0
 
 

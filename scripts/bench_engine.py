@@ -20,6 +20,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_io import write_result  # noqa: E402
 
 QUESTIONS = ["What's deep learning?", "What does the os module do?", "Explain list comprehensions.",
              "How do I open a file?", "What is a decorator?", "Describe the json module.",
@@ -77,9 +79,7 @@ def main() -> int:
         print(name, json.dumps(res["configs"][name]), flush=True)
     res["mtp_outputs_identical"] = (outputs["int8-NZ cache + MTP"] == outputs["int8-NZ cache"]
                                     and outputs["bf16 cache + MTP"] == outputs["bf16 cache"])
-    print(json.dumps({k: v for k, v in res.items() if k != "configs"}, indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    write_result(args.out, res, hide=["configs"])
     return 0
 
 

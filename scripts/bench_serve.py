@@ -26,6 +26,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_io import write_result  # noqa: E402
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -139,8 +141,7 @@ def main() -> int:
         finally:
             serve.shutdown()
             ray.shutdown()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    write_result(args.out, res, hide=["modes"])
     return 0
 
 
