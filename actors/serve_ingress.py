@@ -1,0 +1,272 @@
+"""The OpenAI-compatible HTTP front of the serving application (FastAPI through ``@serve.ingress``):
+``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` true:
+``text/event-stream``), ``GET /health``, ``GET /metrics`` (Prometheus text). Every request is validated
+here (:mod:`pipeline.openai_api`); a bad one never reaches the engine. With ``api_key`` set, the ``/v1``
+routes need ``Authorization: Bearer <key>`` (401 otherwise). At most ``max_in_flight`` generation requests
+run per ingress replica; one more is refused at once with 429 (and Serve's own queue in front of the
+ingress is bounded too): there is no unbounded queue. :func:`actors.serve_app.build_app` binds it to the
+engine deployment.
+"""
+
+# No ``from __future__ import annotations`` here: Serve rebuilds the route signatures of the class-based
+# FastAPI view, and FastAPI cannot resolve string annotations (``request: "Request"``) in them.
+
+import asyncio
+import hmac
+import time
+from typing import AsyncIterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from actors.engine_loop import EngineDead, PrefillFailed, task_cause as _cause
+from actors.serve_config import ServeConfig
+from actors.serve_metrics import ServeMetrics
+from pipeline import openai_api as api
+from pipeline import openai_responses as resp
+from pipeline.openai_api import ApiError, GenerateRequest, TokenEvent
+
+STATS_TIMEOUT_S = 5.0
+
+
+# ----- the ingress -------------------------------------------------------------------------------------
+
+openai_app = FastAPI(title="dsquant OpenAI-compatible API")
+
+
+def _error(err: ApiError, headers: Optional[dict] = None) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+async def _prepend(head: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``head`` then ``rest``; ``rest`` is closed however this ends."""
+    try:
+        yield head
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
+
+
+# Serve captures the module-level names the ingress uses when the class is decorated: define them above.
+@serve.deployment(name="OpenAIIngress")
+@serve.ingress(openai_app)
+class OpenAIIngress:
+    """The HTTP front: validation, auth, backpressure, detokenization, responses, metrics."""
+
+    def __init__(self, llm: DeploymentHandle, config: ServeConfig):
+        from pipeline.tokenizer import Tokenizer
+
+        self.llm, self.config = llm, config
+        self.model = config.model_name
+        self.tokenizer = Tokenizer.from_dir(config.model_path)
+        self.metrics = ServeMetrics()
+        self.in_flight = 0
+        self._info: Optional[dict] = None
+        self.created = int(time.time())
+
+    # -- helpers ---------------------------------------------------------------------------------------
+    async def _engine_info(self) -> dict:
+        if self._info is None:
+            try:
+                self._info = await asyncio.wait_for(self.llm.info.remote(), STATS_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - no engine replica answers
+                raise ApiError(503, f"the engine is not available: {type(e).__name__}: {e}", "server_error") from None
+        return self._info
+
+    def _auth(self, request: Request) -> Optional[ApiError]:
+        key = self.config.api_key
+        if key is None:
+            return None
+        header = request.headers.get("authorization", "")
+        if not header:
+            return ApiError(401, "no API key was provided: send 'Authorization: Bearer <key>'",
+                            "invalid_request_error", None, "invalid_api_key")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            return ApiError(401, "the API key provided is not valid for this server", "invalid_request_error",
+                            None, "invalid_api_key")
+        return None
+
+    def _done(self, route: str, status: int) -> None:
+        self.metrics.requests.labels(route=route, status=str(status)).inc()
+
+    def _reply(self, route: str, err: ApiError) -> JSONResponse:
+        self._done(route, err.status)
+        headers = {"Retry-After": "1"} if err.status == 429 else None
+        return _error(err, headers)
+
+    # -- routes ----------------------------------------------------------------------------------------
+    @openai_app.get("/health")
+    async def health(self):
+        try:
+            stats = await asyncio.wait_for(self.llm.stats.remote(), STATS_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - any failure to reach the engine is unhealthy
+            return JSONResponse({"status": "unhealthy", "error": f"{type(e).__name__}: {e}"}, status_code=503)
+        if not stats.get("alive"):
+            return JSONResponse({"status": "unhealthy", "error": "the engine loop stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @openai_app.get("/metrics")
+    async def metrics(self):
+        try:
+            stats = await asyncio.wait_for(self.llm.stats.remote(), STATS_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - the scrape still answers, with dsquant_engine_up 0
+            stats = None
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(self.metrics.render(stats), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    @openai_app.get("/v1/models")
+    async def models(self, request: Request):
+        err = self._auth(request)
+        if err is not None:
+            return self._reply("models", err)
+        try:
+            info = await self._engine_info()
+        except ApiError as e:
+            return self._reply("models", e)
+        self._done("models", 200)
+        return resp.models_response(self.model, info["max_model_len"], self.created)
+
+    @openai_app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._generate(request, "completions", api.parse_completion)
+
+    @openai_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._generate(request, "chat", api.parse_chat)
+
+    # -- generation ------------------------------------------------------------------------------------
+    async def _generate(self, request: Request, route: str, parse):
+        t0 = time.perf_counter()
+        err = self._auth(request)
+        if err is not None:
+            return self._reply(route, err)
+        try:
+            body = api.parse_json_body(await request.body())
+            info = await self._engine_info()
+            req = parse(body, self.tokenizer, self.model, info["max_model_len"])
+        except ApiError as e:
+            return self._reply(route, e)
+        if self.in_flight >= self.config.max_in_flight:
+            return self._reply(route, ApiError(
+                429, f"the server is at its limit of {self.config.max_in_flight} requests in flight; retry later",
+                "rate_limit_error", None, "too_many_requests_in_flight"))
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
+        self.metrics.prompt_tokens.inc(req.num_prompt_tokens)
+        gen = self.llm.options(stream=True).generate.remote(req)
+        handed_over = False
+        try:
+            try:
+                first = await gen.__anext__()  # before any header goes out: a refusal can still be a 400
+            except StopAsyncIteration:
+                return self._reply(route, ApiError(500, "the engine's event stream ended without a token or a finish "
+                                                        "reason", "server_error"))
+            except Exception as e:  # noqa: BLE001
+                cause = _cause(e)
+                if isinstance(cause, ValueError):
+                    return self._reply(route, api.invalid(str(cause)))
+                if isinstance(cause, PrefillFailed):
+                    return self._reply(route, ApiError(503, str(cause), "server_error", None, "prefill_unavailable"))
+                return self._reply(route, ApiError(500, f"the engine failed: {type(cause).__name__}: {cause}",
+                                                   "server_error"))
+            if req.stream:
+                # From here the stream generator owns the cleanup (abort, in-flight count). It is started
+                # (primed) before it is handed over, so its ``finally`` runs however it ends: finished,
+                # closed by Starlette, cancelled, or collected when the response never started.
+                handed_over = True
+                stream = self._stream(req, gen, first, t0, route)
+                head = await stream.__anext__()
+                return StreamingResponse(_prepend(head, stream), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            return await self._collect(req, gen, first, t0, route)
+        finally:
+            if not handed_over:
+                gen.cancel()  # no-op when it finished; aborts the sequence when this request was cancelled
+                self._release()
+
+    def _release(self) -> None:
+        self.in_flight -= 1
+        self.metrics.in_flight.set(self.in_flight)
+
+    def _observe(self, t0: float, last: Optional[float], now: float) -> float:
+        if last is None:
+            self.metrics.ttft.observe(now - t0)
+        else:
+            self.metrics.itl.observe(now - last)
+        return now
+
+    async def _events(self, gen, first: TokenEvent) -> AsyncIterator[TokenEvent]:
+        yield first
+        if first.finish_reason is not None:
+            return
+        async for ev in gen:
+            yield ev
+            if ev.finish_reason is not None:
+                return
+        raise EngineDead("the engine's event stream ended without a finish reason")
+
+    async def _collect(self, req: GenerateRequest, gen, first: TokenEvent, t0: float, route: str):
+        detok = resp.IncrementalDetokenizer(self.tokenizer, req.params.stop)
+        last, n, reason = None, 0, None
+        try:
+            async for ev in self._events(gen, first):
+                if ev.token_ids:
+                    last = self._observe(t0, last, time.perf_counter())
+                    n += len(ev.token_ids)
+                    detok.add(ev.token_ids)
+                reason = ev.finish_reason
+        except asyncio.CancelledError:  # the client went away; the caller's finally aborts the sequence
+            self.metrics.finished.labels(reason="abort").inc()
+            raise
+        except Exception as e:  # noqa: BLE001
+            cause = _cause(e)
+            return self._reply(route, ApiError(500, f"the engine failed: {type(cause).__name__}: {cause}",
+                                               "server_error"))
+        self.metrics.e2e.observe(time.perf_counter() - t0)
+        self.metrics.generation_tokens.inc(n)
+        self.metrics.finished.labels(reason=reason).inc()
+        self._done(route, 200)
+        return resp.response(req, detok.text, reason, n)
+
+    async def _stream(self, req: GenerateRequest, gen, first: TokenEvent, t0: float, route: str) -> AsyncIterator[str]:
+        detok = resp.IncrementalDetokenizer(self.tokenizer, req.params.stop)
+        created = int(time.time())
+        last, n, complete = None, 0, False
+        try:
+            if req.kind == api.CHAT:
+                yield resp.sse(resp.stream_chunk(req, created, "", first=True))
+            try:
+                async for ev in self._events(gen, first):
+                    if ev.token_ids:
+                        last = self._observe(t0, last, time.perf_counter())
+                        n += len(ev.token_ids)
+                        self.metrics.generation_tokens.inc(len(ev.token_ids))
+                        text = detok.add(ev.token_ids)
+                        if text:
+                            yield resp.sse(resp.stream_chunk(req, created, text))
+                    if ev.finish_reason is not None:
+                        tail = detok.finish()
+                        if tail:
+                            yield resp.sse(resp.stream_chunk(req, created, tail))
+                        yield resp.sse(resp.stream_chunk(req, created, None, ev.finish_reason))
+                        if req.include_usage:
+                            yield resp.sse(resp.usage_chunk(req, created, n))
+                        self.metrics.finished.labels(reason=ev.finish_reason).inc()
+                        self.metrics.e2e.observe(time.perf_counter() - t0)
+            except Exception as e:  # noqa: BLE001 - headers are out: report in the stream
+                cause = _cause(e)
+                yield resp.sse(ApiError(500, f"the engine failed: {type(cause).__name__}: {cause}",
+                                       "server_error").body())
+            yield resp.DONE_LINE
+            complete = True
+        finally:
+            if not complete:  # the client went away: stop generating for it
+                gen.cancel()
+                self.metrics.finished.labels(reason="abort").inc()
+            self._done(route, 200)
+            self._release()
