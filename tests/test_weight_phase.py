@@ -381,6 +381,34 @@ def test_layer_pieces_are_whole_modules_in_order(sources, dialect):
         assert all(len(m) == 1 for m in modules if m is not attention[0])
 
 
+def test_a_forked_child_hashes_with_a_thread_of_its_own(tmp_path):
+    """The hashing thread is per process: a child forked after the parent hashed (a thread it does not
+    inherit) still commits its shards with the right sha256."""
+    import hashlib
+
+    from pipeline.quant.output_files import ShardFile
+
+    def hashed_right(path) -> bool:
+        t = torch.arange(1000, dtype=torch.int32)
+        f = ShardFile(str(path), [TensorSpec.of("x", t)])
+        f.write("x", t)
+        return f.close().sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+
+    assert hashed_right(tmp_path / "parent.safetensors")
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if it hashed correctly (a hang ends by SIGALRM after 20 s)
+        import signal
+
+        signal.alarm(20)
+        ok = False
+        try:
+            ok = hashed_right(tmp_path / "child.safetensors")
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 # ----- the planned writer -----------------------------------------------------------------------------
 @pytest.mark.parametrize("background", [False, True])
 def test_planned_writer_holds_nothing_and_refuses_the_unplanned(tmp_path, background):

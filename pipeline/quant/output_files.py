@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -56,6 +57,16 @@ class ShardRecord:
 
 _hasher_lock = threading.Lock()
 _hasher: Optional[ThreadPoolExecutor] = None
+
+
+def _forget_hashing_thread() -> None:
+    """In a forked child the parent's thread does not exist: the next shard starts a new one."""
+    global _hasher
+    _hasher = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_hashing_thread)
 
 
 def _hashing_thread() -> ThreadPoolExecutor:
