@@ -103,9 +103,10 @@ def quantize_weight_per_channel(w: Union[Tensor, BlockRows], name: str = "weight
     rows = max(1, _BLOCK_ELEMENTS // k)
     q, ws = torch.empty(n, k, dtype=torch.int8), torch.empty(n, 1, dtype=w.dtype)
     buf = torch.empty(min(rows, n), k, dtype=w.dtype)
+    eps = _eps(w.dtype)
     for r0 in range(0, n, rows):
         r1 = min(r0 + rows, n)
-        _quantize_rows(w[r0:r1], q[r0:r1], ws[r0:r1], buf[: r1 - r0])
+        _quantize_rows(w[r0:r1], q[r0:r1], ws[r0:r1], buf[: r1 - r0], eps)
     return _checked(w, q, ws, name)
 
 
@@ -123,17 +124,19 @@ def _quantize_block_rows(w: BlockRows, name: str, use_native: bool) -> tuple[Ten
             return _checked(w, q, ws32.to(torch.bfloat16).view(n, 1), name)
     ws = torch.empty(n, 1, dtype=w.dtype)
     x, buf = torch.empty(min(b0, n), k, dtype=w.dtype), torch.empty(min(b0, n), k, dtype=w.dtype)
+    eps = _eps(w.dtype)
     for i in range(w.count):
         r0, r1 = w.bounds(i)
         w.dequantize(i, x[: r1 - r0])
-        _quantize_rows(x[: r1 - r0], q[r0:r1], ws[r0:r1], buf[: r1 - r0])
+        _quantize_rows(x[: r1 - r0], q[r0:r1], ws[r0:r1], buf[: r1 - r0], eps)
     return _checked(w, q, ws, name)
 
 
-def _quantize_rows(w: Tensor, q: Tensor, ws: Tensor, buf: Tensor) -> None:
-    """Rows of W (md) into their int8 rows ``q`` and scales ``ws``, through ``buf`` (w's shape, md)."""
+def _quantize_rows(w: Tensor, q: Tensor, ws: Tensor, buf: Tensor, eps: Tensor) -> None:
+    """Rows of W (md) into their int8 rows ``q`` and scales ``ws``, through ``buf`` (w's shape, md);
+    ``eps``: :func:`_eps` of md."""
     torch.amax(torch.abs(w, out=buf), dim=1, keepdim=True, out=ws)
-    torch.maximum(ws.div_(127), _eps(w.dtype), out=ws)
+    torch.maximum(ws.div_(127), eps, out=ws)
     torch.div(w, ws, out=buf).round_().clamp_(QMIN, QMAX)
     q.copy_(buf)
 

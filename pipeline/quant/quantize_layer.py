@@ -21,7 +21,7 @@ entry) to its type for quant_model_description.json.
 from __future__ import annotations
 
 import itertools
-from typing import Container, Iterator, Mapping, Optional
+from typing import Iterable, Iterator, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -113,7 +113,7 @@ def quantize_layer_pieces(cfg: DeepseekV3Config, layer_id: int, tensors: Mapping
     come as one piece. A streaming writer can write each piece while the next is computed. The inputs are
     checked before the first piece."""
     types_of = recipe.layer_types(cfg, layer_id)
-    quantized = frozenset(p + ".weight" for p, kind in types_of.items() if kind in (W8A8, W8A8_DYNAMIC))
+    quantized = _per_channel_weights(types_of)
     _check_tensors(tensors, layout.layer_shapes(cfg, layer_id), f"layer {layer_id}", quantized)
     md = model_dtype(cfg)
     ascend = recipe.dialect == "ascendV1"
@@ -165,12 +165,16 @@ def quantize_layer_pieces(cfg: DeepseekV3Config, layer_id: int, tensors: Mapping
 
 
 def deferred_weights(cfg: DeepseekV3Config, layer_id: int, recipe: Recipe,
-                     keep: Container[str] = frozenset()) -> frozenset[str]:
+                     keep: Iterable[str] = frozenset()) -> frozenset[str]:
     """The weights of layer ``layer_id`` that :func:`quantize_layer` quantizes per channel, less those
     in ``keep`` (ones a smoothing fold must change first): the FP8 weights the reader may leave as
     BlockRows."""
-    return frozenset(p + ".weight" for p, kind in recipe.layer_types(cfg, layer_id).items()
-                     if kind in (W8A8, W8A8_DYNAMIC) and p + ".weight" not in keep)
+    return _per_channel_weights(recipe.layer_types(cfg, layer_id)) - frozenset(keep)
+
+
+def _per_channel_weights(types_of: Mapping[str, str]) -> frozenset[str]:
+    """The ``.weight`` of every module typed W8A8 or W8A8_DYNAMIC."""
+    return frozenset(p + ".weight" for p, kind in types_of.items() if kind in (W8A8, W8A8_DYNAMIC))
 
 
 def quantize_globals(cfg: DeepseekV3Config, tensors: Mapping[str, Tensor],
