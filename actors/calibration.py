@@ -17,7 +17,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import ray
 
-from actors.ray_session import DistOptions, JobFailed, app_error, is_retryable
+from actors.ray_errors import app_error, is_retryable
+from actors.ray_session import DistOptions, JobFailed
 from pipeline.quant.stage import STATS
 
 

@@ -18,7 +18,7 @@ class PrefillServer:
 
         from pipeline.engine.engine import LLMEngine
         from pipeline.engine.loader import load_quantized
-        from pipeline.tokenizer import Tokenizer
+        from pipeline.text.tokenizer import Tokenizer
 
         torch.set_num_threads(config.torch_threads)
         tok = Tokenizer.from_dir(config.model_path)

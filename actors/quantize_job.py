@@ -5,7 +5,7 @@ quantize and write the shards on the actors, then the index and description last
 
     quantize_distributed(src, dst, Recipe(), QuantizeOptions(), DistOptions(stages=2, replicas=1))
 
-1. Plan: stage ranges from :func:`pipeline.plan.plan` (balanced by bytes and FLOPs), checked against the
+1. Plan: stage ranges from :func:`pipeline.plan.planner.plan` (balanced by bytes and FLOPs), checked against the
    resources Ray reports; the output's shards from :mod:`pipeline.quant.shard_layout` (the single-process
    writer's rule, so the files are the same).
 2. Destination (:mod:`pipeline.quant.job_state`): a finished output of the same job fingerprint: nothing
@@ -32,13 +32,14 @@ import ray
 from actors.calibration import run_pass
 from actors.ray_session import DistOptions, cluster_resources, connect, make_actors
 from actors.weights import run_weights
-from pipeline import storage
-from pipeline.checkpoint import CONFIG_NAME, CheckpointReader
-from pipeline.plan import plan as make_plan
+from pipeline.io import storage
+from pipeline.io.checkpoint import CONFIG_NAME, CheckpointReader
+from pipeline.plan.planner import plan as make_plan
+from pipeline.plan.resources import check_resources
 from pipeline.quant import job_state as js
 from pipeline.quant.observers import Stats
 from pipeline.quant.output_files import finalize, json_bytes
-from pipeline.quant.quantize_layer import model_dtype
+from pipeline.config import model_dtype
 from pipeline.quant.run import QuantizeOptions, calibration_samples
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.shard_layout import checkpoint_shards
@@ -163,7 +164,7 @@ def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptio
     started = connect(dist, len(specs) * dist.replicas)
     actors: list = []
     try:
-        pl.check_resources(cluster_resources())
+        check_resources(pl, cluster_resources())
         actors = make_actors(src, specs, recipe, dist)
         phases["ray_start_s"] = round(time.time() - t, 3)
         stats, smooth = _calibrate(actors, samples, recipe, opts, dist, key, dst, log, on_event, phases)

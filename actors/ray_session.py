@@ -9,17 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 import ray
-import ray.exceptions as rex
 
-from pipeline import storage
+from pipeline.io import storage
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.stage import StageSpec
 
 GiB = 1024 ** 3
-RETRYABLE = (rex.RayActorError, rex.ObjectLostError, rex.WorkerCrashedError, rex.NodeDiedError,
-             rex.OutOfMemoryError)
-
-
 class JobFailed(RuntimeError):
     """An unrecoverable failure of the distributed job (the message names what failed)."""
 
@@ -51,21 +46,6 @@ class DistOptions:
                 raise ValueError(f"{f} must be an integer >= 1, got {v!r}")
         if self.cpus_per_actor <= 0 and self.gpus_per_actor <= 0:
             raise ValueError("an actor needs cpus_per_actor > 0 or gpus_per_actor > 0")
-
-
-def is_retryable(err: BaseException) -> bool:
-    """A lost actor, worker, node or object: redoing the work elsewhere can succeed. A RayTaskError is
-    retryable only when what it wraps is."""
-    if isinstance(err, rex.RayTaskError):
-        cause = getattr(err, "cause", None)
-        return isinstance(cause, RETRYABLE)
-    return isinstance(err, RETRYABLE)
-
-
-def app_error(err: BaseException) -> BaseException:
-    """The application exception inside a RayTaskError (what the user should read)."""
-    cause = getattr(err, "cause", None) if isinstance(err, rex.RayTaskError) else None
-    return cause if isinstance(cause, BaseException) else err
 
 
 def connect(dist: DistOptions, n_actors: int) -> bool:

@@ -2,8 +2,8 @@
 
 - :class:`LLMServer` owns one :class:`~pipeline.engine.engine.LLMEngine` and runs its step loop on a
   background thread (:class:`EngineLoop`). Its one generation method, :meth:`LLMServer.generate`, takes a
-  validated :class:`~pipeline.openai_api.GenerateRequest` and is an async generator of
-  :class:`~pipeline.openai_api.TokenEvent` (call it through ``handle.options(stream=True)``); when the
+  validated :class:`~pipeline.serving.openai_api.GenerateRequest` and is an async generator of
+  :class:`~pipeline.serving.openai_api.TokenEvent` (call it through ``handle.options(stream=True)``); when the
   caller stops consuming it (a client went away: the generator is cancelled or closed) the sequence is
   aborted and its cache blocks freed. ``info()``, ``stats()`` and ``check_health()`` complete it.
 - :class:`~actors.serve_ingress.OpenAIIngress` (FastAPI through ``@serve.ingress``, in its own module):
@@ -24,10 +24,12 @@ from typing import Any, AsyncIterator, Mapping, Optional, Union
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from actors.engine_loop import EngineDead, EngineLoop, PrefillFailed, task_cause as _cause  # noqa: F401
+from actors.ray_errors import app_error
+from pipeline.engine.engine_loop import EngineDead, EngineLoop, PrefillFailed  # noqa: F401
 from actors.serve_config import DEFAULT_ENGINE, DeploymentOptions, ServeConfig  # noqa: F401 (re-exported)
 from actors.serve_ingress import OpenAIIngress
-from pipeline.openai_api import GenerateRequest, TokenEvent
+from pipeline.engine.engine_loop import TokenEvent
+from pipeline.serving.openai_api import GenerateRequest
 
 ADMIN_HEADROOM = 16     # calls beyond max_in_flight a replica accepts: health, metrics, stats, refusals
 
@@ -43,7 +45,7 @@ class LLMServer:
         import torch
 
         from pipeline.engine.engine import LLMEngine
-        from pipeline.tokenizer import Tokenizer
+        from pipeline.text.tokenizer import Tokenizer
 
         torch.set_num_threads(config.torch_threads)
         self.config, self.prefill = config, prefill
@@ -62,7 +64,7 @@ class LLMServer:
         except ValueError:
             raise
         except Exception as e:  # noqa: BLE001 - unavailable, timed out, failed: this request only
-            cause = _cause(e)
+            cause = app_error(e)
             if isinstance(cause, ValueError):
                 raise cause from None
             self.prefill_failures += 1

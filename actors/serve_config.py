@@ -88,9 +88,9 @@ class ServeConfig:
 
     @classmethod
     def from_mindie(cls, block: Any, devices_available: int, **overrides: Any) -> "ServeConfig":
-        """From a MindIE ModelConfig block (pipeline.mindie_config: refuses what the devices cannot honour);
+        """From a MindIE ModelConfig block (pipeline.serving.mindie_config: refuses what the devices cannot honour);
         ``overrides`` (from_dict's keys, e.g. ``port``) win; an ``engine``/``llm`` mapping is merged in."""
-        from pipeline.mindie_config import parse_mindie_model_config, to_serve_options
+        from pipeline.serving.mindie_config import parse_mindie_model_config, to_serve_options
 
         d = to_serve_options(parse_mindie_model_config(block, devices_available))
         d["engine"] = {**dataclasses.asdict(DEFAULT_ENGINE), **d["engine"]}

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP front of the serving application (FastAPI through ``@serve.ingress``):
 ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` true:
 ``text/event-stream``), ``GET /health``, ``GET /metrics`` (Prometheus text). Every request is validated
-here (:mod:`pipeline.openai_api`); a bad one never reaches the engine. With ``api_key`` set, the ``/v1``
+here (:mod:`pipeline.serving.openai_api`); a bad one never reaches the engine. With ``api_key`` set, the ``/v1``
 routes need ``Authorization: Bearer <key>`` (401 otherwise). At most ``max_in_flight`` generation requests
 run per ingress replica; one more is refused at once with 429 (and Serve's own queue in front of the
 ingress is bounded too): there is no unbounded queue. :func:`actors.serve_app.build_app` binds it to the
@@ -21,12 +21,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from actors.engine_loop import EngineDead, PrefillFailed, task_cause as _cause
+from actors.ray_errors import app_error
+from pipeline.engine.engine_loop import EngineDead, PrefillFailed
 from actors.serve_config import ServeConfig
 from actors.serve_metrics import ServeMetrics
-from pipeline import openai_api as api
-from pipeline import openai_responses as resp
-from pipeline.openai_api import ApiError, GenerateRequest, TokenEvent
+from pipeline.serving import openai_api as api
+from pipeline.serving import openai_responses as resp
+from pipeline.engine.engine_loop import TokenEvent
+from pipeline.serving.openai_api import ApiError, GenerateRequest
 
 STATS_TIMEOUT_S = 5.0
 
@@ -57,7 +59,7 @@ class OpenAIIngress:
     """The HTTP front: validation, auth, backpressure, detokenization, responses, metrics."""
 
     def __init__(self, llm: DeploymentHandle, config: ServeConfig):
-        from pipeline.tokenizer import Tokenizer
+        from pipeline.text.tokenizer import Tokenizer
 
         self.llm, self.config = llm, config
         self.model = config.model_name
@@ -167,7 +169,7 @@ class OpenAIIngress:
                 return self._reply(route, ApiError(500, "the engine's event stream ended without a token or a finish "
                                                         "reason", "server_error"))
             except Exception as e:  # noqa: BLE001
-                cause = _cause(e)
+                cause = app_error(e)
                 if isinstance(cause, ValueError):
                     return self._reply(route, api.invalid(str(cause)))
                 if isinstance(cause, PrefillFailed):
@@ -224,7 +226,7 @@ class OpenAIIngress:
             self.metrics.finished.labels(reason="abort").inc()
             raise
         except Exception as e:  # noqa: BLE001
-            cause = _cause(e)
+            cause = app_error(e)
             return self._reply(route, ApiError(500, f"the engine failed: {type(cause).__name__}: {cause}",
                                                "server_error"))
         self.metrics.e2e.observe(time.perf_counter() - t0)
@@ -259,7 +261,7 @@ class OpenAIIngress:
                         self.metrics.finished.labels(reason=ev.finish_reason).inc()
                         self.metrics.e2e.observe(time.perf_counter() - t0)
             except Exception as e:  # noqa: BLE001 - headers are out: report in the stream
-                cause = _cause(e)
+                cause = app_error(e)
                 yield resp.sse(ApiError(500, f"the engine failed: {type(cause).__name__}: {cause}",
                                        "server_error").body())
             yield resp.DONE_LINE

@@ -18,11 +18,12 @@ from typing import Any, Mapping, Optional, Sequence
 import ray
 import torch
 
-from pipeline import storage
-from pipeline.checkpoint import CheckpointReader
+from pipeline.io import storage
+from pipeline.io.checkpoint import CheckpointReader
 from pipeline.quant.observers import Stats
 from pipeline.quant.recipe import Recipe
-from pipeline.quant.quantize_layer import model_dtype, quantize_layer
+from pipeline.config import model_dtype
+from pipeline.quant.quantize_layer import quantize_layer
 from pipeline.quant.shard_layout import Shard, unit_layer
 from pipeline.quant.smooth import ChannelAbsMax
 from pipeline.quant.stage import STATS, Stage, StageSpec

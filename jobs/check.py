@@ -1,4 +1,4 @@
-"""Check a quantized checkpoint directory against spec/format.md and print the report.
+"""Check a quantized checkpoint directory against docs/format.md and print the report.
 
     python -m jobs.check PATH [--dialect seed|ascendV1] [--json]
 
@@ -12,9 +12,9 @@ import json
 import sys
 from typing import Optional, Sequence
 
-from pipeline.quant.checker import check_dir
-from pipeline.quant.description import DIALECTS
-from pipeline.safetensors_io import CheckpointError
+from pipeline.format.checker import check_dir
+from pipeline.format.description import DIALECTS
+from pipeline.io.safetensors_io import CheckpointError
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -35,8 +35,8 @@ def parse_args(argv=None):
 
 
 def heldout_texts(path):
-    from pipeline import corpus
-    from pipeline.embedded import EMBEDDED_MODEL_DIR
+    from pipeline.text import corpus
+    from pipeline.assets import EMBEDDED_MODEL_DIR
     from pipeline.quant.calib_data import load_texts
 
     if path:
@@ -48,13 +48,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from pipeline import storage
-    from pipeline.embedded import EMBEDDED_MODEL_DIR
-    from pipeline.perplexity import token_stream
+    from pipeline.io import storage
+    from pipeline.assets import EMBEDDED_MODEL_DIR
+    from pipeline.model.perplexity import token_stream
     from pipeline.quant.evaluate import evaluate, ppl_table, sqnr_summary, write_parquet
     from pipeline.quant.recipe import Recipe
     from pipeline.quant.run import QuantizeOptions
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.text.tokenizer import Tokenizer
 
     src = args.model_path or EMBEDDED_MODEL_DIR
     try:

@@ -36,13 +36,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from dataclasses import replace
 
-    from pipeline import storage
-    from pipeline.embedded import EMBEDDED_MODEL_DIR
-    from pipeline.quant.description import DESCRIPTION_NAME
-    from pipeline.generate import generate_text
-    from pipeline.loading import load_model
-    from pipeline.sampling import SamplingParams
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.io import storage
+    from pipeline.assets import EMBEDDED_MODEL_DIR
+    from pipeline.format.description import DESCRIPTION_NAME
+    from pipeline.engine.reference import generate_text
+    from pipeline.model.loading import load_model
+    from pipeline.engine.sampling import SamplingParams
+    from pipeline.text.tokenizer import Tokenizer
 
     path = args.model_path or EMBEDDED_MODEL_DIR
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional, Sequence
 
-from pipeline.fp8_copy import write_fp8_copy
+from pipeline.io.fp8_copy import write_fp8_copy
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

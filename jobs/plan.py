@@ -17,12 +17,15 @@ import sys
 from typing import Any, Optional, Sequence
 
 from pipeline.config import ConfigError
-from pipeline.embedded import EMBEDDED_MODEL_DIR
-from pipeline.plan import DEFAULT_CALIB_SAMPLES, DEFAULT_SEQ_LEN, MEMORY_MODELS, GiB, PlanError, plan
-from pipeline.plan_time import Cluster, estimate_wall_time
-from pipeline.quant.description import DIALECTS
+from pipeline.assets import EMBEDDED_MODEL_DIR
+from pipeline.plan.planner import plan
+from pipeline.plan.report import plan_to_dict, plan_to_text
+from pipeline.plan.resources import check_resources
+from pipeline.plan.types import DEFAULT_CALIB_SAMPLES, DEFAULT_SEQ_LEN, MEMORY_MODELS, GiB, PlanError
+from pipeline.plan.timing import Cluster, estimate_wall_time
+from pipeline.format.description import DIALECTS
 from pipeline.quant.recipe import Recipe
-from pipeline.safetensors_io import CheckpointError
+from pipeline.io.safetensors_io import CheckpointError
 
 
 def ray_resources(address: str) -> dict:
@@ -79,7 +82,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     out: dict[str, Any] = {}
     try:
-        from pipeline.checkpoint import CheckpointReader
+        from pipeline.io.checkpoint import CheckpointReader
 
         reader = CheckpointReader(args.model_path)
         seq_len = args.seq_len or min(DEFAULT_SEQ_LEN, reader.config.max_position_embeddings)
@@ -88,11 +91,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  seq_len=seq_len, shard_bytes=int(args.shard_gib * GiB), weight_workers=args.weight_workers,
                  memory_model=args.memory_model, bytes_weight=args.bytes_weight,
                  cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor)
-        out["plan"] = p.to_dict()
+        out["plan"] = plan_to_dict(p)
         wall = estimate_wall_time(p, _cluster(args.estimate, args)) if args.estimate else None
         if wall is not None:
             out["wall_time"] = wall.to_dict()
-        print(json.dumps(out, indent=1) if args.json else p.to_text() + (f"\n{wall.to_text()}" if wall else ""))
+        print(json.dumps(out, indent=1) if args.json else plan_to_text(p) + (f"\n{wall.to_text()}" if wall else ""))
         available = None
         if args.check_ray:
             available = ray_resources(args.check_ray)
@@ -103,7 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if available is not None:
             if args.gpu_memory_gib is not None:
                 available["gpu_memory"] = args.gpu_memory_gib * GiB
-            p.check_resources(available)
+            check_resources(p, available)
             if not args.json:
                 print(f"fits: every actor's estimated peak fits the cluster ({p.n_actors} actors)")
     except PlanError as e:

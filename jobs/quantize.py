@@ -101,9 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def make_job(args: argparse.Namespace):
     """(src, dst, Recipe, QuantizeOptions, DistOptions or None) from the parsed flags."""
-    from pipeline import storage
-    from pipeline.embedded import EMBEDDED_MODEL_DIR
-    from pipeline.loading import default_device
+    from pipeline.io import storage
+    from pipeline.assets import EMBEDDED_MODEL_DIR
+    from pipeline.model.loading import default_device
     from pipeline.quant.recipe import Recipe
     from pipeline.quant.run import QuantizeOptions
 
@@ -136,9 +136,9 @@ JOB_ERRORS: tuple = (FileExistsError, FileNotFoundError, ValueError)
 
 def job_errors() -> tuple:
     """The exceptions that mean bad input (exit 2 with the message), not a bug."""
-    from pipeline.checkpoint import CheckpointError
+    from pipeline.io.checkpoint import CheckpointError
     from pipeline.config import ConfigError
-    from pipeline.plan import PlanError
+    from pipeline.plan.types import PlanError
     from pipeline.quant.calib_data import CalibDataError
     from pipeline.quant.qparams import QuantError
 

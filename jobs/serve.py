@@ -96,8 +96,8 @@ def make_config(args: argparse.Namespace):
 
 def ensure_default_model(path: str) -> None:
     """Quantize the embedded model into ``path`` when it has no complete output (no description file)."""
-    from pipeline.embedded import EMBEDDED_MODEL_DIR
-    from pipeline.quant.description import DESCRIPTION_NAME
+    from pipeline.assets import EMBEDDED_MODEL_DIR
+    from pipeline.format.description import DESCRIPTION_NAME
     from pipeline.quant.recipe import Recipe
     from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
 

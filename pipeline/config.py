@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
+import torch
+
 # model_type values seen in the field for this architecture: HF's, and what msModelSlim writes for MindIE.
 ACCEPTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "deepseekv2", "deepseekv3")
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -109,7 +111,7 @@ class DeepseekV3Config:
 
     @classmethod
     def from_file(cls, path: str) -> "DeepseekV3Config":
-        from pipeline import storage
+        from pipeline.io import storage
 
         try:
             raw = json.loads(storage.read_bytes(path))
@@ -260,3 +262,10 @@ def _parse(raw: Mapping[str, Any], source: str) -> DeepseekV3Config:
     known = {f.name for f in dataclasses.fields(DeepseekV3Config)}
     kw["extra"] = {k: v for k, v in raw.items() if k not in known}
     return DeepseekV3Config(**kw)
+
+
+def model_dtype(cfg: DeepseekV3Config) -> torch.dtype:
+    """The torch dtype of the model's weights, from ``torch_dtype`` (bfloat16, float16 or float32)."""
+    if cfg.torch_dtype not in _DTYPES:
+        raise ConfigError(f"config torch_dtype {cfg.torch_dtype!r} is not one of {_DTYPES}")
+    return getattr(torch, cfg.torch_dtype)

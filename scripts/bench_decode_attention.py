@@ -12,8 +12,8 @@ tokens each (one query token per sequence, o_lat [B, 128, 512] out), i.e. the pa
 reads the KV cache; the projections around it are the same for every cache kind and not included.
 
 Cache kinds (every one computed the same way: blocks upcast to float32 a few at a time, float32 GEMMs,
-online softmax; on this CPU bf16 and int8 arithmetic is far slower than converting to fp32, see
-spec/environment.md, so this is the fair bf16 baseline):
+online softmax; on this CPU bf16 and int8 arithmetic is far slower than converting to fp32, as measured
+on the 2-core development machine, so this is the fair bf16 baseline):
 
 * ``int8_nz``: FA3 layer, int8 latent + bf16 k_pe, NZ layout (what MindIE's enable_nz + FA3 serve);
 * ``bf16_nd``: layer without FA3, bf16 latent + bf16 k_pe, ND layout;
@@ -50,9 +50,9 @@ import torch  # noqa: E402
 
 from pipeline.config import DeepseekV3Config  # noqa: E402
 from pipeline.engine.attention import paged_decode_attention  # noqa: E402
-from pipeline.engine.blocks import kv_bytes_per_token  # noqa: E402
+from pipeline.quant.recipe import kv_bytes_per_token  # noqa: E402
 from pipeline.engine.paged_cache import PagedLatentCache  # noqa: E402
-from pipeline.plan_replica import DEEPSEEK_V3_CONFIG  # noqa: E402
+from pipeline.plan.replica import DEEPSEEK_V3_CONFIG  # noqa: E402
 from pipeline.quant.recipe import Recipe  # noqa: E402
 
 H, C, D_R, BLOCK = 128, 512, 64, 128

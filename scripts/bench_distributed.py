@@ -37,7 +37,7 @@ def prepare(args) -> tuple[Path, Path]:
     """The generated checkpoint (with the embedded model's tokenizer copied in) and the calibration file."""
     from bench_quantize_weights import generate
 
-    from pipeline.embedded import EMBEDDED_MODEL_DIR
+    from pipeline.assets import EMBEDDED_MODEL_DIR
     from pipeline.quant.calib_data import load_texts
 
     src = Path(args.dir) / f"v3shapes-L{args.layers}-E{args.experts}-fp8"

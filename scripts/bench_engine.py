@@ -43,13 +43,13 @@ def main() -> int:
 
     import torch
 
-    from pipeline.embedded import EMBEDDED_MODEL_DIR
+    from pipeline.assets import EMBEDDED_MODEL_DIR
     from pipeline.engine.engine import EngineConfig, LLMEngine
     from pipeline.engine.loader import load_quantized
     from pipeline.quant.recipe import Recipe
     from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
-    from pipeline.sampling import SamplingParams
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.engine.sampling import SamplingParams
+    from pipeline.text.tokenizer import Tokenizer
 
     torch.set_num_threads(2)
     qdir = Path(args.dir) / "q"

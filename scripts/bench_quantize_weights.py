@@ -63,9 +63,9 @@ def generate(path: Path, layers: int, experts: int) -> None:
 
     from pipeline import layout
     from pipeline.config import DeepseekV3Config
-    from pipeline.fp8 import quantize_fp8_blocks
-    from pipeline.fp8_copy import shard_name
-    from pipeline.safetensors_io import save_safetensors
+    from pipeline.io.fp8 import quantize_fp8_blocks
+    from pipeline.io.fp8_copy import shard_name
+    from pipeline.io.safetensors_io import save_safetensors
 
     cfg_dict = bench_config(layers, experts)
     cfg = DeepseekV3Config.from_dict(cfg_dict)
@@ -117,8 +117,8 @@ def synthetic_stats(cfg, recipe):
 
 def io_floor(src: str, dst: str) -> dict:
     """Read every stored tensor (no dequantization) and write the same bytes, one unit at a time."""
-    from pipeline.checkpoint import CheckpointReader
-    from pipeline.safetensors_io import read_header, read_tensors, save_safetensors
+    from pipeline.io.checkpoint import CheckpointReader
+    from pipeline.io.safetensors_io import read_header, read_tensors, save_safetensors
 
     reader = CheckpointReader(src)
     nbytes = 0
@@ -130,8 +130,8 @@ def io_floor(src: str, dst: str) -> dict:
 
 
 def weight_phase(src: str, dst: str) -> dict:
-    from pipeline.checkpoint import CheckpointReader
-    from pipeline.quant.quantize_layer import model_dtype
+    from pipeline.io.checkpoint import CheckpointReader
+    from pipeline.config import model_dtype
     from pipeline.quant.recipe import Recipe
     from pipeline.quant.run import quantize_weights
     from pipeline.quant.writer import QuantizedWriter
@@ -204,7 +204,7 @@ def main() -> int:
         print(f"generating {src} ...", flush=True)
         generate(src, args.layers, args.experts)
     src_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-    from pipeline.checkpoint import CheckpointReader
+    from pipeline.io.checkpoint import CheckpointReader
 
     cfg = CheckpointReader(str(src)).config
     from pipeline import layout
@@ -218,7 +218,7 @@ def main() -> int:
     io, wp = (summarize(runs[k]) for k in ("io", "weights"))
     import statistics
 
-    from pipeline import native
+    from pipeline.quant import native
 
     pairs = [w["seconds"] / i["seconds"] for i, w in zip(runs["io"], runs["weights"])]
     res = {

@@ -102,12 +102,12 @@ def main() -> int:
 
     from actors.serve_app import build_app
     from actors.serve_config import DeploymentOptions, ServeConfig
-    from pipeline import corpus
-    from pipeline.embedded import EMBEDDED_MODEL_DIR
+    from pipeline.text import corpus
+    from pipeline.assets import EMBEDDED_MODEL_DIR
     from pipeline.engine.engine import EngineConfig
     from pipeline.quant.recipe import Recipe
     from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.text.tokenizer import Tokenizer
 
     qdir = Path(args.dir) / "q"
     if not (qdir / "quant_model_description.json").exists():

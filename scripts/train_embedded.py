@@ -6,7 +6,7 @@ layers with the noaux_tc router (aux-loss-free balancing through e_score_correct
 layer trained with the next-next-token loss (weight 0.3). The MTP layer shares the main embedding and
 head during training, as in DeepSeek-V3; the checkpoint stores copies, as the release does.
 
-Text: pipeline.corpus (CPython's documentation topics and stdlib docstrings, plus chat-formatted
+Text: pipeline.text.corpus (CPython's documentation topics and stdlib docstrings, plus chat-formatted
 question/answer samples from the same documents); the held-out split is never trained on.
 
     python scripts/train_embedded.py --steps 1500 --out pipeline/assets/dsv3-tiny-pydoc
@@ -31,13 +31,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline import corpus  # noqa: E402
+from pipeline.text import corpus  # noqa: E402
 from pipeline.config import DeepseekV3Config  # noqa: E402
-from pipeline.embedded import EMBEDDED_CONFIG, EMBEDDED_MODEL_DIR  # noqa: E402
+from pipeline.assets import EMBEDDED_CONFIG, EMBEDDED_MODEL_DIR  # noqa: E402
 from pipeline.model import DeepseekV3ForCausalLM, build_model  # noqa: E402
 from pipeline.model.ffn import MoE  # noqa: E402
-from pipeline.perplexity import perplexity, token_stream  # noqa: E402
-from pipeline.tokenizer import Tokenizer  # noqa: E402
+from pipeline.model.perplexity import perplexity, token_stream  # noqa: E402
+from pipeline.text.tokenizer import Tokenizer  # noqa: E402
 
 
 def init_weights(model: DeepseekV3ForCausalLM, std: float) -> None:

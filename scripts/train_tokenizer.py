@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/train_tokenizer.py [--vocab-size 4096] [--out pipeline/assets/dsv3-tiny-pydoc]
 
-Trains on the train split of :mod:`pipeline.corpus` (documents + rendered chat samples) and writes to
+Trains on the train split of :mod:`pipeline.text.corpus` (documents + rendered chat samples) and writes to
 ``--out``: ``tokenizer.json``, ``tokenizer_config.json`` (DeepSeek-V3 special tokens and chat template),
 ``heldout.json`` (the held-out documents with the Python version that produced them) and ``calib.json``
 (calibration texts in msModelSlim's calib_prompt.json form). The same Python writes the same bytes.
@@ -19,8 +19,8 @@ from typing import Iterator, Sequence
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from pipeline import corpus
-from pipeline.tokenizer import BOS, CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, render_chat_template
+from pipeline.text import corpus
+from pipeline.text.tokenizer import BOS, CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, render_chat_template
 
 _SPECIAL_SPLIT = re.compile("|".join(map(re.escape, SPECIAL_TOKENS)))
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 import s3server
-from pipeline import storage
+from pipeline.io import storage
 
 
 @dataclass
@@ -34,7 +34,7 @@ class S3:
 
 @pytest.fixture(scope="session")
 def s3(tmp_path_factory):
-    """A SeaweedFS server on a free 127.0.0.1 port, with ``pipeline.storage`` configured to reach it on
+    """A SeaweedFS server on a free 127.0.0.1 port, with ``pipeline.io.storage`` configured to reach it on
     ``s3://`` for the session. Fails (does not skip) when the ``weed`` binary is missing."""
     if s3server.find_weed() is None:
         pytest.fail(s3server.INSTALL_HINT, pytrace=False)
@@ -77,7 +77,7 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def embedded_quantized(tmp_path_factory) -> str:
     """The embedded model quantized with the default recipe (W8A8 + FA3), once per session; read-only."""
-    from pipeline.embedded import EMBEDDED_MODEL_DIR
+    from pipeline.assets import EMBEDDED_MODEL_DIR
     from pipeline.quant.recipe import Recipe
     from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
 

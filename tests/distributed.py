@@ -8,9 +8,9 @@ import json
 import os
 from pathlib import Path
 
-from pipeline import storage
-from pipeline.quant.checker import check_dir
-from pipeline.quant.description import DESCRIPTION_NAME, MANIFEST_NAME
+from pipeline.io import storage
+from pipeline.format.checker import check_dir
+from pipeline.format.description import DESCRIPTION_NAME, MANIFEST_NAME
 from pipeline.quant.job_state import STATE_DIR, SUMMARY_NAME
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.run import QuantizeOptions, quantize_checkpoint

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from pipeline.fp8 import FP8_DTYPE
+from pipeline.io.fp8 import FP8_DTYPE
 
 NAN_CODES = (0x7F, 0xFF)  # e4m3fn S.1111.111
 

@@ -3,7 +3,7 @@
 ::
 
     server = start("/tmp/some-empty-dir")      # ready to serve when it returns (about 1 s)
-    fs_options = server.storage_options()      # for pipeline.storage.set_options("s3", **fs_options)
+    fs_options = server.storage_options()      # for pipeline.io.storage.set_options("s3", **fs_options)
     ...
     server.stop()                              # SIGTERM, wait, then SIGKILL
 

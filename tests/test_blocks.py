@@ -8,8 +8,9 @@ from collections import Counter
 import pytest
 
 from pipeline.config import DeepseekV3Config
-from pipeline.engine.blocks import BlockAllocator, BlockTable, OutOfBlocks, kv_bytes_per_token
-from pipeline.plan_replica import DEEPSEEK_V3_CONFIG
+from pipeline.engine.blocks import BlockAllocator, BlockTable, OutOfBlocks
+from pipeline.quant.recipe import kv_bytes_per_token
+from pipeline.plan.replica import DEEPSEEK_V3_CONFIG
 from pipeline.quant.qparams import QuantError
 from pipeline.quant.recipe import Recipe
 from tiny import tiny_config

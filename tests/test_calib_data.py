@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.embedded import EMBEDDED_MODEL_DIR
+from pipeline.assets import EMBEDDED_MODEL_DIR
 from pipeline.quant.calib_data import CalibDataError, load_texts, tokenize
-from pipeline.tokenizer import Tokenizer
+from pipeline.text.tokenizer import Tokenizer
 from tiny import FIXTURES
 
 TEXTS = ["The assert statement.", "What does json.dumps do?", "ünïcode ok"]

@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.quant.checker import Report, check_dir
-from pipeline.quant.description import ASCEND_V1, DESCRIPTION_NAME, SEED
-from pipeline.safetensors_io import CheckpointError
+from pipeline.format.checker import Report, check_dir
+from pipeline.format.description import ASCEND_V1, DESCRIPTION_NAME, SEED
+from pipeline.io.safetensors_io import CheckpointError
 from tests.tiny import FIXTURES
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,12 +14,13 @@ import torch
 from safetensors import safe_open
 
 from jobs import make_fp8
-from pipeline import layout, storage
-from pipeline.checkpoint import CheckpointError, CheckpointReader
+from pipeline import layout
+from pipeline.io import storage
+from pipeline.io.checkpoint import CheckpointError, CheckpointReader
 from pipeline.config import DeepseekV3Config
-from pipeline.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks, scale_shape
-from pipeline.fp8_copy import assign_shards, shard_name, write_fp8_copy
-from pipeline.safetensors_io import SafetensorsWriter, TensorSpec, read_header, save_safetensors
+from pipeline.io.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks, scale_shape
+from pipeline.io.fp8_copy import assign_shards, shard_name, write_fp8_copy
+from pipeline.io.safetensors_io import SafetensorsWriter, TensorSpec, read_header, save_safetensors
 from tiny import TINY_FIXTURE, random_tensors, tiny_config
 
 FIXTURE = str(TINY_FIXTURE)

@@ -19,8 +19,8 @@ from actors.quantize_job import quantize_distributed
 from actors.ray_session import DistOptions, JobFailed
 from distributed import OPTS, PLAIN, SMOOTH_MTP, assert_same_output, quiet, reference
 from jobs import requantize
-from pipeline import storage
-from pipeline.quant.description import DESCRIPTION_NAME, NAMING
+from pipeline.io import storage
+from pipeline.format.description import DESCRIPTION_NAME, NAMING
 from pipeline.quant.job_state import STATE_DIR, SUMMARY_NAME
 from tiny import TINY_FIXTURE, split_by_layer
 
@@ -140,7 +140,7 @@ def test_unrecoverable_failure_names_every_failed_shard_and_resume_finishes(tmp_
 
 
 def _planned_index(src) -> dict[str, str]:
-    from pipeline.checkpoint import CheckpointReader
+    from pipeline.io.checkpoint import CheckpointReader
     from pipeline.quant.shard_layout import checkpoint_shards
 
     return {s.name: sh.name for sh in checkpoint_shards(CheckpointReader(str(src)), PLAIN, OPTS.shard_bytes)

@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import corpus, layout
-from pipeline.checkpoint import CheckpointReader
-from pipeline.embedded import EMBEDDED_MODEL_DIR
-from pipeline.loading import load_model
-from pipeline.perplexity import perplexity, token_stream
-from pipeline.tokenizer import Tokenizer
+from pipeline import layout
+from pipeline.text import corpus
+from pipeline.io.checkpoint import CheckpointReader
+from pipeline.assets import EMBEDDED_MODEL_DIR
+from pipeline.model.loading import load_model
+from pipeline.model.perplexity import perplexity, token_stream
+from pipeline.text.tokenizer import Tokenizer
 
 ASSETS = Path(EMBEDDED_MODEL_DIR)
 REPO = Path(__file__).resolve().parents[1]

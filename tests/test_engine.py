@@ -9,15 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.embedded import EMBEDDED_MODEL_DIR
+from pipeline.assets import EMBEDDED_MODEL_DIR
 from pipeline.engine.engine import LLMEngine, greedy_agreement
 from pipeline.engine.loader import load_quantized
-from pipeline.generate import generate_ids
-from pipeline.loading import load_model
+from pipeline.engine.reference import generate_ids
+from pipeline.model.loading import load_model
 from pipeline.quant.fakequant import load_fakequant_model
-from pipeline.safetensors_io import CheckpointError
-from pipeline.sampling import SamplingParams
-from pipeline.tokenizer import Tokenizer
+from pipeline.io.safetensors_io import CheckpointError
+from pipeline.engine.sampling import SamplingParams
+from pipeline.text.tokenizer import Tokenizer
 
 QUESTIONS = ["What's deep learning?", "What does the os module do?", "Explain list comprehensions.",
              "How do I open a file?", "What is a decorator?", "Describe the json module."]

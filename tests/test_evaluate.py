@@ -9,14 +9,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline import corpus
-from pipeline.embedded import EMBEDDED_MODEL_DIR
-from pipeline.loading import load_model
-from pipeline.perplexity import token_stream
+from pipeline.text import corpus
+from pipeline.assets import EMBEDDED_MODEL_DIR
+from pipeline.model.loading import load_model
+from pipeline.model.perplexity import token_stream
 from pipeline.quant.evaluate import evaluate, sqnr_db, write_parquet
 from pipeline.quant.fakequant import QuantLinear, load_fakequant_model
 from pipeline.quant.run import QuantizeOptions
-from pipeline.tokenizer import Tokenizer
+from pipeline.text.tokenizer import Tokenizer
 from tiny import FIXTURES, TINY_FIXTURE
 
 CALIB = str(FIXTURES / "calib.json")

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.generate import generate_ids, generate_text
-from pipeline.loading import load_model
-from pipeline.sampling import SamplingParams, sample
-from pipeline.tokenizer import Tokenizer
+from pipeline.engine.reference import generate_ids, generate_text
+from pipeline.model.loading import load_model
+from pipeline.engine.sampling import SamplingParams, sample
+from pipeline.text.tokenizer import Tokenizer
 from tiny import TINY_FIXTURE
 
 

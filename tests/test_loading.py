@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.checkpoint import CheckpointReader
+from pipeline.io.checkpoint import CheckpointReader
 from pipeline.config import DeepseekV3Config
-from pipeline.fp8 import dequantize_fp8_blocks
-from pipeline.fp8_copy import write_fp8_copy
-from pipeline.loading import load_model
+from pipeline.io.fp8 import dequantize_fp8_blocks
+from pipeline.io.fp8_copy import write_fp8_copy
+from pipeline.model.loading import load_model
 from pipeline.model import build_model
 from tiny import TINY_FIXTURE, tiny_config, write_checkpoint
 

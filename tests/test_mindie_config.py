@@ -1,4 +1,4 @@
-"""pipeline.mindie_config: a MindIE ModelConfig block (the serving spec's seed document) read in every shape
+"""pipeline.serving.mindie_config: a MindIE ModelConfig block (the serving spec's seed document) read in every shape
 MindIE users hand it over, every refusal with its message, and ServeConfig.from_mindie."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pipeline.mindie_config import MindieModelConfig, parse_mindie_model_config, to_serve_options
+from pipeline.serving.mindie_config import MindieModelConfig, parse_mindie_model_config, to_serve_options
 
 SEED = {"modelName": "deepseekr1", "modelWeightPath": "/models/dsv3-w8a8", "worldSize": 8, "tp": 8, "dp": 2,
         "moe_ep": 4, "moe_tp": 4, "sp": 1,

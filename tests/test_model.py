@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from pipeline.config import DeepseekV3Config
 from pipeline.model import ModelCache, build_model
-from pipeline.rope import inv_frequencies
+from pipeline.model.rope import inv_frequencies
 from tiny import TINY_FIXTURE, tiny_config, write_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -150,7 +150,7 @@ def test_yarn_frequencies_match_transformers():
 
 
 def test_softmax_scale_v3():
-    """192^-0.5 * (0.1 ln 40 + 1)^2 = 0.1352338 for V3 (spec/deepseek.md)."""
+    """192^-0.5 * (0.1 ln 40 + 1)^2 = 0.1352338 for V3 (docs/deepseek.md)."""
     cfg = DeepseekV3Config.from_dict(tiny_config(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))
     assert cfg.softmax_scale == pytest.approx(0.1352338, abs=5e-8)
     assert DeepseekV3Config.from_dict(tiny_config(rope_scaling=None)).softmax_scale == pytest.approx(32 ** -0.5)

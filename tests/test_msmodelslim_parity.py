@@ -1,4 +1,4 @@
-"""Parity with msModelSlim's own output for the tiny fixture (../shared/fixtures/msmodelslim-v1-{bf16,fp16}),
+"""Parity with msModelSlim's own output for the tiny fixture (tests/fixtures/msmodelslim-v1-{bf16,fp16}),
 and the recipe / quantize_layer contracts.
 
 The fixture's calibration data, found by reading msModelSlim's DeepSeek-V3 adapter and confirmed here:
@@ -33,9 +33,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.checkpoint import CheckpointReader
+from pipeline.io.checkpoint import CheckpointReader
 from pipeline.config import DeepseekV3Config
-from pipeline.loading import load_model
+from pipeline.model.loading import load_model
 from pipeline.quant.calibrate import collect_stats
 from pipeline.quant.observers import MinMax, RecallWindow, Stats
 from pipeline.quant.qparams import (
@@ -43,7 +43,7 @@ from pipeline.quant.qparams import (
 )
 from pipeline.quant.quantize_layer import quantize_globals, quantize_layer
 from pipeline.quant.recipe import Recipe
-from pipeline.tokenizer import Tokenizer
+from pipeline.text.tokenizer import Tokenizer
 from tests.tiny import FIXTURES, TINY_FIXTURE, tiny_config
 
 # The fixture's recipe: W8A8 attention, W8A8_DYNAMIC MLP, FA3 on every layer, the MTP layer quantized.

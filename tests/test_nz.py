@@ -1,4 +1,4 @@
-"""pipeline.engine.nz: the FRACTAL_NZ layout of spec/serving.md, exact both ways."""
+"""pipeline.engine.nz: the FRACTAL_NZ layout of docs/serving.md, exact both ways."""
 
 from __future__ import annotations
 

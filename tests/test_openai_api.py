@@ -1,4 +1,4 @@
-"""pipeline.openai_api and pipeline.openai_responses: request validation (status, type, param, code and a message naming what is wrong),
+"""pipeline.serving.openai_api and pipeline.serving.openai_responses: request validation (status, type, param, code and a message naming what is wrong),
 response and chunk shapes, and incremental detokenization (streamed pieces add up to the full text, never
 send an incomplete character or a stop string's beginning)."""
 
@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from pipeline import openai_api as api
-from pipeline import openai_responses as resp
-from pipeline.embedded import EMBEDDED_MODEL_DIR
-from pipeline.sampling import SamplingParams
-from pipeline.tokenizer import Tokenizer
+from pipeline.serving import openai_api as api
+from pipeline.serving import openai_responses as resp
+from pipeline.assets import EMBEDDED_MODEL_DIR
+from pipeline.engine.sampling import SamplingParams
+from pipeline.text.tokenizer import Tokenizer
 
 MODEL = "dsv3-tiny-pydoc-w8a8-fa3"
 CTX = 256

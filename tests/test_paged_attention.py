@@ -111,7 +111,7 @@ def test_int8_round_trip_is_fa3_latent_exactly(nz):
 
 
 @pytest.mark.parametrize("nz", [False, True])
-def test_model_dtype_round_trip_and_slots(nz):
+def test_model_dtype_round_trip_and_block_ids(nz):
     c, pe = _latents(21, 48, 16, seed=1)
     cache = PagedLatentCache(4, 16, 48, 16, torch.bfloat16, nz=nz)
     table = BlockTable(16)
@@ -119,7 +119,7 @@ def test_model_dtype_round_trip_and_slots(nz):
     alloc.allocate()                                       # block 0 taken by someone else
     table.append_tokens(21, alloc)
     cache.write(table, c[:9], pe[:9], 0)
-    cache.write([(table.slot(p)[0], table.slot(p)[1]) for p in range(9, 21)], c[9:], pe[9:])   # explicit slots
+    cache.write(table.blocks, c[9:], pe[9:], 9)                                           # by block ids
     got = [cache.read_block(b, n) for b, n in zip(table.blocks, (16, 5))]
     assert torch.equal(torch.cat([g[0] for g in got]), c) and torch.equal(torch.cat([g[1] for g in got]), pe)
     cache.copy_block(table.blocks[0], 0)
@@ -292,7 +292,7 @@ def test_int8_vs_bf16_sqnr_random_latent(q_std):
 def tiny_latents():
     """Per main layer of the tiny fixture's float32 model, on 2 x 48 real tokens: (mla, c [B, T, C],
     k_pe [B, T, d_r], q_nope, q_pe [B, T, H, .]) captured from a forward with a ModelCache."""
-    from pipeline.loading import load_model
+    from pipeline.model.loading import load_model
     from pipeline.model.cache import ModelCache
     from tiny import TINY_FIXTURE
 

@@ -15,20 +15,24 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import storage
-from pipeline.checkpoint import CheckpointReader
-from pipeline.embedded import EMBEDDED_MODEL_DIR
-from pipeline.plan import GiB, Plan, PlanError, atoms_of, partition, plan, unit_cost_shares
-from pipeline.plan_costs import unit_costs
-from pipeline.plan_replica import RELEASE_SHARDS, make_header_replica
-from pipeline.plan_time import Cluster, estimate_wall_time
+from pipeline.io import storage
+from pipeline.io.checkpoint import CheckpointReader
+from pipeline.assets import EMBEDDED_MODEL_DIR
+from pipeline.plan.partition import atoms_of, partition, unit_cost_shares
+from pipeline.plan.planner import plan
+from pipeline.plan.report import plan_from_dict, plan_to_dict, plan_to_text
+from pipeline.plan.resources import check_resources
+from pipeline.plan.types import GiB, PlanError
+from pipeline.plan.costs import unit_costs
+from pipeline.plan.replica import RELEASE_SHARDS, make_header_replica
+from pipeline.plan.timing import Cluster, estimate_wall_time
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
-from pipeline.safetensors_io import read_header
+from pipeline.io.safetensors_io import read_header
 from tiny import FIXTURES, TINY_FIXTURE
 
 REPO = Path(__file__).resolve().parents[1]
-V3_STORED_GB = 688.6  # spec/deepseek.md
+V3_STORED_GB = 688.6  # docs/deepseek.md
 # Balance bound on the real layout, for 4, 8 and 16 stages: the largest stage costs at most 1.5x the
 # smallest (measured 1.02-1.35), and at most total/stages + the largest unit (what the optimum guarantees).
 BALANCE_RATIO = 1.5
@@ -119,7 +123,7 @@ def test_stages_are_contiguous_balanced_and_own_their_shards(v3_reader, stages):
     assert all(sh.nbytes <= pl.params.shard_bytes for sh in pl.shards)
     assert pl.shards[0].name == f"quant_model_weight_w8a8-00001-of-{len(pl.shards):05d}.safetensors"
     assert pl.stages[0].peak_memory > pl.stages[0].float_bytes  # resident: the stage's weights dequantized
-    assert Plan.from_dict(json.loads(json.dumps(pl.to_dict()))) == pl
+    assert plan_from_dict(json.loads(json.dumps(plan_to_dict(pl)))) == pl
 
 
 def test_partition_is_the_exact_minmax():
@@ -176,23 +180,23 @@ def test_refusal_names_the_stage_and_what_to_change(v3_reader):
     with pytest.raises(PlanError, match=r"stage 0 \(units embed\+0-16\) needs an estimated 313\.\d GiB .* the "
                                         r"largest node \(n0\) has 256\.0 GiB: use at least 6 stages \(raise --stages "
                                         r"to 6\).* or use a node with >= 313\.\d GiB"):
-        pl.check_resources({"nodes": eight})
-    plan(v3_reader, 6).check_resources({"nodes": eight})  # the suggestion fits
+        check_resources(pl, {"nodes": eight})
+    check_resources(plan(v3_reader, 6), {"nodes": eight})  # the suggestion fits
     # one figure for the whole cluster: resident weights (1.3 TiB in all) cannot fit 256 GiB at any stage count
     with pytest.raises(PlanError, match=r"has 256\.0 GiB: use --memory-model streaming \(est\. \d+\.\d GiB per actor\)"):
-        pl.check_resources({"memory": 256 * GiB})
-    plan(v3_reader, 4, memory_model="streaming").check_resources({"memory": 256 * GiB})
+        check_resources(pl, {"memory": 256 * GiB})
+    check_resources(plan(v3_reader, 4, memory_model="streaming"), {"memory": 256 * GiB})
 
     four = [{"name": f"n{i}", "memory": 1024 * GiB, "CPU": 64, "GPU": 8} for i in range(4)]
     wide = plan(v3_reader, 8, replicas=4)
     with pytest.raises(PlanError, match=r"32 actors need an estimated .* fewer replicas \(--replicas 3 fits\)"):
-        wide.check_resources({"nodes": four, "memory": 4096 * GiB})
-    plan(v3_reader, 8, replicas=3).check_resources({"nodes": four, "memory": 4096 * GiB})
+        check_resources(wide, {"nodes": four, "memory": 4096 * GiB})
+    check_resources(plan(v3_reader, 8, replicas=3), {"nodes": four, "memory": 4096 * GiB})
     with pytest.raises(PlanError, match=r"ask for 32 CPU in all .* Ray reports 16: fewer replicas \(--replicas 2 fits\)"):
-        wide.check_resources({"CPU": 16})
+        check_resources(wide, {"CPU": 16})
     gpu = plan(v3_reader, 16, gpus_per_actor=1.0)
     with pytest.raises(PlanError, match=r"stage \d+ .* GPU memory .* hold 80\.0 GiB: use at least \d+ stages"):
-        gpu.check_resources({"GPU": 32, "gpu_memory": 80 * GiB})
+        check_resources(gpu, {"GPU": 32, "gpu_memory": 80 * GiB})
 
 
 def test_weight_workers_take_every_shard_once(v3_reader):
@@ -200,8 +204,8 @@ def test_weight_workers_take_every_shard_once(v3_reader):
     assert sorted(i for w in pl.workers for i in w.shards) == list(range(len(pl.shards)))
     assert sum(w.write_bytes for w in pl.workers) == pl.total("output_bytes")
     assert all(s.weight_memory == 0 and s.write_bytes == 0 for s in pl.stages)
-    assert Plan.from_dict(pl.to_dict()) == pl
-    assert "worker" in pl.to_text()
+    assert plan_from_dict(plan_to_dict(pl)) == pl
+    assert "worker" in plan_to_text(pl)
 
 
 def test_wall_time_arithmetic(v3_reader):
@@ -224,7 +228,7 @@ def test_bad_plans_are_refused(v3_reader):
     with pytest.raises(PlanError, match="memory_model must be one of"):
         plan(v3_reader, 2, memory_model="mmap")
     with pytest.raises(PlanError, match="unknown key"):
-        Plan.from_dict({**plan(str(TINY_FIXTURE), 1).to_dict(), "extra": 1})
+        plan_from_dict({**plan_to_dict(plan(str(TINY_FIXTURE), 1)), "extra": 1})
 
 
 def test_the_embedded_model_plans_for_1_2_3_stages():
@@ -235,9 +239,9 @@ def test_the_embedded_model_plans_for_1_2_3_stages():
     for k in (1, 2, 3):
         pl = plan(reader, k, seq_len=512, calib_tokens=16 * 512)
         assert [u for s in pl.stages for u in s.units] == ["embed", *map(str, range(n)), "head", str(n)]
-        assert len(pl.stages) == k and Plan.from_dict(pl.to_dict()) == pl
+        assert len(pl.stages) == k and plan_from_dict(plan_to_dict(pl)) == pl
         assert sum(sh.nbytes for sh in pl.shards) == pl.total("output_bytes")
-        pl.check_resources({"memory": 16 * GiB, "CPU": 8})
+        check_resources(pl, {"memory": 16 * GiB, "CPU": 8})
 
 
 def test_cli_prints_the_plan_and_exits_2_when_refused(v3, capsys):
@@ -245,7 +249,7 @@ def test_cli_prints_the_plan_and_exits_2_when_refused(v3, capsys):
 
     assert main(["--model-path", str(TINY_FIXTURE), "--stages", "2", "--json", "--estimate", "1x0"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert len(Plan.from_dict(out["plan"]).stages) == 2 and out["wall_time"]["total_s"] > 0
+    assert len(plan_from_dict(out["plan"]).stages) == 2 and out["wall_time"]["total_s"] > 0
     assert main(["--model-path", str(TINY_FIXTURE), "--stages", "9"]) == 2
     assert "stages must be in 1..4" in capsys.readouterr().err
     # the real entry point, on the 671B replica

@@ -26,10 +26,11 @@ from pipeline.engine.qlinear import (
     FLOAT64, FP32_CHUNKED, INT_MM, Int8LinearError, W8A8DynamicLinear, W8A8StaticLinear, build_from_checkpoint,
     build_int8_linear, decode_deq_scale, int8_matmul, linear_tensors, select_kernel,
 )
-from pipeline.loading import load_model
+from pipeline.model.loading import load_model
 from pipeline.quant import qparams
-from pipeline.quant.description import W8A8, W8A8_DYNAMIC
-from pipeline.quant.fakequant import QuantLinear, read_quantized
+from pipeline.format.description import W8A8, W8A8_DYNAMIC
+from pipeline.format.reader import read_quantized
+from pipeline.quant.fakequant import QuantLinear
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.run import QuantizeOptions, calibration_samples, quantize_checkpoint
 from tiny import FIXTURES, TINY_FIXTURE

@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 
-from pipeline.loading import load_model
+from pipeline.model.loading import load_model
 from pipeline.quant.observers import MinMax
 from pipeline.quant.qparams import (
     F32_EPS, QuantError, deq_scale_and_quant_bias, deq_scale_to_float32, deq_scale_to_int64,
@@ -26,7 +26,7 @@ from pipeline.quant.qparams import (
     quantize_static, quantize_weight_per_channel, static_activation_params, w8a8_dynamic_linear,
     w8a8_static_linear,
 )
-from pipeline.tokenizer import Tokenizer
+from pipeline.text.tokenizer import Tokenizer
 from tests.tiny import FIXTURES, TINY_FIXTURE
 
 N_TEXTS = 4  # calibration texts run for the real-activation checks (each ~300 tokens)

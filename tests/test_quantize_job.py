@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.checkpoint import CheckpointReader
-from pipeline.fp8_copy import write_fp8_copy
-from pipeline.quant.checker import check_dir
+from pipeline.io.checkpoint import CheckpointReader
+from pipeline.io.fp8_copy import write_fp8_copy
+from pipeline.format.checker import check_dir
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
 from tiny import FIXTURES, TINY_FIXTURE, fail_quantize_layer

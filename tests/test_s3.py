@@ -14,13 +14,13 @@ import json
 import pytest
 import torch
 
-from pipeline import storage
-from pipeline.checkpoint import CheckpointReader
-from pipeline.fp8_copy import write_fp8_copy
-from pipeline.quant.checker import check_dir
+from pipeline.io import storage
+from pipeline.io.checkpoint import CheckpointReader
+from pipeline.io.fp8_copy import write_fp8_copy
+from pipeline.format.checker import check_dir
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
-from pipeline.safetensors_io import read_header
+from pipeline.io.safetensors_io import read_header
 from tiny import FIXTURES, TINY_FIXTURE, fail_quantize_layer
 
 OPTS = QuantizeOptions(calib_path=str(FIXTURES / "calib.json"), shard_bytes=400_000)  # ~4 shards + index

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.engine.blocks import BlockAllocator
 from pipeline.engine.scheduler import FINISHED, Scheduler
-from pipeline.sampling import SamplingParams
+from pipeline.engine.sampling import SamplingParams
 
 V = 97
 

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
 
 from pipeline.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from pipeline.sampling import SamplingParams  # noqa: E402
-from pipeline.tokenizer import Tokenizer  # noqa: E402
+from pipeline.engine.sampling import SamplingParams  # noqa: E402
+from pipeline.text.tokenizer import Tokenizer  # noqa: E402
 
 MODEL = "tiny-w8a8"
 KEY = "sk-test-123"
@@ -390,7 +390,7 @@ def test_engine_loop_streams_refuses_and_aborts(qdir, tok, reference):
     import torch
 
     from actors.serve_app import EngineLoop
-    from pipeline.openai_api import TokenEvent
+    from pipeline.engine.engine_loop import TokenEvent
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

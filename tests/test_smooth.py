@@ -6,19 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.embedded import EMBEDDED_MODEL_DIR
-from pipeline.loading import load_model
+from pipeline.assets import EMBEDDED_MODEL_DIR
+from pipeline.model.loading import load_model
 from pipeline.quant.calib_data import load_texts, tokenize
 from pipeline.quant.smooth import (ChannelAbsMax, apply_smoothing, collect_smoothing_stats, smooth_latent,
                                    smooth_scales)
-from pipeline.tokenizer import Tokenizer
+from pipeline.text.tokenizer import Tokenizer
 from tiny import TINY_FIXTURE, FIXTURES
 
 FOLD_RTOL = 1e-4   # fp32 logits after folding, relative to their max magnitude (only rounding changes)
 
 
 @pytest.mark.parametrize("path, calib", [(str(TINY_FIXTURE), str(FIXTURES / "calib.json")),
-                                         (EMBEDDED_MODEL_DIR, None)])
+                                         (EMBEDDED_MODEL_DIR, None)], ids=["tiny-fixture", "embedded"])
 @torch.no_grad()
 def test_smoothing_keeps_the_float_function(path, calib):
     model = load_model(path, dtype="float32", device="cpu")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.checkpoint import CheckpointReader
+from pipeline.io.checkpoint import CheckpointReader
 from pipeline.quant.observers import Stats
 from pipeline.quant.qparams import QuantError
 from pipeline.quant.recipe import Recipe

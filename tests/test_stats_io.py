@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.loading import load_model
+from pipeline.model.loading import load_model
 from pipeline.quant.calib_data import load_texts, tokenize
 from pipeline.quant.calibrate import collect_stats
 from pipeline.quant.qparams import QuantError
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.smooth import collect_smoothing_stats
 from pipeline.quant.stats_io import load_calibration, save_calibration
-from pipeline.tokenizer import Tokenizer
+from pipeline.text.tokenizer import Tokenizer
 from tiny import FIXTURES, TINY_FIXTURE
 
 

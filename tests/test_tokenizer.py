@@ -1,4 +1,4 @@
-"""The corpus split, the shipped tokenizer assets and pipeline.tokenizer, checked against transformers."""
+"""The corpus split, the shipped tokenizer assets and pipeline.text.tokenizer, checked against transformers."""
 
 from __future__ import annotations
 
@@ -14,15 +14,16 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from pipeline import corpus
-from pipeline.tokenizer import (
+from pipeline.text import corpus
+from tiny import TINY_FIXTURE
+from pipeline.text.tokenizer import (
     ASSISTANT, BOS, CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, USER, Tokenizer, TokenizerError, render_chat_template,
 )
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ASSETS = Path(corpus.ASSET_DIR)
-FIXTURE = Path("/work/shared/fixtures/tiny-deepseek-v3")
+FIXTURE = TINY_FIXTURE
 ROOT = Path(__file__).resolve().parents[1]
 
 CHATS = [

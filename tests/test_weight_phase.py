@@ -19,10 +19,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline import layout
-from pipeline.checkpoint import CheckpointError, CheckpointReader
-from pipeline.finite import all_finite
-from pipeline.fp8 import FP8_DTYPE, BlockRows, dequantize_fp8_blocks, expand_scale, fp8_nan_count, quantize_fp8_blocks
-from pipeline.fp8_copy import write_fp8_copy
+from pipeline.io.checkpoint import CheckpointError, CheckpointReader
+from pipeline.io.finite import all_finite
+from pipeline.io.fp8 import FP8_DTYPE, BlockRows, dequantize_fp8_blocks, expand_scale, fp8_nan_count, quantize_fp8_blocks
+from pipeline.io.fp8_copy import write_fp8_copy
 from pipeline.quant.quantize_layer import (
     deferred_weights, model_dtype, quantize_globals, quantize_layer, quantize_layer_pieces,
 )
@@ -30,7 +30,7 @@ from pipeline.quant.unit_writer import read_layer
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.run import QuantizeOptions, calibrate, quantize_weights
 from pipeline.quant.writer import QuantizedWriter
-from pipeline.safetensors_io import TensorSpec
+from pipeline.io.safetensors_io import TensorSpec
 from fp8_codes import bits, every_code
 from tiny import FIXTURES, TINY_FIXTURE
 
@@ -314,7 +314,7 @@ def test_a_failing_background_write_fails_the_writer_and_removes_everything(tmp_
     """The writer thread's error (a full disk, injected here: it cannot be made on this machine's disk)
     is raised by a later add() or finish(); the units queued behind it are not written (no new part
     starts), the writer is failed, the with block removes every file and the thread is gone."""
-    import pipeline.safetensors_io as sio
+    import pipeline.io.safetensors_io as sio
 
     units = [{f"model.layers.{i}.mlp.experts.{k}.up_proj.weight": torch.full((64, 64), float(i), dtype=torch.bfloat16)
               for k in range(2)} for i in range(3)]

@@ -11,16 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import layout, storage
+from pipeline import layout
+from pipeline.io import storage
 from pipeline.config import DeepseekV3Config
-from pipeline import safetensors_io as writer_mod  # SafetensorsWriter, patched below
-from pipeline.quant.checker import check_dir
-from pipeline.quant.description import (
+from pipeline.io import safetensors_io as writer_mod  # SafetensorsWriter, patched below
+from pipeline.format.checker import check_dir
+from pipeline.format.description import (
     ASCEND_V1, DESCRIPTION_NAME, MANIFEST_NAME, NAMING, SEED, build_description, detect_dialect, encode_description,
     parse_description,
 )
 from pipeline.quant.writer import QuantizedWriter, build_config, to_dialect
-from pipeline.safetensors_io import read_header
+from pipeline.io.safetensors_io import read_header
 from tests.test_checker import find
 from tests.tiny import FIXTURES, TINY_FIXTURE
 

@@ -12,10 +12,10 @@ from safetensors.torch import save_file
 from pipeline import layout
 from pipeline.config import DeepseekV3Config
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"   # provenance: fixtures/README.md
 TINY_FIXTURE = FIXTURES / "tiny-deepseek-v3"
 
-# The tiny config of spec/deepseek.md ("A tiny config that works"), plus an MTP layer.
+# The tiny config of docs/deepseek.md ("A tiny config that works"), plus an MTP layer.
 TINY = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
     "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,

@@ -1,1 +1,3 @@
-"""Serving engine building blocks: KV cache layout (NZ) and paged-cache bookkeeping."""
+"""The inference engine: int8 linears, the paged (int8, ND or NZ) latent cache and its attention, the
+continuous-batching scheduler, MTP drafting, sampling, the step loop on its own thread (``engine_loop``),
+and the float model's plain generation loop (``reference``) it is compared against."""

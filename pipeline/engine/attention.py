@@ -1,4 +1,4 @@
-"""Absorbed-MLA attention over a paged latent cache (spec/serving.md, "Decode attention with the int8 latent").
+"""Absorbed-MLA attention over a paged latent cache (docs/serving.md, "Decode attention with the int8 latent").
 
 Per query row r (a head of a query token) and cached token t, with ``s_k`` the cache's FA3 scale
 (``s_k = 1`` for a cache that holds the latent in the model dtype)::

@@ -1,4 +1,4 @@
-"""Paged KV cache bookkeeping (spec/serving.md, "The KV cache"): block ids and reference counts only.
+"""Paged KV cache bookkeeping (docs/serving.md, "The KV cache"): block ids and reference counts only.
 
 The cache itself is ``[num_blocks, block_size, ...]`` per layer; a sequence's token ``p`` lives in slot
 ``(table.blocks[p // block_size], p % block_size)``. Blocks are reference counted so that several
@@ -6,18 +6,12 @@ sequences can share a prefix (``fork``). A shared block is never written: append
 last, partially filled block is shared first moves that sequence onto a fresh block (copy-on-write), and
 ``append_tokens`` returns the ``(src, dst)`` pairs whose first ``offset`` slots the caller must copy.
 
-Cache size per token (``kv_bytes_per_token``): an FA3 layer stores the latent as int8 (kv_lora_rank bytes)
-plus k_pe in the model dtype; any other layer stores both in the model dtype. V3: 512 + 64*2 = 640 bytes
-against (512 + 64) * 2 = 1152. The MTP layer has its own cache and its own entry.
+What a token costs under a quantization recipe: ``kv_bytes_per_token``, beside the recipe.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Optional
-
-if TYPE_CHECKING:
-    from pipeline.config import DeepseekV3Config
-    from pipeline.quant.recipe import Recipe
+from typing import Iterable, Optional
 
 
 class OutOfBlocks(RuntimeError):
@@ -182,21 +176,3 @@ class BlockTable:
             allocator.free(b)
         self.blocks = []
         self.num_tokens = 0
-
-
-def kv_bytes_per_token(cfg: "DeepseekV3Config", recipe: Optional["Recipe"],
-                       dtype_bytes: int = 2) -> tuple[dict[int, int], int]:
-    """``({layer_id: bytes}, total)`` of KV cache per token, every layer including the MTP layer(s).
-    FA3 layer (``recipe.fa_layer``): ``kv_lora_rank * 1 + qk_rope_head_dim * dtype_bytes``; other layers
-    (and every layer when ``recipe`` is None): ``(kv_lora_rank + qk_rope_head_dim) * dtype_bytes``."""
-    _check_count("dtype_bytes", dtype_bytes, 1)
-    if recipe is not None:
-        recipe.check_config(cfg)
-    ids = list(range(cfg.num_hidden_layers)) + list(cfg.mtp_layer_ids)
-    per: dict[int, int] = {}
-    for i in ids:
-        if recipe is not None and recipe.fa_layer(cfg, i):
-            per[i] = cfg.kv_lora_rank + cfg.qk_rope_head_dim * dtype_bytes
-        else:
-            per[i] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
-    return per, sum(per.values())

@@ -23,7 +23,7 @@ from pipeline.engine.loader import LoadedModel, load_quantized
 from pipeline.engine.runner import ModelRunner, Span
 from pipeline.engine.scheduler import FINISHED, RUNNING, Scheduler
 from pipeline.engine.scheduler import Sequence as Seq
-from pipeline.sampling import SamplingParams, sample
+from pipeline.engine.sampling import SamplingParams, cut_at_stop, sample
 
 
 @dataclass(frozen=True)
@@ -236,8 +236,7 @@ class LLMEngine:
     def _check_stop(self, seq: Seq) -> None:
         if not seq.params.stop or self.tokenizer is None or seq.status == FINISHED:
             return
-        text = self.tokenizer.decode(seq.output)
-        if any(s and s in text for s in seq.params.stop):
+        if cut_at_stop(self.tokenizer.decode(seq.output), seq.params.stop)[1]:
             self.scheduler.finish(seq, "stop")
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[int]]:
@@ -249,11 +248,7 @@ class LLMEngine:
 
     def text(self, seq: Seq) -> str:
         """The sequence's output text, cut at its first stop string."""
-        text = self.tokenizer.decode(seq.output)
-        for s in seq.params.stop:
-            if s and s in text:
-                text = text[: text.index(s)]
-        return text
+        return cut_at_stop(self.tokenizer.decode(seq.output), seq.params.stop)[0]
 
 
 def greedy_agreement(a: Sequence[int], b: Sequence[int]) -> float:

@@ -18,10 +18,8 @@ from pipeline import layout
 from pipeline.config import DeepseekV3Config
 from pipeline.model import DeepseekV3ForCausalLM, build_model
 from pipeline.engine.qlinear import build_from_checkpoint
-from pipeline.quant.description import FLOAT, W8A8, W8A8_DYNAMIC
-from pipeline.quant.fakequant import fa_scales, read_quantized
-
-QUANT_KINDS = (W8A8, W8A8_DYNAMIC)
+from pipeline.format.description import FLOAT, QUANT_KINDS
+from pipeline.format.reader import fa_scales, read_quantized
 
 
 @dataclass

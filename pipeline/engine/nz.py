@@ -1,4 +1,4 @@
-"""Ascend FRACTAL_NZ layout of a row-major matrix (spec/serving.md, "The KV cache").
+"""Ascend FRACTAL_NZ layout of a row-major matrix (docs/serving.md, "The KV cache").
 
 A row-major ``X[R, C]`` (rows = tokens of a block, columns = channels) is cut into fractals of 16 rows x
 ``c0`` columns, ``c0 = 32`` for 1-byte dtypes (int8, uint8) and 16 for 2-byte dtypes (bfloat16, float16),

@@ -1,4 +1,4 @@
-"""One layer's paged MLA cache (spec/serving.md, "The KV cache"): the latent c and the rotated k_pe.
+"""One layer's paged MLA cache (docs/serving.md, "The KV cache"): the latent c and the rotated k_pe.
 
 Storage is ``num_blocks`` blocks of ``block_size`` token slots; a sequence addresses its tokens through a
 block table (``pipeline.engine.blocks``): token ``p`` lives in slot ``(blocks[p // block_size],
@@ -8,7 +8,7 @@ p % block_size)``. Per token the cache holds
 
       c_int8 = clamp(round(float32(c) / float32(fa_k)), -127, 127)       (round half to even)
 
-  bit for bit what ``pipeline.quant.fakequant.fa3_latent`` computes (it returns ``fa_k * c_int8``);
+  bit for bit what the fake-quant reference's ``fa3_latent`` computes (it returns ``fa_k * c_int8``);
   on a layer excluded from FA3, ``c`` in the model dtype;
 * ``k_pe`` [d_r = qk_rope_head_dim] in the model dtype on every layer.
 
@@ -37,8 +37,8 @@ from pipeline.engine.nz import c0_of, nz_rows, nz_shape
 
 INT8_MAX = 127
 
-#: Where tokens go: a BlockTable, a sequence's block ids, or explicit ``(block, offset)`` slots (one per token).
-Where = Union[BlockTable, Sequence[int], Sequence[tuple[int, int]]]
+#: Where tokens go: a BlockTable or a sequence's block ids.
+Where = Union[BlockTable, Sequence[int]]
 
 
 def fa3_scale(fa_k: Union[torch.Tensor, float]) -> torch.Tensor:
@@ -136,27 +136,9 @@ class PagedLatentCache:
                                  f"{where.num_tokens} token(s); append_tokens first")
             where = where.blocks
         items = list(where)
-        if items and all(isinstance(x, tuple) for x in items):            # explicit slots
-            if start != 0:
-                raise ValueError("write: start_position must be 0 when explicit (block, offset) slots are given")
-            if len(items) != n:
-                raise ValueError(f"write: {len(items)} slot(s) given for {n} token(s)")
-            runs: list[tuple[int, int, int, int]] = []
-            for i, slot in enumerate(items):
-                if len(slot) != 2 or not all(_is_int(v) for v in slot):
-                    raise ValueError(f"write: slot {i} is {slot!r}, not a (block, offset) pair of integers")
-                b, o = slot
-                self.check_block(b)
-                if not 0 <= o < bs:
-                    raise ValueError(f"write: slot {i} offset {o} is outside a block of {bs} slots")
-                if runs and runs[-1][0] == b and runs[-1][2] == o:
-                    runs[-1] = (b, runs[-1][1], o + 1, runs[-1][3])
-                else:
-                    runs.append((b, o, o + 1, i))
-            return runs
         if not all(_is_int(x) for x in items):
-            raise TypeError("write: where must be a BlockTable, a list of block ids, or a list of "
-                            f"(block, offset) slots; got {type(where).__name__} with items {items[:3]!r}...")
+            raise TypeError("write: where must be a BlockTable or a list of block ids; got "
+                            f"{type(where).__name__} with items {items[:3]!r}...")
         if start + n > len(items) * bs:
             raise ValueError(f"write: positions {start}..{start + n - 1} need {-(-(start + n) // bs)} block(s), "
                              f"the table has {len(items)}")
@@ -173,7 +155,7 @@ class PagedLatentCache:
     # ----- writing ----------------------------------------------------------------------------------
     def write(self, where: Where, c: torch.Tensor, k_pe: torch.Tensor, start_position: int = 0) -> None:
         """Store ``c`` [S, C] and ``k_pe`` [S, d_r] of tokens at positions ``start_position ..
-        start_position + S - 1`` of the sequence ``where`` addresses (or at explicit slots). On an FA3 layer
+        start_position + S - 1`` of the sequence ``where`` addresses. On an FA3 layer
         ``c`` is quantized with ``quantize_latent`` as given: pass the latent in the model dtype to match
         ``fa3_latent`` on the model exactly. ``k_pe`` (and a non-FA3 latent) are cast to the model dtype."""
         if c.dim() != 2 or c.shape[1] != self.C:

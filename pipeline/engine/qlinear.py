@@ -1,7 +1,7 @@
-"""Int8 linears that compute with the stored integers of a W8A8 / W8A8_DYNAMIC linear (spec/format.md).
+"""Int8 linears that compute with the stored integers of a W8A8 / W8A8_DYNAMIC linear (docs/format.md).
 
 The arithmetic, for a linear with int8 weight ``W8`` [n, k] and an input ``x`` [..., k] (any float dtype;
-the output has x's dtype, as :class:`pipeline.quant.fakequant.QuantLinear`):
+the output has x's dtype, as the fake-quant reference's ``QuantLinear``):
 
 - W8A8 (static activations, per tensor, asymmetric), in float32 like the quantizer::
 
@@ -41,7 +41,7 @@ from typing import Mapping, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from pipeline.quant.description import FLOAT, W8A8, W8A8_DYNAMIC
+from pipeline.format.description import FLOAT, QUANT_KINDS, W8A8, W8A8_DYNAMIC
 
 QMIN, QMAX = -128, 127
 F32_EPS = torch.finfo(torch.float32).eps
@@ -55,7 +55,6 @@ INT_MM_MIN_ROWS = 17                              # torch._int_mm on CUDA needs 
 INT_MM_PAD_ROWS = 32
 FLOAT64_MAX_K = 2 ** 53 // MAX_ABS_PRODUCT
 SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-QUANT_KINDS = (W8A8, W8A8_DYNAMIC)
 DeviceLike = Union[str, torch.device]
 
 
@@ -282,7 +281,7 @@ def linear_tensors(tensors: Mapping[str, Tensor], prefix: str) -> dict[str, Tens
 
 def build_int8_linear(name: str, kind: str, params: Mapping[str, Tensor], kernel: str = AUTO) -> Int8Linear:
     """The module of linear ``name`` of type ``kind`` (W8A8 or W8A8_DYNAMIC) from its tensors keyed by
-    leaf name as in spec/format.md (both dialects: seed, and ascendV1 with float32 scales and no
+    leaf name as in docs/format.md (both dialects: seed, and ascendV1 with float32 scales and no
     weight_scale on static layers). The module holds the given tensors as its buffers (no copy). Raises
     Int8LinearError (a ValueError) naming the linear and the tensor
     that is missing or bad."""

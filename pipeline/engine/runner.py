@@ -23,7 +23,7 @@ import torch
 from pipeline.engine.attention import paged_decode_attention, paged_prefill_attention
 from pipeline.engine.loader import LoadedModel
 from pipeline.engine.paged_cache import PagedLatentCache
-from pipeline.quant.quantize_layer import model_dtype
+from pipeline.config import model_dtype
 
 
 @dataclass(frozen=True)

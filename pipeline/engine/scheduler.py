@@ -30,7 +30,7 @@ from typing import Iterable, Optional
 import torch
 
 from pipeline.engine.blocks import BlockAllocator, BlockTable
-from pipeline.sampling import SamplingParams
+from pipeline.engine.sampling import SamplingParams
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 

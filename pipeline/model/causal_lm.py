@@ -22,7 +22,7 @@ from pipeline.model.cache import ModelCache
 from pipeline.model.ffn import MLP, MoE
 from pipeline.model.mla import MLA
 from pipeline.model.norm import RMSNorm
-from pipeline.rope import Rotary
+from pipeline.model.rope import Rotary
 
 
 class DecoderLayer(nn.Module):

@@ -24,7 +24,7 @@ from torch import nn
 from pipeline.config import DeepseekV3Config
 from pipeline.model.cache import LatentCache
 from pipeline.model.norm import RMSNorm
-from pipeline.rope import apply_rope
+from pipeline.model.rope import apply_rope
 
 
 def causal_mask(S: int, T: int, start: int, device=None) -> torch.Tensor:

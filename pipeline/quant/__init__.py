@@ -1,2 +1,3 @@
-"""W8A8 + FA3 (FAKQuant) quantization in the msModelSlim format (spec/format.md): arithmetic, observers,
-calibration, the writer and the checker. Pure library code: no Ray."""
+"""W8A8 + FA3 quantization into the msModelSlim format (``pipeline.format``): the recipe, observers and
+calibration, smoothing, the quantization arithmetic (``qparams``, with its C kernel in ``native``), the
+shard layout and writer, job state for resumable runs, and the fake-quant evaluation. No Ray."""

@@ -10,7 +10,7 @@ import io
 import json
 from typing import Sequence
 
-from pipeline import storage
+from pipeline.io import storage
 
 FORMATS = (".json", ".jsonl", ".parquet")
 
@@ -20,7 +20,7 @@ class CalibDataError(ValueError):
 
 
 def default_calib_path() -> str:
-    from pipeline.embedded import EMBEDDED_MODEL_DIR
+    from pipeline.assets import EMBEDDED_MODEL_DIR
 
     return storage.join(EMBEDDED_MODEL_DIR, "calib.json")
 

@@ -7,7 +7,7 @@
                         Stats[a + ".fa_v"]  = RecallWindow(v_ratio) of the same latent
 
 The activations are the float model's (one pass, all layers at once): what lets pipeline stages
-calibrate in parallel (spec/format.md). Run the model in the model dtype for msModelSlim parity. The MTP
+calibrate in parallel (docs/format.md). Run the model in the model dtype for msModelSlim parity. The MTP
 layer, when ``recipe.quantize_mtp``, sees ``model.mtp(hidden[:, :-1], ids[:, 1:])`` with ``hidden`` the
 main model's final normed hidden state. Statistics of separate runs (layer ranges, sample shards)
 merge exactly with ``Stats.merge``.

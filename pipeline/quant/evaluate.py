@@ -20,10 +20,11 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from pipeline import storage
-from pipeline.loading import load_model
-from pipeline.perplexity import perplexity
-from pipeline.quant.fakequant import QuantLinear, fa_scales, install_fa3, load_fakequant_model, read_quantized
+from pipeline.io import storage
+from pipeline.model.loading import load_model
+from pipeline.model.perplexity import perplexity
+from pipeline.format.reader import fa_scales, read_quantized
+from pipeline.quant.fakequant import QuantLinear, install_fa3, load_fakequant_model
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.run import QuantizeOptions, calibration_samples, prepare_float_model, quantize_checkpoint
 

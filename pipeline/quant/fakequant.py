@@ -18,15 +18,11 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from pipeline import layout, storage
-from pipeline.config import DeepseekV3Config
+from pipeline import layout
 from pipeline.model import DeepseekV3ForCausalLM, build_model
-from pipeline.quant.checker import check_dir
-from pipeline.quant.description import DESCRIPTION_NAME, FLOAT, W8A8, W8A8_DYNAMIC, loads_json_object, parse_description
+from pipeline.format.description import FLOAT, QUANT_KINDS, W8A8
+from pipeline.format.reader import fa_scales, read_quantized
 from pipeline.quant.qparams import deq_scale_to_float32, w8a8_dynamic_linear, w8a8_static_linear
-from pipeline.safetensors_io import CheckpointError, read_header, read_tensors
-
-QUANT_KINDS = (W8A8, W8A8_DYNAMIC)
 
 
 class QuantLinear(nn.Module):
@@ -86,27 +82,6 @@ def install_w8a8(model: DeepseekV3ForCausalLM, tensors: Mapping[str, torch.Tenso
         setattr(parent, child, QuantLinear(kind, params))
         n += 1
     return n
-
-
-def fa_scales(tensors: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """layer id -> fa_k scale, from a quantized directory's tensors."""
-    return {layout.layer_of(k): v for k, v in tensors.items() if k.endswith("self_attn.fa_k.scale")}
-
-
-def read_quantized(path: str) -> tuple[DeepseekV3Config, dict[str, str], dict[str, torch.Tensor]]:
-    """Validate a quantized directory with the checker, then read config, types and every tensor.
-    Refuses a directory the checker rejects, with its report."""
-    report = check_dir(path)
-    if not report.ok:
-        raise CheckpointError(f"{path}: not a valid quantized directory:\n{report.to_text()}")
-    cfg = DeepseekV3Config.from_file(storage.join(path, "config.json"))
-    desc = parse_description(loads_json_object(storage.read_bytes(storage.join(path, DESCRIPTION_NAME)),
-                                               DESCRIPTION_NAME))
-    tensors: dict[str, torch.Tensor] = {}
-    for f in report.weight_files:
-        header = read_header(storage.join(path, f))
-        tensors.update(read_tensors(header, list(header.tensors)))
-    return cfg, dict(desc.tensors), tensors
 
 
 def _placeholder_weight(tensors, prefix: str, md: torch.dtype) -> torch.Tensor:

@@ -28,8 +28,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from pipeline import storage
-from pipeline.checkpoint import CheckpointReader
+from pipeline.io import storage
+from pipeline.io.checkpoint import CheckpointReader
 from pipeline.quant.observers import Stats
 from pipeline.quant.output_files import ShardRecord, completeness_first, file_sha256, is_output_entry
 from pipeline.quant.recipe import Recipe
@@ -201,7 +201,7 @@ def owned_entries(dst: str) -> list[str]:
 def is_up_to_date(dst: str, key: JobKey) -> bool:
     """A complete output (description present) whose manifest was written for the same job fingerprint,
     with every file it lists at its recorded size."""
-    from pipeline.quant.description import DESCRIPTION_NAME, MANIFEST_NAME
+    from pipeline.format.description import DESCRIPTION_NAME, MANIFEST_NAME
 
     if not storage.exists(storage.join(dst, DESCRIPTION_NAME)) or not storage.exists(storage.join(dst, MANIFEST_NAME)):
         return False
@@ -220,7 +220,7 @@ def open_destination(dst: str, overwrite: bool) -> str:
     output removed). An existing output stops looking complete first (description, then index and
     manifest removed). Refuses an output that has no job state (written by the single-process writer or
     another tool) unless ``overwrite``."""
-    from pipeline.quant.description import DESCRIPTION_NAME, MANIFEST_NAME
+    from pipeline.format.description import DESCRIPTION_NAME, MANIFEST_NAME
 
     ours = owned_entries(dst)
     if not ours:
@@ -242,7 +242,7 @@ def open_destination(dst: str, overwrite: bool) -> str:
 def remove_stale(dst: str, keep: Iterable[str]) -> list[str]:
     """Remove the weight files of ``dst`` not in ``keep`` (a layout that changed between runs) and any
     part or temporary file a crashed writer left; returns their names."""
-    from pipeline.quant.description import NAMING
+    from pipeline.format.description import NAMING
 
     keep = set(keep)
     stale = [e for e in owned_entries(dst) if e not in keep and e != STATE_DIR and (

@@ -1,7 +1,7 @@
 """The files of a quantized output besides the weights, and the streaming shard file they describe.
 
 :class:`ShardFile` writes one safetensors shard (tensors declared up front, written one by one) through
-:func:`pipeline.storage.atomic_write`, computing its sha256 along; closing it commits the file and gives
+:func:`pipeline.io.storage.atomic_write`, computing its sha256 along; closing it commits the file and gives
 its :class:`ShardRecord`. :func:`finalize` turns committed shards into a complete output: config.json,
 the tokenizer and other files copied from the source, ``manifest.json`` (every file's size and sha256,
 plus the job's info), then the index and, last, ``quant_model_description.json``: a directory with a
@@ -23,13 +23,13 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from pipeline import storage
-from pipeline.checkpoint import CONFIG_NAME
-from pipeline.quant.description import (
+from pipeline.io import storage
+from pipeline.io.checkpoint import CONFIG_NAME
+from pipeline.format.description import (
     DESCRIPTION_NAME, FA_QUANT_TYPE, FAQUANT, MANIFEST_NAME, NAMING, W8A8, W8A8_DYNAMIC, SEED, build_description,
     encode_description, model_quant_type,
 )
-from pipeline.safetensors_io import SafetensorsWriter, TensorSpec, encode_header
+from pipeline.io.safetensors_io import SafetensorsWriter, TensorSpec, encode_header
 
 COPIED_NAMES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "generation_config.json")
 PART_NAME = re.compile(r"\..*\.part-[0-9a-f]+-\d{5}\.safetensors(\.tmp-.*)?")  # QuantizedWriter's parts

@@ -1,6 +1,6 @@
 """Quantization parameters and the integer arithmetic of the W8A8 / W8A8_DYNAMIC / FA3 format.
 
-Pure tensor functions, one formula each (spec/format.md, "The arithmetic"). "md" is the model dtype
+Pure tensor functions, one formula each (docs/format.md, "The arithmetic"). "md" is the model dtype
 (bf16 or fp16; fp32 also works). Parameters are computed in md, as msModelSlim does, so that the output
 equals msModelSlim's bit for bit (float32 arithmetic gives a different int8 for ~10% of the weights).
 torch evaluates a bf16/fp16 op in float32 and rounds the result to md, so "in md" means "each
@@ -31,9 +31,9 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from pipeline import native as native_kernels
-from pipeline.finite import all_finite
-from pipeline.fp8 import BlockRows
+from pipeline.quant import native as native_kernels
+from pipeline.io.finite import all_finite
+from pipeline.io.fp8 import BlockRows
 
 QMIN, QMAX = -128, 127
 _BLOCK_ELEMENTS = 1 << 20  # elements per block of rows in quantize_weight_per_channel: a cache-sized buffer
@@ -87,11 +87,11 @@ def quantize_weight_per_channel(w: Union[Tensor, BlockRows], name: str = "weight
     Computed in blocks of rows (each row is independent) through one small buffer; a NaN or Inf in W
     shows in its row's amax, so W is checked through ws.
 
-    W may also be an FP8 block weight not yet dequantized (:class:`pipeline.fp8.BlockRows`, md its
+    W may also be an FP8 block weight not yet dequantized (:class:`pipeline.io.fp8.BlockRows`, md its
     ``dtype``), bit-identical to quantizing ``W.materialize()`` but never holding W in md (the weight
     phase of an FP8 checkpoint), each block row dequantized into a buffer and quantized from there.
     For a bf16 model, with ``native`` (the default), both forms go through the compiled kernels of
-    :mod:`pipeline.native` (one pass per row, same bits) when they are available."""
+    :mod:`pipeline.quant.native` (one pass per row, same bits) when they are available."""
     if isinstance(w, BlockRows):
         return _quantize_block_rows(w, name, native)
     check_float(w, name, ndim=2, finite=False)

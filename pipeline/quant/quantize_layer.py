@@ -1,6 +1,6 @@
 """Quantize one decoder layer (or the globals) into the tensors of the format, in either dialect.
 
-For each module prefix p of ``Recipe.layer_types`` (spec/format.md, "Tensors"):
+For each module prefix p of ``Recipe.layer_types`` (docs/format.md, "Tensors"):
 
     W8A8          W8, ws, wo = quantize_weight_per_channel(W);  s, o = static_activation_params(Stats[p])
                   deq_scale, quant_bias = deq_scale_and_quant_bias(s, o, W8, ws)
@@ -27,27 +27,20 @@ import torch
 from torch import Tensor
 
 from pipeline import layout
-from pipeline.config import DeepseekV3Config
-from pipeline.fp8 import BlockRows
-from pipeline.quant.description import LAYER_ENTRY_SUFFIX, LAYER_QUANT_TYPE
+from pipeline.config import DeepseekV3Config, model_dtype
+from pipeline.io.fp8 import BlockRows
+from pipeline.format.description import LAYER_ENTRY_SUFFIX, LAYER_QUANT_TYPE
 from pipeline.quant.observers import Stats
 from pipeline.quant.qparams import (
-    MODEL_DTYPES, QuantError, check_float, deq_scale_and_quant_bias, fa_offset, fa_scale,
+    QuantError, check_float, deq_scale_and_quant_bias, fa_offset, fa_scale,
     quantize_weight_per_channel, static_activation_params,
 )
 from pipeline.quant.recipe import FAQUANT, FLOAT, W8A8, W8A8_DYNAMIC, Recipe
-from pipeline.safetensors_io import DTYPE_NAMES, TensorSpec
+from pipeline.io.safetensors_io import DTYPE_NAMES, TensorSpec
 
 MTP_ONLY = layout.MTP_ONLY_MODULES
 QUANT_TYPE_KEY = LAYER_ENTRY_SUFFIX[1:]          # "self_attn.quant_type"
 QUANT_TYPE_INT8 = LAYER_QUANT_TYPE
-
-
-def model_dtype(cfg: DeepseekV3Config) -> torch.dtype:
-    md = getattr(torch, cfg.torch_dtype)
-    if md not in MODEL_DTYPES:
-        raise QuantError(f"config torch_dtype {cfg.torch_dtype!r} is not a model dtype")
-    return md
 
 
 def _check_tensors(tensors: Mapping[str, Tensor], expected: Mapping[str, tuple], what: str,

@@ -1,4 +1,4 @@
-"""The quantization recipe and DeepSeek-V3/R1's type mix (spec/format.md, "Which layer gets which type").
+"""The quantization recipe and DeepSeek-V3/R1's type mix (docs/format.md, "Which layer gets which type").
 
     W8A8          self_attn.{q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj} (q_proj when q_lora_rank is null)
     W8A8_DYNAMIC  every Linear under mlp. (dense MLP, shared experts, routed experts); with ``dynamic``,
@@ -8,7 +8,7 @@
 
 The MTP layer (id >= num_hidden_layers) follows the same rules when ``quantize_mtp``, else it is all
 FLOAT (and gets no FA3). Its MTP-only modules (embed_tokens, enorm, hnorm, eh_proj, shared_head.*) are
-always FLOAT. ``smooth`` (the exact per-channel fold of the latent, spec/deepseek.md) changes only FLOAT
+always FLOAT. ``smooth`` (the exact per-channel fold of the latent, docs/deepseek.md) changes only FLOAT
 tensors and is applied to the float weights before calibration, not here.
 """
 
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from pipeline import layout
 from pipeline.config import DeepseekV3Config
-from pipeline.quant.description import DIALECTS, FAQUANT, FLOAT, W8A8, W8A8_DYNAMIC
+from pipeline.format.description import DIALECTS, FAQUANT, FLOAT, W8A8, W8A8_DYNAMIC
 from pipeline.quant.qparams import QuantError
 from pipeline.strict import build
 
@@ -112,3 +112,23 @@ def module_types(cfg: DeepseekV3Config, recipe: Recipe, layer_ids) -> dict[str, 
     for i in layer_ids:
         out.update(recipe.layer_types(cfg, i))
     return out
+
+
+def kv_bytes_per_token(cfg: DeepseekV3Config, recipe: Optional[Recipe],
+                       dtype_bytes: int = 2) -> tuple[dict[int, int], int]:
+    """``({layer_id: bytes}, total)`` of KV cache per token under ``recipe``, every layer including the MTP
+    layer(s), each of which has a cache of its own.
+    FA3 layer (``recipe.fa_layer``): ``kv_lora_rank * 1 + qk_rope_head_dim * dtype_bytes``; other layers
+    (and every layer when ``recipe`` is None): ``(kv_lora_rank + qk_rope_head_dim) * dtype_bytes``."""
+    if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes < 1:
+        raise ValueError(f"dtype_bytes must be an integer >= 1, got {dtype_bytes!r}")
+    if recipe is not None:
+        recipe.check_config(cfg)
+    ids = list(range(cfg.num_hidden_layers)) + list(cfg.mtp_layer_ids)
+    per: dict[int, int] = {}
+    for i in ids:
+        if recipe is not None and recipe.fa_layer(cfg, i):
+            per[i] = cfg.kv_lora_rank + cfg.qk_rope_head_dim * dtype_bytes
+        else:
+            per[i] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
+    return per, sum(per.values())

@@ -27,20 +27,23 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
-from pipeline import layout, native, storage
-from pipeline.checkpoint import CheckpointReader
-from pipeline.loading import load_model
+from pipeline import layout
+from pipeline.quant import native
+from pipeline.io import storage
+from pipeline.io.checkpoint import CheckpointReader
+from pipeline.model.loading import load_model
 from pipeline.quant.calib_data import load_texts, tokenize
 from pipeline.quant.calibrate import collect_stats
 from pipeline.quant.observers import Stats
-from pipeline.quant.quantize_layer import model_dtype, quantize_globals, quantize_layer_pieces
+from pipeline.config import model_dtype
+from pipeline.quant.quantize_layer import quantize_globals, quantize_layer_pieces
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.shard_layout import output_units
 from pipeline.quant.smooth import ChannelAbsMax, apply_smoothing, collect_smoothing_stats
 from pipeline.quant.unit_writer import read_layer
 from pipeline.quant.writer import QuantizedWriter
-from pipeline.safetensors_io import TensorSpec
-from pipeline.tokenizer import Tokenizer
+from pipeline.io.safetensors_io import TensorSpec
+from pipeline.text.tokenizer import Tokenizer
 
 SHARD_BYTES = 4 * 1024 ** 3
 

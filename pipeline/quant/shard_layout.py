@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from pipeline import layout
-from pipeline.checkpoint import CheckpointReader
-from pipeline.quant.description import NAMING
+from pipeline.io.checkpoint import CheckpointReader
+from pipeline.format.description import NAMING
 from pipeline.quant.quantize_layer import layer_output_specs
 from pipeline.quant.recipe import Recipe
-from pipeline.safetensors_io import TensorSpec
+from pipeline.io.safetensors_io import TensorSpec
 
 GLOBALS = "globals"
 

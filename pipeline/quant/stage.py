@@ -20,12 +20,12 @@ from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
-from pipeline.checkpoint import CheckpointReader
+from pipeline.io.checkpoint import CheckpointReader
 from pipeline.model import build_model
 from pipeline.quant.calibrate import observing, run_mtp, stats_layers
 from pipeline.quant.observers import Stats
 from pipeline.quant.qparams import QuantError
-from pipeline.quant.quantize_layer import model_dtype
+from pipeline.config import model_dtype
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.smooth import ChannelAbsMax, apply_smoothing, observing_smoothing, smoothing_runs_mtp
 

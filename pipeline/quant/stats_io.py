@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from pipeline import storage
+from pipeline.io import storage
 from pipeline.quant.observers import COLUMNS, Stats
 from pipeline.quant.qparams import QuantError
 from pipeline.quant.smooth import ChannelAbsMax

@@ -11,12 +11,13 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from pipeline import storage
-from pipeline.checkpoint import CheckpointReader
+from pipeline.io import storage
+from pipeline.io.checkpoint import CheckpointReader
 from pipeline.quant.observers import Stats
 from pipeline.quant.output_files import ShardFile, ShardRecord
-from pipeline.fp8 import BlockRows
-from pipeline.quant.quantize_layer import deferred_weights, model_dtype, quantize_globals, quantize_layer
+from pipeline.io.fp8 import BlockRows
+from pipeline.config import model_dtype
+from pipeline.quant.quantize_layer import deferred_weights, quantize_globals, quantize_layer
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.shard_layout import GLOBALS, Shard, unit_layer
 from pipeline.quant.smooth import ChannelAbsMax, smooth_layer, smoothed_weights

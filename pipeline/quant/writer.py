@@ -1,4 +1,4 @@
-"""Write a quantized checkpoint directory in either msModelSlim dialect (spec/format.md), layer by layer.
+"""Write a quantized checkpoint directory in either msModelSlim dialect (docs/format.md), layer by layer.
 
 ::
 
@@ -44,9 +44,10 @@ from typing import Any, Container, Mapping, Optional, Sequence, Union
 
 import torch
 
-from pipeline import layout, storage
-from pipeline.quant.checker_rules import MD_NAMES, check_tensors, is_fa_module, split_name
-from pipeline.quant.description import (
+from pipeline import layout
+from pipeline.io import storage
+from pipeline.format.checker_rules import MD_NAMES, check_tensors, is_fa_module, split_name
+from pipeline.format.description import (
     ASCEND_V1, FLOAT, LAYER_ENTRY_SUFFIX, LAYER_QUANT_TYPE, NAMING, SEED,
     TENSOR_TYPES, W8A8, W8A8_DYNAMIC, check_dialect,
 )
@@ -54,7 +55,7 @@ from pipeline.quant.output_files import (  # noqa: F401 (build_config re-exporte
     ShardFile, ShardRecord, build_config, completeness_first, finalize, is_output_entry,
 )
 from pipeline.quant.shard_layout import split_unit
-from pipeline.safetensors_io import DTYPE_NAMES, TensorSpec
+from pipeline.io.safetensors_io import DTYPE_NAMES, TensorSpec
 
 SHARD_BYTES = 4 * 1024**3  # msModelSlim's part_file_size
 IN_FLIGHT_BYTES = 512 * 1024**2  # tensors handed to the writer thread and not yet written, at most

@@ -1,0 +1,324 @@
+"""The OpenAI HTTP API, pure (no Ray, no FastAPI): request validation (responses, streaming chunks and
+incremental detokenization are in :mod:`pipeline.serving.openai_responses`).
+
+Requests (``/v1/completions``, ``/v1/chat/completions``) are parsed by :func:`parse_completion` and
+:func:`parse_chat` into a frozen :class:`GenerateRequest` (prompt token ids, :class:`SamplingParams`,
+stream flag), or refused with an :class:`ApiError` whose :meth:`ApiError.body` is OpenAI's error shape
+``{"error": {"message", "type", "param", "code"}}``:
+
+- 400 ``invalid_request_error``: a malformed or out-of-range field (the message names it), an empty
+  prompt or message list, an unknown role, a field this server does not support (``n`` > 1, ``echo``,
+  ``logprobs``, ``suffix``, ``logit_bias``, non-zero penalties, tools) or does not know, and a prompt that
+  does not fit the context (code ``context_length_exceeded``, with the token counts and the limit);
+- 404 ``invalid_request_error`` with code ``model_not_found`` for a model this server does not serve.
+
+Sampling: ``max_tokens`` (chat also ``max_completion_tokens``) defaults to 16 for completions (capped by
+the room left in the context) and to the whole room left for chat; an explicit value with the prompt must
+fit the context. ``temperature`` in [0, 2] (0 is greedy), ``top_p`` in (0, 1], ``top_k`` (an extension,
+0 or -1 disables it), ``seed``, ``stop`` (a string or up to 4 strings).
+
+The engine side answers a :class:`GenerateRequest` with ``pipeline.engine.engine_loop.TokenEvent`` s; the ingress turns them into
+text with ``openai_responses.IncrementalDetokenizer`` and into responses with that module's builders.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+from pipeline.engine.sampling import SamplingParams
+
+COMPLETION, CHAT = "completion", "chat"
+DEFAULT_COMPLETION_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
+MAX_STOP_STRINGS = 4                    # OpenAI's limit
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+_IGNORED = {"user", "stream_options"}   # accepted; stream_options is read, user is not used
+_COMMON = {"model", "stream", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
+           "presence_penalty", "frequency_penalty", "logprobs", "logit_bias"}
+_COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "suffix", "best_of"}
+_CHAT_FIELDS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                     "response_format", "parallel_tool_calls"}
+
+
+class ApiError(Exception):
+    """A request refused with an HTTP status and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def __repr__(self) -> str:
+        return f"ApiError({self.status}, {self.message!r}, param={self.param!r}, code={self.code!r})"
+
+
+def invalid(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ApiError:
+    """A 400 invalid_request_error."""
+    return ApiError(400, message, "invalid_request_error", param, code)
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A validated request, what the engine-owning deployment takes: generate from ``prompt_ids`` with
+    ``params``. The rest is for the ingress (response shape and streaming)."""
+
+    kind: str                       # COMPLETION or CHAT
+    model: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False     # stream_options.include_usage: a last chunk with the usage
+    request_id: str = ""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+
+# ----- parsing -----------------------------------------------------------------------------------------
+
+def parse_json_body(raw: bytes) -> dict:
+    """The request body as a JSON object, or a 400 saying why not."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise invalid(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise invalid(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def parse_completion(body: Mapping[str, Any], tokenizer, served_model: str, max_model_len: int) -> GenerateRequest:
+    """Validate a ``/v1/completions`` body (prompt: a string, a list of token ids, or a list of one of
+    either; encoded with bos, as the engine's own tests encode plain text)."""
+    _check_fields(body, _COMPLETION_FIELDS)
+    model = _check_model(body, served_model)
+    _refuse_unsupported(body)
+    if body.get("echo") not in (None, False):
+        raise invalid("echo is not supported by this server; send echo=false or leave it out", "echo")
+    if body.get("suffix") not in (None, ""):
+        raise invalid("suffix (insertion) is not supported by this server", "suffix")
+    if body.get("best_of") not in (None, 1):
+        raise invalid(f"best_of must be 1 on this server, got {body.get('best_of')!r}", "best_of")
+    prompt_ids = _completion_prompt(body.get("prompt"), tokenizer)
+    return _finish_parse(body, COMPLETION, model, prompt_ids, max_model_len, DEFAULT_COMPLETION_MAX_TOKENS)
+
+
+def parse_chat(body: Mapping[str, Any], tokenizer, served_model: str, max_model_len: int) -> GenerateRequest:
+    """Validate a ``/v1/chat/completions`` body; the messages go through the model's chat template with
+    the generation prompt (``<｜Assistant｜>``) added."""
+    _check_fields(body, _CHAT_FIELDS)
+    model = _check_model(body, served_model)
+    _refuse_unsupported(body)
+    for f in ("tools", "tool_choice", "response_format"):
+        if body.get(f) is not None and not (f == "tool_choice" and body.get(f) == "none"):
+            raise invalid(f"{f} is not supported by this server", f)
+    if body.get("top_logprobs") is not None:
+        raise invalid("top_logprobs is not supported by this server", "top_logprobs")
+    messages = _chat_messages(body.get("messages"))
+    try:
+        prompt_ids = tokenizer.encode_chat(messages)
+    except ValueError as e:
+        raise invalid(f"messages cannot be formatted with the chat template: {e}", "messages") from None
+    if "max_tokens" in body and "max_completion_tokens" in body and body["max_tokens"] is not None \
+            and body["max_completion_tokens"] is not None:
+        raise invalid("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+    if body.get("max_completion_tokens") is not None:
+        body = {**body, "max_tokens": body["max_completion_tokens"]}
+        param = "max_completion_tokens"
+    else:
+        param = "max_tokens"
+    return _finish_parse(body, CHAT, model, prompt_ids, max_model_len, None, max_tokens_param=param)
+
+
+def _check_fields(body: Mapping[str, Any], known: set) -> None:
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        raise invalid(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+
+
+def _check_model(body: Mapping[str, Any], served_model: str) -> str:
+    model = body.get("model")
+    if model is None:
+        raise invalid(f"model is required (this server serves {served_model!r})", "model")
+    if not isinstance(model, str):
+        raise invalid(f"model must be a string, got {type(model).__name__}", "model")
+    if model != served_model:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {served_model!r}",
+                       "invalid_request_error", "model", "model_not_found")
+    return model
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    n = body.get("n")
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise invalid(f"n must be an integer, got {type(n).__name__}", "n")
+        if n != 1:
+            raise invalid(f"n must be 1 on this server (one choice per request), got {n}", "n")
+    for f in ("presence_penalty", "frequency_penalty"):
+        v = body.get(f)
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise invalid(f"{f} must be a number, got {type(v).__name__}", f)
+            if v != 0:
+                raise invalid(f"{f} is not supported by this server (only 0), got {v}", f)
+    if body.get("logprobs") not in (None, False, 0):
+        raise invalid("logprobs are not supported by this server", "logprobs")
+    if body.get("logit_bias") not in (None, {}):
+        raise invalid("logit_bias is not supported by this server", "logit_bias")
+
+
+def _is_token_list(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _completion_prompt(prompt: Any, tokenizer) -> tuple[int, ...]:
+    if prompt is None:
+        raise invalid("prompt is required", "prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid("prompt is empty", "prompt")
+        return tuple(tokenizer.encode(prompt))
+    if _is_token_list(prompt):
+        vocab = tokenizer.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise invalid(f"prompt token ids must be in [0, {vocab}), got {bad[0]}", "prompt")
+        return tuple(prompt)
+    if isinstance(prompt, list) and not prompt:
+        raise invalid("prompt is empty", "prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise invalid(f"prompt holds {len(prompt)} prompts; this server takes one prompt per request", "prompt")
+    raise invalid("prompt must be a string, a list of token ids, or a list holding one of either, got "
+                  f"{type(prompt).__name__}", "prompt")
+
+
+def _message_text(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise invalid(f"messages[{i}].content[{j}] must be a text part ({{'type': 'text', 'text': ...}}); "
+                              f"got {kind!r}", "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise invalid(f"messages[{i}].content must be a string or a list of text parts, got {type(content).__name__}",
+                  "messages")
+
+
+def _chat_messages(messages: Any) -> list[dict]:
+    if messages is None:
+        raise invalid("messages is required", "messages")
+    if not isinstance(messages, list):
+        raise invalid(f"messages must be a list, got {type(messages).__name__}", "messages")
+    if not messages:
+        raise invalid("messages is empty", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise invalid(f"messages[{i}] must be an object, got {type(m).__name__}", "messages")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise invalid(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", "messages")
+        if "content" not in m or (m["content"] is None):
+            raise invalid(f"messages[{i}].content is required", "messages")
+        out.append({"role": "system" if role == "developer" else role, "content": _message_text(m["content"], i)})
+    if not any(m["role"] == "user" for m in out):
+        raise invalid("messages needs at least one message with role 'user'", "messages")
+    return out
+
+
+def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise invalid(f"{name} must be a number, got {v!r}", name)
+    if v < lo or v > hi or (lo_open and v == lo):
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise invalid(f"{name} must be in {interval}, got {v:g}", name)
+    return float(v)
+
+
+def _integer(body: Mapping[str, Any], name: str) -> Optional[int]:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise invalid(f"{name} must be an integer, got {v!r}", name)
+    return v
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise invalid(f"stop must be a string or a list of strings, got {stop!r}", "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise invalid(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
+    if any(not s for s in stop):
+        raise invalid("stop strings must not be empty", "stop")
+    return tuple(stop)
+
+
+def _finish_parse(body: Mapping[str, Any], kind: str, model: str, prompt_ids: Sequence[int], max_model_len: int,
+                  default_max_tokens: Optional[int], max_tokens_param: str = "max_tokens") -> GenerateRequest:
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise invalid(f"stream must be a boolean, got {stream!r}", "stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+            raise invalid(f"stream_options must be an object like {{'include_usage': true}}, got {options!r}",
+                          "stream_options")
+        if not stream:
+            raise invalid("stream_options is only allowed with stream=true", "stream_options")
+        include_usage = options.get("include_usage", False)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    top_k = _integer(body, "top_k")
+    if top_k is not None and top_k < -1:
+        raise invalid(f"top_k must be >= 0 (or -1 to disable it), got {top_k}", "top_k")
+    seed = _integer(body, "seed")
+    stop = _stop(body)
+    max_tokens = _integer(body, "max_tokens")
+    n_prompt = len(prompt_ids)
+    if n_prompt >= max_model_len:
+        raise invalid(f"the prompt has {n_prompt} tokens but this model's context is {max_model_len} tokens "
+                      f"(at most {max_model_len - 1} prompt tokens, to leave room for one generated token); "
+                      "shorten the prompt", "messages" if kind == CHAT else "prompt", "context_length_exceeded")
+    room = max_model_len - n_prompt
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif max_tokens < 1:
+        raise invalid(f"{max_tokens_param} must be >= 1, got {max_tokens}", max_tokens_param)
+    elif max_tokens > max_model_len:
+        raise invalid(f"{max_tokens_param} is {max_tokens} but this model's context is {max_model_len} tokens",
+                      max_tokens_param)
+    elif n_prompt + max_tokens > max_model_len:
+        raise invalid(f"this model's context is {max_model_len} tokens; the request has {n_prompt} prompt tokens "
+                      f"and asks for {max_tokens} more ({max_tokens_param}), {n_prompt + max_tokens} in all; "
+                      f"lower {max_tokens_param} to at most {room} or shorten the prompt", max_tokens_param,
+                      "context_length_exceeded")
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
+                            top_k=0 if top_k in (None, -1) else top_k, top_p=top_p, seed=seed, stop=stop)
+    prefix = "cmpl" if kind == COMPLETION else "chatcmpl"
+    return GenerateRequest(kind, model, tuple(prompt_ids), params, bool(stream), include_usage,
+                           f"{prefix}-{uuid.uuid4().hex}")

@@ -1,0 +1,174 @@
+"""A byte-level BPE tokenizer read from an HF checkpoint folder (``tokenizer.json`` + ``tokenizer_config.json``)
+with the ``tokenizers`` library, and its chat template rendered with jinja2 the way transformers renders it.
+
+Works for the project's own ``pipeline/assets/dsv3-tiny-pydoc`` (DeepSeek-V3 special tokens and chat
+template) and for any checkpoint whose config names its bos/eos tokens; without a ``chat_template`` only
+:meth:`Tokenizer.apply_chat_template` fails. Paths may be fsspec URLs (read through :mod:`pipeline.io.storage`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping, Sequence
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+from pipeline.io import storage
+
+# DeepSeek-V3's special tokens (U+FF5C full-width bar, U+2581 lower one-eighth block), in its id order.
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+PAD = "<｜▁pad▁｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+SPECIAL_TOKENS = (BOS, EOS, PAD, USER, ASSISTANT)
+
+# DeepSeek-V3's template without the tool-call branches: bos, the system prompts joined by blank lines,
+# then user and assistant turns (an assistant's "</think>" reasoning dropped), then "<｜Assistant｜>"
+# when a reply is wanted.
+CHAT_TEMPLATE = (
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
+    "{% set ns = namespace(system_prompt='', is_first_sp=true) %}"
+    "{%- for message in messages %}{%- if message['role'] == 'system' %}"
+    "{%- if ns.is_first_sp %}{% set ns.system_prompt = ns.system_prompt + message['content'] %}"
+    "{% set ns.is_first_sp = false %}"
+    "{%- else %}{% set ns.system_prompt = ns.system_prompt + '\\n\\n' + message['content'] %}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{{ bos_token }}{{ ns.system_prompt }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{{ '" + USER + "' + message['content'] }}"
+    "{%- elif message['role'] == 'assistant' %}{% set content = message['content'] %}"
+    "{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}"
+    "{{ '" + ASSISTANT + "' + content + '" + EOS + "' }}"
+    "{%- elif message['role'] != 'system' %}{{ raise_exception('unknown role: ' + message['role']) }}"
+    "{%- endif %}{%- endfor %}"
+    "{% if add_generation_prompt %}{{ '" + ASSISTANT + "' }}{% endif %}"
+)
+
+
+class TokenizerError(ValueError):
+    """A tokenizer folder that cannot be used; the message names the file."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TokenizerError(f"chat template: {message}")
+
+
+def render_chat_template(
+    template: str,
+    messages: Sequence[Mapping[str, str]],
+    *,
+    bos_token: str,
+    eos_token: str,
+    add_generation_prompt: bool = True,
+    **extra: Any,
+) -> str:
+    """Render a chat template as transformers does: a sandboxed jinja2 environment with trim_blocks and
+    lstrip_blocks, ``raise_exception`` available, and the special tokens as variables."""
+    for i, message in enumerate(messages):
+        if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+            raise TokenizerError(f"message {i} needs string 'role' and 'content', got {dict(message)!r}")
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = _raise_exception
+    try:
+        compiled = env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerError(f"chat template does not parse: {e}") from e
+    return compiled.render(
+        messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+        bos_token=bos_token, eos_token=eos_token, **extra,
+    )
+
+
+def _token_text(value: Any, key: str, where: str) -> str | None:
+    """A special token as tokenizer_config writes it: a string, an AddedToken dict, or absent/null."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise TokenizerError(f"{where}: {key} must be a string or an AddedToken object, got {value!r}")
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` with the special tokens and chat template of its ``tokenizer_config.json``."""
+
+    def __init__(self, tokenizer: _HFTokenizer, config: Mapping[str, Any], config_path: str = "tokenizer_config"):
+        self._tk = tokenizer
+        self._config_path = config_path
+        ids = {}
+        for key in ("bos_token", "eos_token", "pad_token"):
+            text = _token_text(config.get(key), key, config_path)
+            if text is None:
+                if key != "pad_token":
+                    raise TokenizerError(f"{config_path}: {key} is missing")
+                ids[key] = None
+                continue
+            token_id = tokenizer.token_to_id(text)
+            if token_id is None:
+                raise TokenizerError(f"{config_path}: {key} {text!r} is not in the tokenizer's vocabulary")
+            ids[key] = (text, token_id)
+        (self.bos_token, self.bos_id), (self.eos_token, self.eos_id) = ids["bos_token"], ids["eos_token"]
+        self.pad_token, self.pad_id = ids["pad_token"] or (None, None)
+        template = config.get("chat_template")
+        if template is not None and not isinstance(template, str):
+            raise TokenizerError(f"{config_path}: chat_template must be a string, got {type(template).__name__}")
+        self.chat_template: str | None = template
+        self.model_max_length: int | None = config.get("model_max_length")
+
+    @classmethod
+    def from_dir(cls, path: str) -> "Tokenizer":
+        """Read ``tokenizer.json`` and ``tokenizer_config.json`` from a folder (local path or fsspec URL)."""
+        tok_path = storage.join(path, "tokenizer.json")
+        cfg_path = storage.join(path, "tokenizer_config.json")
+        try:
+            tok_text = storage.read_bytes(tok_path).decode("utf-8")
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{tok_path}: tokenizer.json not found") from e
+        try:
+            tokenizer = _HFTokenizer.from_str(tok_text)
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for bad JSON
+            raise TokenizerError(f"{tok_path}: not a tokenizers file: {e}") from e
+        try:
+            config = json.loads(storage.read_bytes(cfg_path))
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{cfg_path}: tokenizer_config.json not found") from e
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise TokenizerError(f"{cfg_path}: not valid JSON: {e}") from e
+        if not isinstance(config, dict):
+            raise TokenizerError(f"{cfg_path}: expected a JSON object, got {type(config).__name__}")
+        return cls(tokenizer, config, cfg_path)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added (special) tokens included."""
+        return self._tk.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of ``text``; special-token strings in it become their single ids."""
+        ids = self._tk.encode(text, add_special_tokens=False).ids
+        return [self.bos_id, *ids] if add_bos else ids
+
+    @property
+    def adds_bos_by_default(self) -> bool:
+        """Whether plain HF tokenization (``tokenizer(text)``, special tokens on) starts with bos: what
+        tokenizer.json's post-processor does. msModelSlim tokenizes calibration texts that way."""
+        ids = self._tk.encode("a", add_special_tokens=True).ids
+        return bool(ids) and ids[0] == self.bos_id
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        return self._tk.decode(list(ids), skip_special_tokens=skip_special)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        """The chat as one string (bos included), rendered as transformers' ``apply_chat_template`` would."""
+        if self.chat_template is None:
+            raise TokenizerError(f"{self._config_path} has no chat_template: this tokenizer cannot format chats")
+        return render_chat_template(
+            self.chat_template, messages, bos_token=self.bos_token, eos_token=self.eos_token,
+            pad_token=self.pad_token, add_generation_prompt=add_generation_prompt,
+        )
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Ids of :meth:`apply_chat_template`'s text; the template writes the bos, so none is added."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=False)

@@ -1,0 +1,164 @@
+"""The layout's rules, read from the source (every import, module level or inside a function):
+no import cycle among the project's modules, dependencies that point one way between the parts, and a
+``pipeline/`` whose top level holds a handful of modules."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("pipeline", "actors", "jobs")
+MAX_TOP_LEVEL_MODULES = 5   # pipeline/*.py, __init__ included
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in PACKAGES for p in sorted((REPO / pkg).rglob("*.py"))}
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The project's modules that ``name`` imports anywhere in its file."""
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_pkg else name.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            # "from a.b import c" imports module a.b.c when there is one, else names of a.b
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:      # "import a.b.c" of a known a.b.c, or the nearest known parent
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    mods = _modules()
+    known = set(mods)
+    return {m: _imports(m, p, known) for m, p in mods.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_graph_sees_every_import_form(graph):
+    assert "pipeline.format.reader" in graph["pipeline.engine.loader"]      # from a.b import name
+    assert "pipeline.io.storage" in graph["pipeline.config"]                # from a import module
+    assert "pipeline.plan.report" in graph["jobs.plan"]
+    assert "pipeline.io.checkpoint" in graph["jobs.quantize"]               # inside a function
+
+
+def test_no_import_cycle(graph):
+    assert _cycles(graph) == []
+
+
+def _violations(graph, src_prefix: str, dst_prefix: str, allowed_src: tuple[str, ...] = ()) -> list[str]:
+    def under(m: str, p: str) -> bool:
+        return m == p or m.startswith(p + ".")
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() if under(m, src_prefix)
+                  and not any(under(m, a) for a in allowed_src) for d in deps if under(d, dst_prefix))
+
+
+@pytest.mark.parametrize("src, dst, allowed", [
+    ("pipeline", "actors", ()),                 # the library imports no Ray layer
+    ("pipeline", "jobs", ()),
+    ("actors", "jobs", ()),
+    ("pipeline.engine", "pipeline.quant", ()),  # engine and quantizer meet only in the format
+    ("pipeline.quant", "pipeline.engine", ()),
+    ("pipeline.format", "pipeline.quant", ()),
+    ("pipeline.format", "pipeline.engine", ()),
+    ("pipeline.io", "pipeline.model", ()),
+    ("pipeline.io", "pipeline.format", ()),
+    ("pipeline.model", "pipeline.quant", ()),
+    ("pipeline.model", "pipeline.engine", ()),
+    ("pipeline", "pipeline.serving", ("pipeline.serving",)),   # only the serving layer knows the protocol
+])
+def test_dependencies_point_one_way(graph, src, dst, allowed):
+    assert _violations(graph, src, dst, allowed) == []
+
+
+def test_pipeline_imports_no_ray():
+    offenders = sorted(str(p.relative_to(REPO)) for p in (REPO / "pipeline").rglob("*.py")
+                       if "ray" in {n.split(".")[0] for n in _all_imported(p)})
+    assert offenders == []
+
+
+def _all_imported(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_pipeline_top_level_is_small():
+    top = sorted(p.name for p in (REPO / "pipeline").glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
