@@ -142,6 +142,11 @@ def main() -> int:
             serve.shutdown()
             ray.shutdown()
     write_result(args.out, res, hide=["modes"])
+    from plot_serving import plot, series_of   # scripts/ is on sys.path when this runs as a script
+
+    png = Path(args.out).with_suffix(".png")
+    plot(series_of(Path(args.out)), png, "dsquant serving, colocated vs disaggregated")
+    print(f"wrote {png}")
     return 0
 
 

@@ -1,0 +1,55 @@
+"""scripts/plot_serving.py reads every input form it documents and draws a real PNG."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("plot_serving", REPO / "scripts" / "plot_serving.py")
+plot_serving = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plot_serving)
+
+
+def test_reads_bench_serve_output():
+    series = plot_serving.series_of(REPO / "benchmarks" / "serve.json")
+    assert [s["label"] for s in series] == ["colocated", "disaggregated"]
+    assert series[0]["points"][0] == {"concurrency": 1, "output_tok_s": 108.7, "median_tpot_ms": 8.3}
+
+
+def test_reads_vllm_result_folder_as_medians(tmp_path):
+    runs = tmp_path / "vllm-cpu"
+    runs.mkdir()
+    for i, (c, tok, tpot) in enumerate([(1, 500, 1.7), (1, 530, 1.6), (1, 560, 1.5), (4, 1200, 2.7)]):
+        (runs / f"r{i}.json").write_text(json.dumps({"max_concurrency": c, "output_throughput": tok,
+                                                     "median_tpot_ms": tpot}))
+    (s,) = plot_serving.series_of(runs)
+    assert s == {"label": "vllm-cpu", "points": [{"concurrency": 1, "output_tok_s": 530, "median_tpot_ms": 1.6},
+                                                 {"concurrency": 4, "output_tok_s": 1200, "median_tpot_ms": 2.7}]}
+
+
+def test_refuses_what_it_cannot_read(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="x.json: neither a series file nor bench_serve output"):
+        plot_serving.series_of(bad)
+    assert plot_serving.main([str(tmp_path / "o.png"), str(bad)]) == 2
+    with pytest.raises(ValueError, match="x.json: not a vllm bench serve result .no max_concurrency"):
+        plot_serving.series_of(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="empty: no vllm bench serve result"):
+        plot_serving.series_of(empty)
+
+
+def test_plots_the_baseline(tmp_path):
+    from PIL import Image
+
+    out = tmp_path / "vs.png"
+    assert plot_serving.main([str(out), str(REPO / "benchmarks" / "vs_vllm_baseline.json")]) == 0
+    img = Image.open(io.BytesIO(out.read_bytes()))
+    assert img.format == "PNG" and img.size == (1100, 440)
