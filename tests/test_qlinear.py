@@ -3,9 +3,12 @@ output for the tiny fixture model, the fake-quant reference (QuantLinear), exact
 own ascendV1 files (bf16 and fp16), and the float model.
 
 Bounds used below, and why:
-- OUTPUT_ULPS = 0: the module's output equals QuantLinear's bit for bit. Both quantize the activation with
-  the same float32 ops, both get the exact integer product, and both run the same epilogue (float64
-  multiply in the same order, rounded to float32, then to the model dtype), so no rounding can differ.
+- OUTPUT_ULPS = 0: the module's output in the reference mode (``epilogue=EXACT``) equals QuantLinear's bit
+  for bit. Both quantize the activation with the same float32 ops, both get the exact integer product, and
+  both run the same epilogue (float64 multiply in the same order, rounded to float32, then to the model
+  dtype), so no rounding can differ.
+- FAST_EPILOGUE_ULPS = 4 (float32) and FAST_BF16_ULPS = 1: the default float32 epilogue against the
+  reference; at most three float32 roundings instead of one (qlinear's module docstring derives it).
 - The integer product equals the int64 product exactly (0 difference) on every kernel, K up to 4096.
 - SQNR of the module against the float linear (float weights of the source checkpoint, float32 matmul), on
   the float model's own activations for calibration texts: measured minima 28.6 dB (W8A8, the o_proj
@@ -23,7 +26,8 @@ from torch import nn
 
 from pipeline.engine import qlinear as ql
 from pipeline.engine.qlinear import (
-    FLOAT64, FP32_CHUNKED, INT_MM, Int8LinearError, W8A8DynamicLinear, W8A8StaticLinear, build_from_checkpoint,
+    EXACT, FAST_EPILOGUE_ULPS, FLOAT64, FP32_CHUNKED, INT_MM, Int8LinearError, W8A8DynamicLinear, W8A8StaticLinear,
+    build_from_checkpoint,
     build_int8_linear, decode_deq_scale, int8_matmul, linear_tensors, select_kernel,
 )
 from pipeline.model.loading import load_model
@@ -35,7 +39,8 @@ from pipeline.quant.recipe import Recipe
 from pipeline.quant.run import QuantizeOptions, calibration_samples, quantize_checkpoint
 from tiny import FIXTURES, TINY_FIXTURE
 
-OUTPUT_ULPS = 0                 # module vs fake-quant reference: bit-identical (see the module docstring)
+OUTPUT_ULPS = 0                 # reference mode vs fake-quant reference: bit-identical (module docstring)
+FAST_BF16_ULPS = 1              # fast epilogue vs reference, cast to bf16
 SQNR_MIN_DB = {W8A8: 25.0, W8A8_DYNAMIC: 32.0}   # measured minima 28.6 and 35.6 dB
 BIAS_ONCE_TOL = 0.25            # |static linear with bias - float linear + bias|, bias 5.0 (measured 0.068)
 CALIB_SAMPLES = 4               # calibration texts run through the float model for activations
@@ -107,8 +112,9 @@ def test_every_quantized_linear_equals_fakequant(quantized, activations):
     prefixes = quant_prefixes(types)
     kinds = [types[p + ".weight"] for p in prefixes]
     assert (kinds.count(W8A8), kinds.count(W8A8_DYNAMIC)) == (N_STATIC, N_DYNAMIC)
+    worst = {"fp32": 0, "bf16": 0}
     for p in prefixes:
-        mod = build_from_checkpoint(p, tensors, types)
+        mod = build_from_checkpoint(p, tensors, types, epilogue=EXACT)
         assert isinstance(mod, W8A8StaticLinear if types[p + ".weight"] == W8A8 else W8A8DynamicLinear)
         x = input_for(p, mod.in_features, activations, torch.bfloat16)
         y = mod(x)
@@ -122,6 +128,10 @@ def test_every_quantized_linear_equals_fakequant(quantized, activations):
         assert ulp_diff(one_ulp_up, ref) == 1 + ulp_diff(y, ref), p
         # leading dims are kept: a [B, S, k] input gives [B, S, n], the same rows
         assert torch.equal(mod(x[:12].reshape(3, 4, -1)), y[:12].reshape(3, 4, -1)), p
+        fast = build_from_checkpoint(p, tensors, types)          # the default: the float32 epilogue
+        worst["fp32"] = max(worst["fp32"], ulp_diff(fast(x32), mod(x32)))
+        worst["bf16"] = max(worst["bf16"], ulp_diff(fast(x), y))
+    assert worst["fp32"] <= FAST_EPILOGUE_ULPS and worst["bf16"] <= FAST_BF16_ULPS, worst
 
 
 def test_activation_quantization_is_the_quantizers(quantized, activations):
@@ -280,10 +290,11 @@ def test_msmodelslim_ascendv1_files_equal_fakequant(fixture, activations):
     assert len(prefixes) == N_STATIC + N_DYNAMIC + 4 + 27  # + the MTP layer's attention and MoE linears
     deq_dtypes = set()
     for p in prefixes:
-        mod = build_from_checkpoint(p, tensors, types)
+        mod = build_from_checkpoint(p, tensors, types, epilogue=EXACT)
         x = input_for(p, mod.in_features, activations, md)
         ref = QuantLinear(types[p + ".weight"], linear_tensors(tensors, p))(x)
         assert ulp_diff(mod(x), ref) <= OUTPUT_ULPS, p
+        assert ulp_diff(build_from_checkpoint(p, tensors, types)(x), ref) <= FAST_BF16_ULPS, p
         if isinstance(mod, W8A8StaticLinear):
             deq_dtypes.add(mod.deq_scale.dtype)
             assert torch.equal(decode_deq_scale(mod.deq_scale), qparams.deq_scale_to_float32(mod.deq_scale))
@@ -398,3 +409,20 @@ def test_sqnr_against_the_float_linear(quantized, activations):
         worst[kind] = min(worst[kind], sqnr)
         assert sqnr > SQNR_MIN_DB[kind], (p, sqnr)
     assert all(v < math.inf for v in worst.values())  # both kinds were measured
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 17, 33])
+def test_int_mm_on_the_cpu_needs_no_row_padding(rows):
+    """The CPU's _int_mm takes any row count (only CUDA's needs 17+, padded there): exact int64 products."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randint(-128, 128, (rows, 264), dtype=torch.int8, generator=g)
+    w = torch.randint(-128, 128, (40, 264), dtype=torch.int8, generator=g)
+    exact = x.long() @ w.long().T
+    assert torch.equal(ql._int_mm_int32(x, w).long(), exact)
+    assert torch.equal(int8_matmul(x, w, INT_MM).long(), exact)
+
+
+def test_epilogue_is_checked(quantized):
+    types, tensors = quantized
+    with pytest.raises(Int8LinearError, match=f"{DYNAMIC_NAME}: unknown epilogue 'fp16'"):
+        build_from_checkpoint(DYNAMIC_NAME, tensors, types, epilogue="fp16")

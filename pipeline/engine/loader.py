@@ -4,7 +4,10 @@ W8A8_DYNAMIC linear as an :class:`pipeline.engine.qlinear.Int8Linear` that compu
 integers, and each FA3 layer's ``fa_k`` scale for the int8 latent cache.
 
 The quantized linears are never materialized in float: the model is built with those weights on the meta
-device and the modules are then replaced.
+device and the modules are then replaced. ``epilogue`` picks the int8 linears' epilogue (``exact``, the
+reference mode, or ``fast``); with ``fuse_moe`` every MoE whose experts are all W8A8_DYNAMIC runs as
+:class:`pipeline.engine.moe.Int8MoE` (one activation quantization per layer, gate and up stacked: the same
+output in the reference mode).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from torch import nn
 from pipeline import layout
 from pipeline.config import DeepseekV3Config
 from pipeline.model import DeepseekV3ForCausalLM, build_model
-from pipeline.engine.qlinear import build_from_checkpoint
+from pipeline.engine.moe import fuse_moe_layers
+from pipeline.engine.qlinear import EXACT, build_from_checkpoint
 from pipeline.format.description import FLOAT, QUANT_KINDS
 from pipeline.format.reader import fa_scales, read_quantized
 
@@ -36,7 +40,7 @@ class LoadedModel:
 
 
 def load_quantized(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                   with_mtp: bool = True) -> LoadedModel:
+                   with_mtp: bool = True, epilogue: str = EXACT, fuse_moe: bool = True) -> LoadedModel:
     """Validate ``path`` with the checker (refusing what it rejects, with its report) and build the model."""
     cfg, types, tensors = read_quantized(path)
     quant = {n[: -len(".weight")] for n, t in types.items() if n.endswith(".weight") and t in QUANT_KINDS}
@@ -54,9 +58,11 @@ def load_quantized(path: str, dtype: torch.dtype = torch.float32, device: str = 
         if not isinstance(getattr(parent, child, None), nn.Linear):
             raise ValueError(f"{path}: {prefix} is typed {types[prefix + '.weight']} but the model has no linear there")
         params = {k: v.to(device) for k, v in tensors.items() if k.startswith(prefix + ".")}
-        setattr(parent, child, build_from_checkpoint(prefix, params, types))
+        setattr(parent, child, build_from_checkpoint(prefix, params, types, epilogue=epilogue))
     missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if missing:
         raise ValueError(f"{path}: tensors missing for {missing[:5]}")
+    if fuse_moe:
+        fuse_moe_layers(model)
     fa_k = {i: float(s.float().reshape(())) for i, s in fa_scales(tensors).items()}
     return LoadedModel(model.eval(), cfg, dict(types), fa_k, path)

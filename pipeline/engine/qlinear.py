@@ -16,15 +16,24 @@ the output has x's dtype, as the fake-quant reference's ``QuantLinear``):
       y     = (x_q @ W8.T) * s_tok * weight_scale.T  (+ bias, when the linear has one)
 
 ``deq_scale`` is float32 (bf16 models) or int64 holding the float32 bit pattern in its low 32 bits (fp16
-models). The integer product is exact on every kernel (:func:`int8_matmul`); the epilogue is the
-fake-quant reference's (exact integers to float64, multiplied in float64 in the same order, rounded to
-float32, then to x's dtype), so the output equals ``QuantLinear``'s bit for bit.
+models). The integer product is exact on every kernel (:func:`int8_matmul`). Two epilogues
+(``epilogue``, per module):
+
+- ``exact`` (the reference mode): the fake-quant reference's (exact integers to float64, multiplied in
+  float64 in the same order, rounded to float32, then to x's dtype), so the output equals
+  ``QuantLinear``'s bit for bit;
+- ``fast`` (the default): the same products in float32, on the int32 accumulator (W8A8: ``acc +
+  quant_bias`` is added in int32, exact). Each of its at most three float32 roundings (the integer to
+  float32, exact while |acc| <= 2^24; then one or two multiplies) is within half an ulp, so the float32
+  result is within 4 ulps of the exact one (FAST_EPILOGUE_ULPS; the tests measure it) and, cast to
+  bf16, within one bf16 ulp, where a float32 result falls on the other side of a bf16 rounding boundary.
 
 Kernels (:func:`select_kernel`; a module's ``kernel`` forces one, ``last_kernel`` says which ran):
 
 - ``int_mm``: ``torch._int_mm`` (int8 x int8 -> int32), the default on every device when k and n are multiples of 8 and
-  k <= 131071 (|acc| <= 128 * 128 * k stays inside int32); fewer than 17 rows are zero-padded to 32. The
-  shape rule holds on every device (on the CPU, torch 2.13's ``_int_mm`` returns garbage for k = 1).
+  k <= 131071 (|acc| <= 128 * 128 * k stays inside int32); on CUDA, fewer than 17 rows are zero-padded to
+  32 (its kernel refuses them; the CPU's takes any number of rows). The shape rule holds on every device
+  (on the CPU, torch 2.13's ``_int_mm`` returns garbage for k = 1).
 - ``fp32_chunked``: the CPU fallback for shapes ``_int_mm`` refuses. fp32 GEMMs over K-chunks of 1024 columns: every partial sum of a
   chunk is an integer of magnitude <= 128 * 128 * 1024 = 2^24, all of which float32 holds exactly, so each
   chunk's product is exact whatever order the GEMM sums in; chunks are summed in float64 (exact below 2^53).
@@ -48,6 +57,9 @@ F32_EPS = torch.finfo(torch.float32).eps
 INT_MM, FP32_CHUNKED, FLOAT64 = "int_mm", "fp32_chunked", "float64"
 KERNELS = (INT_MM, FP32_CHUNKED, FLOAT64)
 AUTO = "auto"
+EXACT, FAST = "exact", "fast"                     # epilogues (module docstring)
+EPILOGUES = (EXACT, FAST)
+FAST_EPILOGUE_ULPS = 4                            # fast vs exact, float32 output (module docstring)
 MAX_ABS_PRODUCT = 128 * 128                       # |x_q * w| <= 2^14
 FP32_EXACT_CHUNK = 2 ** 24 // MAX_ABS_PRODUCT     # 1024: every partial sum of a chunk is an exact float32
 INT_MM_MAX_K = (2 ** 31 - 1) // MAX_ABS_PRODUCT   # 131071: the int32 accumulator cannot overflow
@@ -153,6 +165,11 @@ def int8_matmul(x_q: Tensor, w: Tensor, kernel: str, w_f32: Optional[Tensor] = N
 
 
 def _int_mm(x_q: Tensor, w: Tensor) -> Tensor:
+    return _int_mm_int32(x_q, w).double()
+
+
+def _int_mm_int32(x_q: Tensor, w: Tensor) -> Tensor:
+    """The int32 accumulator of ``torch._int_mm`` (shape rules checked; CUDA's small row counts padded)."""
     m, k = x_q.shape
     n = w.shape[0]
     if k > INT_MM_MAX_K:
@@ -160,9 +177,10 @@ def _int_mm(x_q: Tensor, w: Tensor) -> Tensor:
     if k % 8 or n % 8 or k == 0:  # CUDA's rule, kept on every device: torch 2.13's CPU _int_mm is wrong for k = 1
         raise Int8LinearError(f"int8_matmul: int_mm needs k and n multiples of 8, got k={k}, n={n}")
     a = x_q.contiguous()
-    if m < INT_MM_MIN_ROWS:  # CUDA refuses <= 16 rows; zero rows add nothing to the rows kept
+    if m < INT_MM_MIN_ROWS and a.is_cuda:  # CUDA refuses <= 16 rows; zero rows add nothing to the rows kept
         a = torch.cat([a, a.new_zeros(INT_MM_PAD_ROWS - m, k)])
-    return torch._int_mm(a, w.t())[:m].double()
+        return torch._int_mm(a, w.t())[:m]
+    return torch._int_mm(a, w.t())
 
 
 def _fp32_chunked(x_q: Tensor, w_f32: Tensor, chunk: int) -> Tensor:
@@ -180,12 +198,17 @@ def _fp32_chunked(x_q: Tensor, w_f32: Tensor, chunk: int) -> Tensor:
 # ----- the modules ---------------------------------------------------------------------------------
 class Int8Linear(nn.Module):
     """Common part: the int8 weight, the kernel choice and the exact product. ``kernel``: "auto" (see
-    :func:`select_kernel`) or one of KERNELS; ``last_kernel``: the kernel of the last forward."""
+    :func:`select_kernel`) or one of KERNELS; ``last_kernel``: the kernel of the last forward;
+    ``epilogue``: EXACT (the reference) or FAST (see the module docstring)."""
 
     kind = ""
 
-    def __init__(self, name: str, weight: Tensor, bias: Optional[Tensor] = None, kernel: str = AUTO):
+    def __init__(self, name: str, weight: Tensor, bias: Optional[Tensor] = None, kernel: str = AUTO,
+                 epilogue: str = FAST):
         super().__init__()
+        if epilogue not in EPILOGUES:
+            raise Int8LinearError(f"{name}: unknown epilogue {epilogue!r} (known: {', '.join(EPILOGUES)})")
+        self.epilogue = epilogue
         self.name = name
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight)
@@ -213,7 +236,15 @@ class Int8Linear(nn.Module):
 
     def _product(self, x_q: Tensor) -> Tensor:
         """Exact x_q @ weight.T as float64 [m, n]; records the kernel in ``last_kernel``."""
+        return self._acc(x_q).double()
+
+    def _acc(self, x_q: Tensor) -> Tensor:
+        """Exact x_q @ weight.T [m, n]: int32 from ``int_mm``, float64 from the other kernels; records the
+        kernel in ``last_kernel``."""
         kernel = self.kernel_for(x_q.device)
+        if kernel == INT_MM:
+            self.last_kernel = kernel
+            return _int_mm_int32(x_q, self.weight)
         w_f32 = None
         if kernel == FP32_CHUNKED:
             key = (self.weight.device, self.weight.data_ptr(), self.weight._version)
@@ -224,7 +255,8 @@ class Int8Linear(nn.Module):
         return int8_matmul(x_q, self.weight, kernel, w_f32)
 
     def extra_repr(self) -> str:
-        return f"{self.name}: {self.kind}, in={self.in_features}, out={self.out_features}, kernel={self.kernel}"
+        return (f"{self.name}: {self.kind}, in={self.in_features}, out={self.out_features}, kernel={self.kernel}, "
+                f"epilogue={self.epilogue}")
 
 
 class W8A8StaticLinear(Int8Linear):
@@ -235,8 +267,9 @@ class W8A8StaticLinear(Int8Linear):
     kind = W8A8
 
     def __init__(self, name: str, weight: Tensor, input_scale: Tensor, input_offset: Tensor,
-                 quant_bias: Tensor, deq_scale: Tensor, bias: Optional[Tensor] = None, kernel: str = AUTO):
-        super().__init__(name, weight, bias, kernel)
+                 quant_bias: Tensor, deq_scale: Tensor, bias: Optional[Tensor] = None, kernel: str = AUTO,
+                 epilogue: str = FAST):
+        super().__init__(name, weight, bias, kernel, epilogue)
         self.register_buffer("input_scale", input_scale)
         self.register_buffer("input_offset", input_offset)
         self.register_buffer("quant_bias", quant_bias)
@@ -246,8 +279,12 @@ class W8A8StaticLinear(Int8Linear):
     def forward(self, x: Tensor) -> Tensor:
         # the small tensors are converted on every call (n values), so load_state_dict is always honoured
         x2 = self._flat(x)
-        acc = self._product(quantize_static(x2, self.input_scale.reshape(()), self.input_offset.reshape(())))
-        y = acc.add_(self.quant_bias).mul_(_bits_to_float32(self.deq_scale).double()).float()
+        acc = self._acc(quantize_static(x2, self.input_scale.reshape(()), self.input_offset.reshape(())))
+        deq = _bits_to_float32(self.deq_scale)
+        if self.epilogue == EXACT:
+            y = acc.double().add_(self.quant_bias).mul_(deq.double()).float()
+        else:  # int32 (or float64) + int32: exact (|sum| < 2^31); then one conversion, one multiply
+            y = acc.add_(self.quant_bias).float().mul_(deq)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
@@ -259,17 +296,24 @@ class W8A8DynamicLinear(Int8Linear):
     kind = W8A8_DYNAMIC
 
     def __init__(self, name: str, weight: Tensor, weight_scale: Tensor, bias: Optional[Tensor] = None,
-                 kernel: str = AUTO):
-        super().__init__(name, weight, bias, kernel)
+                 kernel: str = AUTO, epilogue: str = FAST):
+        super().__init__(name, weight, bias, kernel, epilogue)
         self.register_buffer("weight_scale", weight_scale)
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = self._flat(x)
-        x_q, s = quantize_per_token(x2)
-        y = self._product(x_q).mul_(s.double()).mul_(self.weight_scale.double().reshape(1, -1)).float()
+        y = self.apply_quantized(*quantize_per_token(x2))
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def apply_quantized(self, x_q: Tensor, s_tok: Tensor) -> Tensor:
+        """The float32 output [m, n] (no bias, not cast) for activations already quantized per token
+        (``quantize_per_token``: several linears reading the same input quantize it once)."""
+        acc = self._acc(x_q)
+        if self.epilogue == EXACT:
+            return acc.double().mul_(s_tok.double()).mul_(self.weight_scale.double().reshape(1, -1)).float()
+        return acc.float().mul_(s_tok).mul_(self.weight_scale.float().reshape(1, -1))
 
 
 # ----- building from a quantized directory ----------------------------------------------------------
@@ -279,7 +323,8 @@ def linear_tensors(tensors: Mapping[str, Tensor], prefix: str) -> dict[str, Tens
     return {k[len(p):]: v for k, v in tensors.items() if k.startswith(p) and "." not in k[len(p):]}
 
 
-def build_int8_linear(name: str, kind: str, params: Mapping[str, Tensor], kernel: str = AUTO) -> Int8Linear:
+def build_int8_linear(name: str, kind: str, params: Mapping[str, Tensor], kernel: str = AUTO,
+                      epilogue: str = FAST) -> Int8Linear:
     """The module of linear ``name`` of type ``kind`` (W8A8 or W8A8_DYNAMIC) from its tensors keyed by
     leaf name as in docs/format.md (both dialects: seed, and ascendV1 with float32 scales and no
     weight_scale on static layers). The module holds the given tensors as its buffers (no copy). Raises
@@ -306,7 +351,7 @@ def build_int8_linear(name: str, kind: str, params: Mapping[str, Tensor], kernel
         ws = _get(params, name, "weight_scale")
         _check_float(ws, f"{name}.weight_scale", (n, 1), allow_flat=True)
         _check_nonnegative(ws, f"{name}.weight_scale")
-        return W8A8DynamicLinear(name, weight, ws.reshape(n, 1), bias, kernel)
+        return W8A8DynamicLinear(name, weight, ws.reshape(n, 1), bias, kernel, epilogue)
 
     s = _get(params, name, "input_scale")
     _check_float(s, f"{name}.input_scale", (1,), allow_flat=True)
@@ -326,17 +371,17 @@ def build_int8_linear(name: str, kind: str, params: Mapping[str, Tensor], kernel
     if tuple(deq.shape) != (n,):
         raise Int8LinearError(f"{name}.deq_scale: expected shape [{n}], got {list(deq.shape)}")
     decode_deq_scale(deq, f"{name}.deq_scale")
-    return W8A8StaticLinear(name, weight, s.reshape(1), o.reshape(1), qb, deq, bias, kernel)
+    return W8A8StaticLinear(name, weight, s.reshape(1), o.reshape(1), qb, deq, bias, kernel, epilogue)
 
 
 def build_from_checkpoint(prefix: str, tensors: Mapping[str, Tensor], types: Mapping[str, str],
-                          kernel: str = AUTO) -> Int8Linear:
+                          kernel: str = AUTO, epilogue: str = FAST) -> Int8Linear:
     """The module of linear ``prefix`` from a whole directory's tensors and description types (the type
     is that of ``{prefix}.weight``, as readers decide it)."""
     key = prefix + ".weight"
     if key not in types:
         raise Int8LinearError(f"{prefix}: no '{key}' entry in the description")
-    return build_int8_linear(prefix, types[key], linear_tensors(tensors, prefix), kernel)
+    return build_int8_linear(prefix, types[key], linear_tensors(tensors, prefix), kernel, epilogue)
 
 
 def _get(params: Mapping[str, Tensor], name: str, leaf: str) -> Tensor:

@@ -1,0 +1,107 @@
+"""The MoE of a quantized layer as the engine runs it: the same routing and the same arithmetic as the
+model's ``MoE`` over int8 experts, with less work per step.
+
+- The layer's input is quantized once per token (W8A8_DYNAMIC quantizes each token by itself, so one
+  token's int8 row and scale are the same for every expert that reads it, the shared expert included);
+- each expert's gate and up projections are one int8 GEMM over their stacked weights ([2I, H]);
+- tokens are grouped by expert in one sort, and the per-expert results are added back in that order.
+
+Every output equals the model's ``MoE`` with the same int8 linears bit for bit in the linears' reference
+mode (the same integers, scales and epilogue per output column; the same casts and the same order of
+the index_add), which the tests check. The experts still run one GEMM each in a Python loop over the
+experts that have tokens: on the CPU there is no grouped int8 GEMM to hand them to.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.engine.qlinear import W8A8DynamicLinear, quantize_per_token
+from pipeline.model.ffn import MLP, MoE
+
+
+class Int8Expert(nn.Module):
+    """An expert (or the shared experts) with int8 W8A8_DYNAMIC linears: gate and up stacked."""
+
+    def __init__(self, mlp: MLP):
+        super().__init__()
+        g, u, d = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.inter = g.out_features
+        self.gate_up = W8A8DynamicLinear(f"{g.name}+up_proj", torch.cat([g.weight, u.weight]),
+                                         torch.cat([g.weight_scale, u.weight_scale]), kernel=g.kernel,
+                                         epilogue=g.epilogue)
+        self.down_proj = d
+
+    def forward_quantized(self, x_q: torch.Tensor, s_tok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows already quantized per token -> the expert's output in ``dtype``, as ``MLP.forward``
+        computes it with these linears (gate and up cast to ``dtype``, SiLU and product in ``dtype``)."""
+        gu = self.gate_up.apply_quantized(x_q, s_tok)
+        h = F.silu(gu[:, :self.inter].to(dtype)) * gu[:, self.inter:].to(dtype)
+        return self.down_proj(h)
+
+
+def _int8_mlp(mlp: Optional[nn.Module]) -> bool:
+    return isinstance(mlp, MLP) and all(
+        isinstance(m, W8A8DynamicLinear) and m.bias is None for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+
+
+def can_fuse(moe: nn.Module) -> bool:
+    """A MoE whose every expert (and shared expert) is W8A8_DYNAMIC without bias, with one epilogue."""
+    if not isinstance(moe, MoE) or not all(_int8_mlp(e) for e in moe.experts):
+        return False
+    if moe.shared_experts is not None and not _int8_mlp(moe.shared_experts):
+        return False
+    linears = [m for m in moe.modules() if isinstance(m, W8A8DynamicLinear)]
+    return len({(m.epilogue, m.kernel) for m in linears}) == 1
+
+
+class Int8MoE(nn.Module):
+    """Drop-in for a ``MoE`` that :func:`can_fuse`; keeps its router and ``last_load``."""
+
+    def __init__(self, moe: MoE):
+        super().__init__()
+        if not can_fuse(moe):
+            raise ValueError("Int8MoE: every expert must be W8A8_DYNAMIC without bias, with one epilogue")
+        self.gate = moe.gate
+        self.experts = nn.ModuleList(Int8Expert(e) for e in moe.experts)
+        self.shared_experts = Int8Expert(moe.shared_experts) if moe.shared_experts is not None else None
+        self.last_load: Optional[torch.Tensor] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        flat = x.reshape(-1, shape[-1])
+        weights, idx = self.gate(flat)
+        x_q, s_tok = quantize_per_token(flat)
+        out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+        load = torch.bincount(idx.flatten(), minlength=len(self.experts))
+        self.last_load = load
+        order = idx.flatten().argsort(stable=True)        # token slots grouped by expert
+        tokens = order // idx.shape[1]
+        slot_w = weights.flatten()[order]
+        start = 0
+        for e, n in enumerate(load.tolist()):
+            if n == 0:
+                continue
+            t = tokens[start:start + n]
+            y = self.experts[e].forward_quantized(x_q[t], s_tok[t], dtype).float() * slot_w[start:start + n, None]
+            out.index_add_(0, t, y)
+            start += n
+        out = out.to(dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts.forward_quantized(x_q, s_tok, dtype)
+        return out.view(shape)
+
+
+def fuse_moe_layers(model: nn.Module) -> int:
+    """Replace every fusable MoE in ``model`` by an :class:`Int8MoE`; returns how many."""
+    n = 0
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, MoE) and can_fuse(mod):
+            parent, child = name.rsplit(".", 1)
+            setattr(model.get_submodule(parent), child, Int8MoE(mod))
+            n += 1
+    return n

@@ -1,0 +1,167 @@
+"""Where an engine step's time goes: a per-step profile of the engine on the embedded model, quantized.
+
+    python scripts/profile_engine.py [--batch 8] [--prompt-len 128] [--new-tokens 64] [--mtp] [--out FILE]
+
+A batch of ``--batch`` held-out texts cut to ``--prompt-len`` tokens, greedy, ``--new-tokens`` each (the
+load of ``vllm bench serve --random-input-len 128 --random-output-len 64`` at that concurrency), run to the
+end through one engine after a warm-up. Each region below is timed by wrapping the function that does it;
+times are exclusive (a region's own time, less the regions it calls), so the columns add up to the step:
+
+  schedule    Scheduler.schedule (which sequences, how many tokens, cache blocks)
+  prepare     what the step and the runner do around the model: spans, positions, rows, bookkeeping
+  embed/norm/rope/einsum   the model's float work outside the regions below (the runner's own code)
+  cache write PagedLatentCache.write (quantize the latents, store them)
+  attention   paged decode / prefill attention over the cache
+  moe         MoE.forward's own work: routing, the per-expert loop, gathering and combining
+  linears     every int8 (W8A8, W8A8_DYNAMIC) and float linear
+  sampling    sampling the next token(s)
+  stop/detok  stop-string checks
+
+Decode steps (every piece one token) and steps holding prefill are reported apart; per-step medians are
+in milliseconds. Writes JSON to --out (default benchmarks/engine_profile.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_io import write_result  # noqa: E402
+
+REGIONS = ("schedule", "prepare", "model other", "cache write", "attention", "moe", "linears", "sampling",
+           "stop/detok")
+
+
+class Profiler:
+    """Exclusive wall time per region, per step; regions nest through a stack."""
+
+    def __init__(self):
+        self.stack: list[list] = []      # [region, start, time spent in children]
+        self.step: dict[str, float] = defaultdict(float)
+
+    def wrap(self, owner, attr: str, region: str) -> None:
+        fn = getattr(owner, attr)
+        prof = self
+
+        def timed(*args, **kwargs):
+            prof.stack.append([region, time.perf_counter(), 0.0])
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                r, t0, child = prof.stack.pop()
+                spent = time.perf_counter() - t0
+                prof.step[r] += spent - child
+                if prof.stack:
+                    prof.stack[-1][2] += spent
+
+        setattr(owner, attr, timed)
+
+
+def instrument(prof: Profiler) -> None:
+    import torch
+
+    from pipeline.engine import engine, paged_cache, qlinear, runner, scheduler
+    from pipeline.model import ffn
+
+    prof.wrap(engine.LLMEngine, "step", "prepare")
+    prof.wrap(scheduler.Scheduler, "schedule", "schedule")
+    prof.wrap(runner.ModelRunner, "forward", "model other")
+    prof.wrap(runner.ModelRunner, "mtp_forward", "model other")
+    prof.wrap(paged_cache.PagedLatentCache, "write", "cache write")
+    prof.wrap(runner, "paged_decode_attention", "attention")
+    prof.wrap(runner, "paged_prefill_attention", "attention")
+    prof.wrap(ffn.MoE, "forward", "moe")
+    try:
+        from pipeline.engine import moe as engine_moe
+        prof.wrap(engine_moe.Int8MoE, "forward", "moe")
+    except ImportError:
+        pass
+    for cls in (qlinear.W8A8StaticLinear, qlinear.W8A8DynamicLinear, torch.nn.Linear):
+        prof.wrap(cls, "forward", "linears")
+    prof.wrap(engine, "sample", "sampling")
+    prof.wrap(engine.LLMEngine, "_check_stop", "stop/detok")
+
+
+def prompts(n: int, length: int) -> list[list[int]]:
+    from pipeline.assets import EMBEDDED_MODEL_DIR
+    from pipeline.text import corpus
+    from pipeline.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(EMBEDDED_MODEL_DIR)
+    docs = [d.text for d in corpus.load_heldout(EMBEDDED_MODEL_DIR)[1]]
+    out = []
+    for text in docs:
+        ids = tok.encode(text, add_bos=True)
+        if len(ids) >= length:
+            out.append(ids[:length])
+        if len(out) == n:
+            return out
+    raise SystemExit(f"only {len(out)} held-out texts have {length} tokens")
+
+
+def summarize(steps: list[dict]) -> dict:
+    if not steps:
+        return {"steps": 0}
+    total = [sum(s.values()) for s in steps]
+    med = {r: round(1e3 * statistics.median(s.get(r, 0.0) for s in steps), 3) for r in REGIONS}
+    share = {r: round(sum(s.get(r, 0.0) for s in steps) / sum(total), 3) for r in REGIONS}
+    return {"steps": len(steps), "median_step_ms": round(1e3 * statistics.median(total), 3),
+            "median_ms": med, "share_of_time": share}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model-dir", default=str(REPO / "out" / "dsv3-tiny-pydoc-w8a8-fa3"),
+                    help="a quantized directory (python -m jobs.quantize writes this one)")
+    ap.add_argument("--batch", type=int, default=8, help="sequences run together")
+    ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sequence")
+    ap.add_argument("--mtp", action="store_true", help="MTP speculative decoding on (default: off)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (vLLM's CPU engine core uses one)")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "engine_profile.json"), help="JSON output")
+    args = ap.parse_args()
+
+    import torch
+
+    from pipeline.engine.engine import LLMEngine
+    from pipeline.engine.sampling import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    if not (Path(args.model_dir) / "quant_model_description.json").exists():
+        raise SystemExit(f"{args.model_dir}: no quantized model (run: python -m jobs.quantize --overwrite)")
+    eng = LLMEngine.from_dir(args.model_dir, num_blocks=2048, nz=True, mtp=args.mtp,
+                             max_num_seqs=max(16, args.batch))
+    batch = prompts(args.batch, args.prompt_len)
+    params = SamplingParams(max_new_tokens=args.new_tokens)
+    eng.generate(batch[:2], SamplingParams(max_new_tokens=4))            # warm-up, not profiled
+    prof = Profiler()
+    instrument(prof)
+    decode, prefill = [], []
+    for p in batch:
+        eng.add_request(p, params)
+    t0 = time.perf_counter()
+    generated = eng.stats.generated_tokens
+    while eng.has_work:
+        prof.step = defaultdict(float)
+        prefilling = any(s.in_prefill for s in eng.scheduler.running + list(eng.scheduler.waiting))
+        eng.step()
+        (prefill if prefilling else decode).append(dict(prof.step))
+    wall = time.perf_counter() - t0
+    res = {"model_dir": Path(args.model_dir).name, "batch": args.batch, "prompt_len": args.prompt_len,
+           "new_tokens": args.new_tokens, "mtp": args.mtp, "threads": args.threads, "wall_s": round(wall, 3),
+           "output_tok_s": round((eng.stats.generated_tokens - generated) / wall, 1),
+           "decode": summarize(decode), "prefill": summarize(prefill)}
+    write_result(args.out, res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
