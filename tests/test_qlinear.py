@@ -7,7 +7,7 @@ Bounds used below, and why:
   for bit. Both quantize the activation with the same float32 ops, both get the exact integer product, and
   both run the same epilogue (float64 multiply in the same order, rounded to float32, then to the model
   dtype), so no rounding can differ.
-- FAST_EPILOGUE_ULPS = 4 (float32) and FAST_BF16_ULPS = 1: the default float32 epilogue against the
+- FAST_EPILOGUE_ULPS = 4 (float32) and FAST_BF16_ULPS = 1: the float32 epilogue (``epilogue=FAST``) against the
   reference; at most three float32 roundings instead of one (qlinear's module docstring derives it).
 - The integer product equals the int64 product exactly (0 difference) on every kernel, K up to 4096.
 - SQNR of the module against the float linear (float weights of the source checkpoint, float32 matmul), on
@@ -26,8 +26,8 @@ from torch import nn
 
 from pipeline.engine import qlinear as ql
 from pipeline.engine.qlinear import (
-    EXACT, FAST_EPILOGUE_ULPS, FLOAT64, FP32_CHUNKED, INT_MM, Int8LinearError, W8A8DynamicLinear, W8A8StaticLinear,
-    build_from_checkpoint,
+    EXACT, FAST, FAST_EPILOGUE_ULPS, FLOAT64, FP32_CHUNKED, INT_MM, Int8LinearError, W8A8DynamicLinear,
+    W8A8StaticLinear, build_from_checkpoint,
     build_int8_linear, decode_deq_scale, int8_matmul, linear_tensors, select_kernel,
 )
 from pipeline.model.loading import load_model
@@ -128,7 +128,7 @@ def test_every_quantized_linear_equals_fakequant(quantized, activations):
         assert ulp_diff(one_ulp_up, ref) == 1 + ulp_diff(y, ref), p
         # leading dims are kept: a [B, S, k] input gives [B, S, n], the same rows
         assert torch.equal(mod(x[:12].reshape(3, 4, -1)), y[:12].reshape(3, 4, -1)), p
-        fast = build_from_checkpoint(p, tensors, types)          # the default: the float32 epilogue
+        fast = build_from_checkpoint(p, tensors, types, epilogue=FAST)   # the float32 epilogue
         worst["fp32"] = max(worst["fp32"], ulp_diff(fast(x32), mod(x32)))
         worst["bf16"] = max(worst["bf16"], ulp_diff(fast(x), y))
     assert worst["fp32"] <= FAST_EPILOGUE_ULPS and worst["bf16"] <= FAST_BF16_ULPS, worst
@@ -294,7 +294,7 @@ def test_msmodelslim_ascendv1_files_equal_fakequant(fixture, activations):
         x = input_for(p, mod.in_features, activations, md)
         ref = QuantLinear(types[p + ".weight"], linear_tensors(tensors, p))(x)
         assert ulp_diff(mod(x), ref) <= OUTPUT_ULPS, p
-        assert ulp_diff(build_from_checkpoint(p, tensors, types)(x), ref) <= FAST_BF16_ULPS, p
+        assert ulp_diff(build_from_checkpoint(p, tensors, types, epilogue=FAST)(x), ref) <= FAST_BF16_ULPS, p
         if isinstance(mod, W8A8StaticLinear):
             deq_dtypes.add(mod.deq_scale.dtype)
             assert torch.equal(decode_deq_scale(mod.deq_scale), qparams.deq_scale_to_float32(mod.deq_scale))

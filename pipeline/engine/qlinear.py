@@ -19,10 +19,10 @@ the output has x's dtype, as the fake-quant reference's ``QuantLinear``):
 models). The integer product is exact on every kernel (:func:`int8_matmul`). Two epilogues
 (``epilogue``, per module):
 
-- ``exact`` (the reference mode): the fake-quant reference's (exact integers to float64, multiplied in
+- ``exact`` (the reference mode, and the default): the fake-quant reference's (exact integers to float64, multiplied in
   float64 in the same order, rounded to float32, then to x's dtype), so the output equals
   ``QuantLinear``'s bit for bit;
-- ``fast`` (the default): the same products in float32, on the int32 accumulator (W8A8: ``acc +
+- ``fast``: the same products in float32, on the int32 accumulator (W8A8: ``acc +
   quant_bias`` is added in int32, exact). Each of its at most three float32 roundings (the integer to
   float32, exact while |acc| <= 2^24; then one or two multiplies) is within half an ulp, so the float32
   result is within 4 ulps of the exact one (FAST_EPILOGUE_ULPS; the tests measure it) and, cast to
@@ -204,7 +204,7 @@ class Int8Linear(nn.Module):
     kind = ""
 
     def __init__(self, name: str, weight: Tensor, bias: Optional[Tensor] = None, kernel: str = AUTO,
-                 epilogue: str = FAST):
+                 epilogue: str = EXACT):
         super().__init__()
         if epilogue not in EPILOGUES:
             raise Int8LinearError(f"{name}: unknown epilogue {epilogue!r} (known: {', '.join(EPILOGUES)})")
@@ -268,7 +268,7 @@ class W8A8StaticLinear(Int8Linear):
 
     def __init__(self, name: str, weight: Tensor, input_scale: Tensor, input_offset: Tensor,
                  quant_bias: Tensor, deq_scale: Tensor, bias: Optional[Tensor] = None, kernel: str = AUTO,
-                 epilogue: str = FAST):
+                 epilogue: str = EXACT):
         super().__init__(name, weight, bias, kernel, epilogue)
         self.register_buffer("input_scale", input_scale)
         self.register_buffer("input_offset", input_offset)
@@ -296,7 +296,7 @@ class W8A8DynamicLinear(Int8Linear):
     kind = W8A8_DYNAMIC
 
     def __init__(self, name: str, weight: Tensor, weight_scale: Tensor, bias: Optional[Tensor] = None,
-                 kernel: str = AUTO, epilogue: str = FAST):
+                 kernel: str = AUTO, epilogue: str = EXACT):
         super().__init__(name, weight, bias, kernel, epilogue)
         self.register_buffer("weight_scale", weight_scale)
 
@@ -324,7 +324,7 @@ def linear_tensors(tensors: Mapping[str, Tensor], prefix: str) -> dict[str, Tens
 
 
 def build_int8_linear(name: str, kind: str, params: Mapping[str, Tensor], kernel: str = AUTO,
-                      epilogue: str = FAST) -> Int8Linear:
+                      epilogue: str = EXACT) -> Int8Linear:
     """The module of linear ``name`` of type ``kind`` (W8A8 or W8A8_DYNAMIC) from its tensors keyed by
     leaf name as in docs/format.md (both dialects: seed, and ascendV1 with float32 scales and no
     weight_scale on static layers). The module holds the given tensors as its buffers (no copy). Raises
@@ -375,7 +375,7 @@ def build_int8_linear(name: str, kind: str, params: Mapping[str, Tensor], kernel
 
 
 def build_from_checkpoint(prefix: str, tensors: Mapping[str, Tensor], types: Mapping[str, str],
-                          kernel: str = AUTO, epilogue: str = FAST) -> Int8Linear:
+                          kernel: str = AUTO, epilogue: str = EXACT) -> Int8Linear:
     """The module of linear ``prefix`` from a whole directory's tensors and description types (the type
     is that of ``{prefix}.weight``, as readers decide it)."""
     key = prefix + ".weight"
