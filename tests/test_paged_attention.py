@@ -345,3 +345,25 @@ def test_int8_vs_bf16_sqnr_real_latents(tiny_latents):
             o16s.append(o16)
         db = sqnr_db(torch.stack(o8s), torch.stack(o16s))
         assert db >= SQNR_REAL_DB, (i, db)
+
+
+@pytest.mark.parametrize("nz", [False, True])
+@pytest.mark.parametrize("int8", [True, False])
+def test_one_write_per_step_equals_writes_per_sequence(nz, int8):
+    """write_slots (every token of a step, several sequences, one call) stores what write() stores per
+    sequence, bit for bit, padding included."""
+    C, R, bs = 48, 16, 16
+    c, pe = _latents(40, C, R, seed=21)
+    fa_k = c.float().abs().max() / 127 if int8 else None
+    a = PagedLatentCache(6, bs, C, R, fa_k=fa_k, nz=nz)
+    b = PagedLatentCache(6, bs, C, R, fa_k=fa_k, nz=nz)
+    spans = [([4, 1], 13, 5), ([0], 0, 16), ([5, 3], 20, 1), ([2], 3, 12)]   # (blocks, start, n)
+    slots, k = [], 0
+    for blocks, start, n in spans:
+        a.write(blocks, c[k:k + n], pe[k:k + n], start)
+        slots += [blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+        k += n
+    b.write_slots(torch.tensor(slots), c[:k], pe[:k])
+    assert torch.equal(a.c, b.c) and torch.equal(a.pe, b.pe)
+    with pytest.raises(ValueError, match="write_slots: c .S, 48., k_pe .S, 16. and slots .S. expected"):
+        b.write_slots(torch.tensor(slots[:-1]), c[:k], pe[:k])

@@ -178,6 +178,34 @@ class PagedLatentCache:
                 self.c[b, o0:o1] = cq[i0:i1]
                 self.pe[b, o0:o1] = pe[i0:i1]
 
+    def write_slots(self, slots: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Store the latents of one step's tokens, whatever sequences they belong to, in one go: token i
+        goes to flat slot ``slots[i]`` = block * block_size + offset (int64 [S], distinct, not checked
+        here: the runner builds them from block tables the scheduler handed out). Same values as
+        :meth:`write` (the latent quantized with ``quantize_latent`` on an FA3 layer)."""
+        n = c.shape[0]
+        if c.shape != (n, self.C) or k_pe.shape != (n, self.d_r) or slots.shape != (n,):
+            raise ValueError(f"write_slots: c [S, {self.C}], k_pe [S, {self.d_r}] and slots [S] expected, got "
+                             f"{tuple(c.shape)}, {tuple(k_pe.shape)}, {tuple(slots.shape)}")
+        if self.is_int8:   # quantize_latent's ops on the scale checked at construction
+            cq = torch.clamp(torch.round(c.float() / self.scale), -INT8_MAX, INT8_MAX).to(torch.int8)
+        else:
+            cq = c.to(self.dtype)
+        cq = cq.to(self.c.device)
+        pe = k_pe.to(dtype=self.dtype, device=self.pe.device)
+        bs = self.block_size
+        if not self.nz:
+            self.c.view(-1, self.C).index_copy_(0, slots, cq)
+            self.pe.view(-1, self.d_r).index_copy_(0, slots, pe)
+            return
+        block, offset = slots // bs, slots % bs
+        for store, rows in ((self.c, cq), (self.pe, pe)):
+            _, c1, _, c0 = store.shape
+            cols = rows.shape[1]
+            if cols != c1 * c0:
+                rows = torch.cat([rows, rows.new_zeros(n, c1 * c0 - cols)], dim=1)
+            store[block[:, None], torch.arange(c1, device=store.device)[None, :], offset[:, None]] = rows.view(n, c1, c0)
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy every slot of block ``src`` into ``dst`` (the copy-on-write of ``BlockTable.append_tokens``)."""
         self.check_block(src)

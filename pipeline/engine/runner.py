@@ -61,13 +61,12 @@ class ModelRunner:
         return sum(c.bytes_per_token() for c in self.caches.values())
 
     def _layer(self, layer, cache: PagedLatentCache, h: torch.Tensor, cos, sin, spans: Sequence[Span],
-               bounds: list[tuple[int, int]]) -> torch.Tensor:
+               bounds: list[tuple[int, int]], slots: torch.Tensor) -> torch.Tensor:
         attn, dev = layer.self_attn, self.device
         x = layer.input_layernorm(h)
         q_nope, q_pe = attn.query(x, cos, sin)
         c, k_pe = attn.latent(x, cos, sin)
-        for sp, (a, b) in zip(spans, bounds):
-            cache.write(sp.blocks, c[0, a:b], k_pe[0, a:b], sp.start)
+        cache.write_slots(slots, c[0], k_pe[0])                  # the step's tokens, one write per layer
         w_uk, w_uv = attn.absorbed_weights()
         q_abs = torch.einsum("nhd,hdc->nhc", q_nope[0].float(), w_uk.float())
         qp = q_pe[0].float()
@@ -85,23 +84,34 @@ class ModelRunner:
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def _positions(self, spans: Sequence[Span]):
-        dev = self.device
-        pos = torch.cat([torch.arange(sp.start, sp.start + sp.n, device=dev) for sp in spans])
-        bounds, k = [], 0
+        """(cos, sin) of every token, each span's [a, b) in the flat row, and each token's cache slot
+        (block * block_size + offset), checked against its span's blocks."""
+        dev, bs = self.device, self.block_size
+        pos, slots, bounds, k = [], [], [], 0
         for sp in spans:
+            if -(-(sp.start + sp.n) // bs) > len(sp.blocks):
+                raise ValueError(f"positions {sp.start}..{sp.start + sp.n - 1} need "
+                                 f"{-(-(sp.start + sp.n) // bs)} block(s), the span has {len(sp.blocks)}")
+            for p in range(sp.start, sp.start + sp.n):
+                pos.append(p)
+                slots.append(sp.blocks[p // bs] * bs + p % bs)
             bounds.append((k, k + sp.n))
             k += sp.n
-        return self.model.rotary.cos_sin(pos[None]), bounds
+        num_blocks = next(iter(self.caches.values())).num_blocks
+        if any(not 0 <= s < num_blocks * bs for s in slots):
+            raise ValueError(f"a span names a block outside the cache's {num_blocks}")
+        pos_t = torch.tensor(pos, device=dev)
+        return self.model.rotary.cos_sin(pos_t[None]), bounds, torch.tensor(slots, dtype=torch.long, device=dev)
 
     @torch.no_grad()
     def forward(self, spans: Sequence[Span], rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The main model over ``spans`` (their cache slots reserved); returns (logits [R, V] float32,
         final normed hidden [N, h] of every token) with logits at the flat token ``rows``."""
         model = self.model
-        (cos, sin), bounds = self._positions(spans)
+        (cos, sin), bounds, slots = self._positions(spans)
         h = model.embed(torch.tensor([t for sp in spans for t in sp.ids], device=self.device)[None])
         for i in range(self.cfg.num_hidden_layers):
-            h = self._layer(model.model.layers[i], self.caches[i], h, cos, sin, spans, bounds)
+            h = self._layer(model.model.layers[i], self.caches[i], h, cos, sin, spans, bounds, slots)
         hidden = model.model.norm(h)
         return model.lm_head(hidden[:, list(rows)]).float()[0], hidden[0]
 
@@ -111,8 +121,8 @@ class ModelRunner:
         [N, h] the main model's normed hidden state at those positions; returns logits [R, V] float32 (for
         tokens t+2) at the flat ``rows``."""
         layer = self.model.mtp_layers[0]
-        (cos, sin), bounds = self._positions(spans)
+        (cos, sin), bounds, slots = self._positions(spans)
         nxt = torch.tensor([t for sp in spans for t in sp.ids], device=self.device)[None]
         x = layer.eh_proj(torch.cat([layer.enorm(layer.embed_tokens(nxt)), layer.hnorm(hidden[None])], dim=-1))
-        x = self._layer(layer, self.caches[self.mtp_id], x, cos, sin, spans, bounds)
+        x = self._layer(layer, self.caches[self.mtp_id], x, cos, sin, spans, bounds, slots)
         return layer.shared_head.head(layer.shared_head.norm(x[:, list(rows)])).float()[0]
