@@ -1,7 +1,10 @@
 """The prefill deployment of the disaggregated mode: an engine that runs prompts to their first token and
 hands each prompt's cache blocks (int8 latent, NZ when on, the MTP layer's too) back to the caller, the
 decode deployment, through Ray's object store (``LLMEngine.prefill``). Prompts are prefilled one at a time
-per replica, on a worker thread so the replica keeps answering health checks."""
+per replica, on a worker thread so the replica keeps answering health checks. A prompt whose prefill fails
+(``LLMEngine.prefill`` raises) leaves nothing behind in the engine, so the next prompt is unaffected; should
+the engine still hold work between prefills, :meth:`PrefillServer.check_health` fails and Serve replaces the
+replica rather than let it fail every later request."""
 
 import asyncio
 import threading
@@ -35,6 +38,10 @@ class PrefillServer:
     async def prefill(self, prompt_ids, params):
         """The KVHandoff of one prompt (its first token and cache blocks)."""
         return await asyncio.to_thread(self._prefill, list(prompt_ids), params)
+
+    def check_health(self) -> None:
+        if not self.lock.locked() and self.engine.has_work:
+            raise RuntimeError("the prefill engine holds sequences between prefills: its state is broken")
 
     async def layout(self) -> dict:
         return self.engine.kv_layout()

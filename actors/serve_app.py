@@ -26,12 +26,13 @@ from ray.serve.handle import DeploymentHandle
 
 from actors.ray_errors import app_error
 from pipeline.engine.engine_loop import EngineDead, EngineLoop, PrefillFailed  # noqa: F401
-from actors.serve_config import DEFAULT_ENGINE, DeploymentOptions, ServeConfig  # noqa: F401 (re-exported)
+from actors.serve_config import DEFAULT_ENGINE, DeploymentOptions, ServeConfig, check_fits  # noqa: F401
 from actors.serve_ingress import OpenAIIngress
 from pipeline.engine.engine_loop import TokenEvent
 from pipeline.serving.openai_api import GenerateRequest
 
 ADMIN_HEADROOM = 16     # calls beyond max_in_flight a replica accepts: health, metrics, stats, refusals
+PREFILL_FAILURES_UNHEALTHY = 3  # prefills failed in a row (disaggregated): /health says so until one succeeds
 
 # ----- the engine deployment ---------------------------------------------------------------------------
 
@@ -54,6 +55,8 @@ class LLMServer:
         self.max_model_len = engine.scheduler.max_model_len
         self.layout = engine.kv_layout()
         self.handoffs, self.handoff_bytes, self.prefill_failures = 0, 0, 0
+        self.prefill_failing: Optional[str] = None  # the last error, once PREFILL_FAILURES_UNHEALTHY in a row
+        self._failures_in_row = 0
         self.loop = EngineLoop(engine)
 
     async def _prefilled(self, request: GenerateRequest):
@@ -68,7 +71,12 @@ class LLMServer:
             if isinstance(cause, ValueError):
                 raise cause from None
             self.prefill_failures += 1
-            raise PrefillFailed(f"prefill failed: {type(cause).__name__}: {cause}") from None
+            self._failures_in_row += 1
+            why = f"prefill failed: {type(cause).__name__}: {cause}"
+            if self._failures_in_row >= PREFILL_FAILURES_UNHEALTHY:
+                self.prefill_failing = why
+            raise PrefillFailed(why) from None
+        self._failures_in_row, self.prefill_failing = 0, None
         if kv.layout != self.layout:
             raise PrefillFailed("prefill and decode disagree on the KV cache layout "
                                 f"({sorted(k for k in kv.layout if kv.layout[k] != self.layout.get(k))})")
@@ -120,7 +128,7 @@ class LLMServer:
         out = dict(self.loop.snapshot)
         if self.prefill is not None:
             out.update(kv_handoffs=self.handoffs, kv_handoff_bytes=self.handoff_bytes,
-                       prefill_failures=self.prefill_failures)
+                       prefill_failures=self.prefill_failures, prefill_failing=self.prefill_failing)
         return out
 
     def check_health(self) -> None:
@@ -131,6 +139,16 @@ class LLMServer:
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop(timeout=1.0)
+
+
+def _check_cluster_fits(config: ServeConfig) -> None:
+    """Refuse now, naming what to change, a config the connected Ray cluster cannot schedule."""
+    import ray
+
+    if not ray.is_initialized():
+        return  # `serve run` builds the app before connecting: Serve reports what does not fit
+    nodes = [n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
+    check_fits(config, sum(nodes), nodes)
 
 
 def _load(config: ServeConfig):
@@ -148,6 +166,7 @@ def build_app(config: Union[ServeConfig, Mapping[str, Any]]):
 
     if not isinstance(config, ServeConfig):
         config = ServeConfig.from_dict(config)
+    _check_cluster_fits(config)
     in_flight = config.max_in_flight * config.ingress.num_replicas
     prefill = None
     if config.mode == "disaggregated":

@@ -36,7 +36,8 @@ class ServeConfig:
     replica. ``mode``: "colocated" (one engine deployment does prefill and decode) or "disaggregated" (a
     prefill deployment, ``prefill`` replicas, computes each prompt's cache and hands the blocks to the
     decode deployment, ``llm``, through the object store; a prefill slower than ``prefill_timeout_s``
-    fails that request only). Both sides run the same engine options, so they agree on the checkpoint,
+    fails that request only). ``max_body_bytes``: the largest request body (413 beyond);
+    ``body_timeout_s``: how long a request body may take to arrive (408 beyond). Both sides run the same engine options, so they agree on the checkpoint,
     the KV dtype, the block size and the layout; the decode side checks every handoff against its own. ``host``/``port``/``app_name``/``route_prefix``: where ``jobs.serve`` serves it."""
 
     model_path: str
@@ -46,10 +47,14 @@ class ServeConfig:
     max_in_flight: int = 64
     torch_threads: int = 1
     llm: DeploymentOptions = field(default_factory=lambda: DeploymentOptions(1, {"num_cpus": 1}))
-    ingress: DeploymentOptions = field(default_factory=lambda: DeploymentOptions(1, {"num_cpus": 0.1}))
+    # 0 CPUs reserved for the ingress (async I/O; Ray does not cap what it uses): the defaults then need 1
+    # CPU colocated and 2 disaggregated, so `jobs.serve --mode disaggregated` fits a 2-CPU machine
+    ingress: DeploymentOptions = field(default_factory=lambda: DeploymentOptions(1, {"num_cpus": 0}))
     mode: str = "colocated"         # or "disaggregated": prefill on its own deployment, KV handed to decode
     prefill: DeploymentOptions = field(default_factory=lambda: DeploymentOptions(1, {"num_cpus": 1}))
     prefill_timeout_s: float = 60.0
+    max_body_bytes: int = 2 * 1024 * 1024   # a larger request body is refused with 413 before it is read
+    body_timeout_s: float = 30.0            # a body not received in full by then: 408 (slow clients)
     host: str = "127.0.0.1"
     port: int = 8000
     app_name: str = "dsquant"
@@ -58,7 +63,7 @@ class ServeConfig:
     def __post_init__(self):
         if not isinstance(self.model_path, str) or not self.model_path:
             raise ValueError(f"model_path must be a non-empty string, got {self.model_path!r}")
-        for f in ("max_in_flight", "torch_threads"):
+        for f in ("max_in_flight", "torch_threads", "max_body_bytes"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f} must be an integer >= 1, got {v!r}")
@@ -66,8 +71,9 @@ class ServeConfig:
             raise ValueError("api_key must be a non-empty string or null")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if not self.prefill_timeout_s > 0:
-            raise ValueError(f"prefill_timeout_s must be > 0, got {self.prefill_timeout_s!r}")
+        for f in ("prefill_timeout_s", "body_timeout_s"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"{f} must be > 0, got {getattr(self, f)!r}")
 
     @property
     def model_name(self) -> str:
@@ -120,5 +126,31 @@ class ServeConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def deployments(self) -> dict[str, DeploymentOptions]:
+        """The deployments this config starts, by option name (``llm``, ``ingress``, ``prefill``)."""
+        out = {"llm": self.llm, "ingress": self.ingress}
+        if self.mode == "disaggregated":
+            out["prefill"] = self.prefill
+        return out
+
+
+def check_fits(config: ServeConfig, total_cpus: float, node_cpus: list[float]) -> None:
+    """Refuse (ValueError naming what to change) a config whose replicas' CPU requests cannot all be
+    scheduled on a cluster with ``total_cpus`` CPUs on nodes of ``node_cpus``: Serve would otherwise wait
+    for them forever (a Ray warning every 30 s, requests hanging)."""
+    need, parts = 0.0, []
+    biggest = max(node_cpus, default=0.0)
+    for name, opts in config.deployments().items():
+        cpus = float(opts.ray_actor_options.get("num_cpus", 1) or 0)
+        if cpus > biggest:
+            raise ValueError(f"{name}.ray_actor_options.num_cpus is {cpus:g} but the largest Ray node has "
+                             f"{biggest:g} CPUs: lower it (jobs.serve: --llm-num-cpus, or a --config file)")
+        need += cpus * opts.num_replicas
+        parts.append(f"{name} {opts.num_replicas} x {cpus:g}")
+    if need > total_cpus + 1e-9:
+        raise ValueError(f"the {config.mode} app needs {need:g} CPUs ({', '.join(parts)}) but the Ray cluster "
+                         f"has {total_cpus:g}: lower num_cpus or num_replicas in the llm/prefill/ingress options "
+                         "(jobs.serve: --llm-num-cpus, --llm-replicas, or a --config file) or add CPUs")
 
 

@@ -1,8 +1,15 @@
 """The OpenAI-compatible HTTP front of the serving application (FastAPI through ``@serve.ingress``):
 ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` true:
-``text/event-stream``), ``GET /health``, ``GET /metrics`` (Prometheus text). Every request is validated
-here (:mod:`pipeline.serving.openai_api`); a bad one never reaches the engine. With ``api_key`` set, the ``/v1``
-routes need ``Authorization: Bearer <key>`` (401 otherwise). At most ``max_in_flight`` generation requests
+``text/event-stream``), ``GET /health``, ``GET /metrics`` (Prometheus text), and the API's own
+description (``/openapi.json``, ``/docs``, ``/redoc``). Every request is validated here
+(:mod:`pipeline.serving.openai_api`); a bad one never reaches the engine. With ``api_key`` set, the ``/v1``
+routes and the API description need ``Authorization: Bearer <key>`` (401 otherwise); ``/health`` and
+``/metrics`` stay open, as in vLLM, for load balancers and Prometheus scrapers that hold no key (they tell
+nothing but liveness and counts). A request body larger than ``max_body_bytes`` is refused with 413 (at
+once when its Content-Length says so), one that takes longer than ``body_timeout_s`` to arrive with 408;
+the body is parsed and tokenized on a worker thread, never on the event loop. :meth:`OpenAIIngress.drain`
+(called at shutdown) ends every open stream with an OpenAI-style error event and ``data: [DONE]``, and
+refuses new requests with 503. At most ``max_in_flight`` generation requests
 run per ingress replica; one more is refused at once with 429 (and Serve's own queue in front of the
 ingress is bounded too): there is no unbounded queue. :func:`actors.serve_app.build_app` binds it to the
 engine deployment.
@@ -17,6 +24,7 @@ import time
 from typing import AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -35,7 +43,17 @@ STATS_TIMEOUT_S = 5.0
 
 # ----- the ingress -------------------------------------------------------------------------------------
 
-openai_app = FastAPI(title="dsquant OpenAI-compatible API")
+# FastAPI's own docs routes answer everyone; they are re-added below behind the API key
+openai_app = FastAPI(title="dsquant OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+class ShuttingDown(Exception):
+    """The ingress is draining for shutdown: open streams end, new requests are refused."""
+
+
+def shutdown_error() -> ApiError:
+    return ApiError(503, "the server is shutting down; retry the request", "server_error", None,
+                    "server_shutting_down")
 
 
 def _error(err: ApiError, headers: Optional[dict] = None) -> JSONResponse:
@@ -66,6 +84,7 @@ class OpenAIIngress:
         self.tokenizer = Tokenizer.from_dir(config.model_path)
         self.metrics = ServeMetrics()
         self.in_flight = 0
+        self._draining = asyncio.Event()
         self._info: Optional[dict] = None
         self.created = int(time.time())
 
@@ -92,6 +111,53 @@ class OpenAIIngress:
                             None, "invalid_api_key")
         return None
 
+    async def _read_body(self, request: Request) -> bytes:
+        """The request body, at most ``max_body_bytes`` (413 beyond) and within ``body_timeout_s`` (408)."""
+        limit = self.config.max_body_bytes
+        too_large = ApiError(413, f"the request body is larger than this server's limit of {limit} bytes",
+                             "invalid_request_error", None, "request_too_large")
+        length = request.headers.get("content-length")
+        if length is not None and length.strip().isdigit() and int(length) > limit:
+            raise too_large
+
+        async def read() -> bytes:
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+        try:
+            return await asyncio.wait_for(read(), self.config.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.config.body_timeout_s:g} s",
+                           "invalid_request_error", None, "request_timeout") from None
+
+    def _parse(self, raw: bytes, parse, max_model_len: int) -> GenerateRequest:
+        """JSON, validation and tokenization (run on a worker thread: a large prompt takes a while)."""
+        return parse(api.parse_json_body(raw), self.tokenizer, self.model, max_model_len)
+
+    async def drain(self) -> int:
+        """Shutdown: every open stream ends with an error event and ``data: [DONE]``, new generation
+        requests get 503. Returns the number of requests in flight when called."""
+        self._draining.set()
+        return self.in_flight
+
+    async def _next_event(self, it: AsyncIterator[TokenEvent]) -> TokenEvent:
+        """The next event of ``it``, or ShuttingDown as soon as :meth:`drain` is called."""
+        nxt = asyncio.ensure_future(it.__anext__())
+        drain = asyncio.ensure_future(self._draining.wait())
+        try:
+            done, _ = await asyncio.wait({nxt, drain}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drain.cancel()
+        if nxt in done:
+            return nxt.result()
+        nxt.cancel()
+        raise ShuttingDown()
+
     def _done(self, route: str, status: int) -> None:
         self.metrics.requests.labels(route=route, status=str(status)).inc()
 
@@ -109,6 +175,8 @@ class OpenAIIngress:
             return JSONResponse({"status": "unhealthy", "error": f"{type(e).__name__}: {e}"}, status_code=503)
         if not stats.get("alive"):
             return JSONResponse({"status": "unhealthy", "error": "the engine loop stopped"}, status_code=503)
+        if stats.get("prefill_failing"):  # disaggregated: every request would fail at prefill now
+            return JSONResponse({"status": "unhealthy", "error": stats["prefill_failing"]}, status_code=503)
         return {"status": "ok"}
 
     @openai_app.get("/metrics")
@@ -120,6 +188,27 @@ class OpenAIIngress:
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(self.metrics.render(stats), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    @openai_app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request):
+        err = self._auth(request)
+        return self._reply("docs", err) if err is not None else JSONResponse(openai_app.openapi())
+
+    @openai_app.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request):
+        err = self._auth(request)
+        if err is not None:
+            return self._reply("docs", err)
+        return get_swagger_ui_html(openapi_url=f"{request.scope.get('root_path', '')}/openapi.json",
+                                   title=openai_app.title)
+
+    @openai_app.get("/redoc", include_in_schema=False)
+    async def redoc(self, request: Request):
+        err = self._auth(request)
+        if err is not None:
+            return self._reply("docs", err)
+        return get_redoc_html(openapi_url=f"{request.scope.get('root_path', '')}/openapi.json",
+                              title=openai_app.title)
 
     @openai_app.get("/v1/models")
     async def models(self, request: Request):
@@ -147,10 +236,12 @@ class OpenAIIngress:
         err = self._auth(request)
         if err is not None:
             return self._reply(route, err)
+        if self._draining.is_set():
+            return self._reply(route, shutdown_error())
         try:
-            body = api.parse_json_body(await request.body())
+            raw = await self._read_body(request)
             info = await self._engine_info()
-            req = parse(body, self.tokenizer, self.model, info["max_model_len"])
+            req = await asyncio.to_thread(self._parse, raw, parse, info["max_model_len"])
         except ApiError as e:
             return self._reply(route, e)
         if self.in_flight >= self.config.max_in_flight:
@@ -206,11 +297,14 @@ class OpenAIIngress:
         yield first
         if first.finish_reason is not None:
             return
-        async for ev in gen:
+        while True:
+            try:
+                ev = await self._next_event(gen)
+            except StopAsyncIteration:
+                raise EngineDead("the engine's event stream ended without a finish reason") from None
             yield ev
             if ev.finish_reason is not None:
                 return
-        raise EngineDead("the engine's event stream ended without a finish reason")
 
     async def _collect(self, req: GenerateRequest, gen, first: TokenEvent, t0: float, route: str):
         detok = resp.IncrementalDetokenizer(self.tokenizer, req.params.stop)
@@ -225,6 +319,8 @@ class OpenAIIngress:
         except asyncio.CancelledError:  # the client went away; the caller's finally aborts the sequence
             self.metrics.finished.labels(reason="abort").inc()
             raise
+        except ShuttingDown:
+            return self._reply(route, shutdown_error())
         except Exception as e:  # noqa: BLE001
             cause = app_error(e)
             return self._reply(route, ApiError(500, f"the engine failed: {type(cause).__name__}: {cause}",
@@ -260,6 +356,9 @@ class OpenAIIngress:
                             yield resp.sse(resp.usage_chunk(req, created, n))
                         self.metrics.finished.labels(reason=ev.finish_reason).inc()
                         self.metrics.e2e.observe(time.perf_counter() - t0)
+            except ShuttingDown:  # headers are out: say so in the stream, and stop generating for it
+                gen.cancel()
+                yield resp.sse(shutdown_error().body())
             except Exception as e:  # noqa: BLE001 - headers are out: report in the stream
                 cause = app_error(e)
                 yield resp.sse(ApiError(500, f"the engine failed: {type(cause).__name__}: {cause}",

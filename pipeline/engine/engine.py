@@ -23,7 +23,7 @@ from pipeline.engine.loader import LoadedModel, load_quantized
 from pipeline.engine.runner import ModelRunner, Span
 from pipeline.engine.scheduler import FINISHED, RUNNING, Scheduler
 from pipeline.engine.scheduler import Sequence as Seq
-from pipeline.engine.sampling import SamplingParams, cut_at_stop, sample
+from pipeline.engine.sampling import SamplingParams, StopText, cut_at_stop, sample
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,8 @@ class LLMEngine:
                                   getattr(torch, config.cache_dtype) if config.cache_dtype else None, config.mtp,
                                   config.fa3)
         self.stats = EngineStats()
+        self._stop_texts: dict[int, StopText] = {}      # seq_id -> its output's text, for stop strings
+        self.errors: dict[int, str] = {}                # seq_id -> why it failed (finish_reason "error")
         self.eos_id = getattr(tokenizer, "eos_id", None) if tokenizer is not None else cfg.eos_token_id
         self._layout = self._make_layout()
 
@@ -105,6 +107,15 @@ class LLMEngine:
 
     def abort(self, seq: Seq) -> None:
         self.scheduler.abort(seq)
+        self._forget(seq)
+
+    def _forget(self, seq: Seq) -> None:
+        """Drop the per-sequence state kept for a finished sequence (its failure stays until popped)."""
+        self._stop_texts.pop(seq.seq_id, None)
+
+    def pop_error(self, seq: Seq) -> Optional[str]:
+        """Why a sequence finished with reason "error" (a failure of that request only), once."""
+        return self.errors.pop(seq.seq_id, None)
 
     # ----- prefill/decode disaggregation ----------------------------------------------------------
     def kv_layout(self) -> dict:
@@ -123,17 +134,20 @@ class LLMEngine:
         cache blocks; the sequence's blocks are freed here once copied out."""
         seq = self.add_request(prompt_ids, replace(params, max_new_tokens=1))
         seq.hold = True
-        while seq.status != FINISHED:
-            self.step()
         try:
+            while seq.status != FINISHED:
+                self.step()
+            if seq.finish_reason == "error":
+                raise RuntimeError(f"prefill failed: {self.pop_error(seq)}")
             first = seq.output[0] if seq.output else None
             n = len(seq.prompt)
             blocks = seq.table.blocks[: -(-n // self.config.block_size)]
             data = {i: (c.c[blocks].clone(), c.pe[blocks].clone()) for i, c in self.runner.caches.items()}
             reason = "stop" if first is None else ("length" if params.max_new_tokens <= 1 else None)
             return KVHandoff(list(seq.prompt), first, reason, n, data, seq.draft, self.kv_layout())
-        finally:
+        finally:  # done or failed: this prompt leaves nothing behind in the engine
             seq.hold = False
+            self.scheduler.abort(seq)
             seq.table.release(self.allocator)
 
     def add_prefilled(self, kv: KVHandoff, params: SamplingParams) -> Seq:
@@ -174,25 +188,22 @@ class LLMEngine:
                 rows += [b - 2, b - 1] if p.draft is not None else [b - 1]
         logits, hidden = self.runner.forward(spans, rows)
         sampled: dict[int, list[int]] = {}
+        failed: list[Seq] = []
         r = 0
         for p in batch.pieces:
             if not p.samples:
                 continue
-            seq = p.seq
-            first = int(sample(logits[r:r + 1], seq.params, seq.generator)[0])
-            if p.draft is None:
-                sampled[seq.seq_id] = [first]
-                r += 1
-                continue
-            self.stats.drafts += 1
-            if first == p.draft:
-                self.stats.accepted += 1
-                sampled[seq.seq_id] = [first, int(sample(logits[r + 1:r + 2], seq.params, seq.generator)[0])]
-            else:
-                sampled[seq.seq_id] = [first]
-            r += 2
+            rows_of = 1 if p.draft is None else 2
+            try:
+                sampled[p.seq.seq_id] = self._sample_piece(p, logits[r:r + rows_of])
+            except Exception as e:  # noqa: BLE001 - one request's sampling failure fails that request only
+                self.errors[p.seq.seq_id] = f"sampling failed: {type(e).__name__}: {e}"
+                failed.append(p.seq)
+            r += rows_of
         before = {p.seq.seq_id: len(p.seq.output) for p in batch.pieces}
         self.scheduler.update(batch, sampled)
+        for seq in failed:
+            self.scheduler.finish(seq, "error")
         if self.runner.mtp_id is not None:
             self._draft(batch.pieces, offsets, hidden)
         for p in batch.pieces:
@@ -203,10 +214,25 @@ class LLMEngine:
                 self._check_stop(seq)
             if new or seq.status == FINISHED:
                 events.append((seq, new))
+            if seq.status == FINISHED:
+                self._forget(seq)
         self.stats.steps += 1
         self.stats.preemptions = self.scheduler.num_preemptions
         self.stats.step_seconds.append(time.perf_counter() - t0)
         return events
+
+    def _sample_piece(self, p, logits: torch.Tensor) -> list[int]:
+        """The tokens a sampling piece yields: one, or with an MTP draft the verification and, when the
+        draft is accepted, one more."""
+        seq = p.seq
+        first = int(sample(logits[0:1], seq.params, seq.generator)[0])
+        if p.draft is None:
+            return [first]
+        self.stats.drafts += 1
+        if first != p.draft:
+            return [first]
+        self.stats.accepted += 1
+        return [first, int(sample(logits[1:2], seq.params, seq.generator)[0])]
 
     def _draft(self, pieces, offsets: list[int], hidden: torch.Tensor) -> None:
         """Run the MTP layer on every position computed this step (with the token after it, now known),
@@ -234,9 +260,15 @@ class LLMEngine:
         return self.stats.accepted / self.stats.drafts if self.stats.drafts else 0.0
 
     def _check_stop(self, seq: Seq) -> None:
+        """Finish ``seq`` once its output holds a stop string; the output's text is decoded and searched
+        incrementally (StopText): constant work per new token, whatever the output's length."""
         if not seq.params.stop or self.tokenizer is None or seq.status == FINISHED:
             return
-        if cut_at_stop(self.tokenizer.decode(seq.output), seq.params.stop)[1]:
+        text = self._stop_texts.get(seq.seq_id)
+        if text is None:
+            text = self._stop_texts[seq.seq_id] = StopText(self.tokenizer, seq.params.stop)
+        text.add(seq.output[len(text.ids):])
+        if text.stopped:
             self.scheduler.finish(seq, "stop")
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[int]]:
@@ -244,6 +276,9 @@ class LLMEngine:
         seqs = [self.add_request(p, params) for p in prompts]
         while self.has_work:
             self.step()
+        errors = [(i, self.pop_error(s)) for i, s in enumerate(seqs) if s.finish_reason == "error"]
+        if errors:
+            raise RuntimeError(f"prompt {errors[0][0]} failed: {errors[0][1]}")
         return [s.output for s in seqs]
 
     def text(self, seq: Seq) -> str:

@@ -27,6 +27,14 @@ class EngineDead(RuntimeError):
     """The engine's step loop stopped on an error; the message carries it."""
 
 
+class RequestFailed(RuntimeError):
+    """The engine failed this request (its sampling, or a step it was in); the others go on."""
+
+
+# A step that raises fails the requests in it; this many in a row means the engine itself is broken.
+MAX_FAILED_STEPS = 3
+
+
 Sink = Callable[[Union[TokenEvent, BaseException]], None]
 
 
@@ -34,8 +42,10 @@ class EngineLoop:
     """An LLMEngine driven by its own thread. :meth:`submit` and :meth:`abort` may be called from any
     thread; they only enqueue commands, which the loop applies between steps, so the engine is touched by
     one thread only. Each request's events go to its sink (called on the loop thread); a request the
-    engine refuses gets the ValueError instead, and every open request gets :class:`EngineDead` if the
-    loop fails."""
+    engine refuses gets the ValueError instead, a request the engine fails (its sampling, or a step it
+    was in raised) gets :class:`RequestFailed` and the loop goes on; only after ``MAX_FAILED_STEPS``
+    failed steps in a row (or a failure outside a step) does every open request get :class:`EngineDead`
+    and the loop stop (health checks then fail, and Serve replaces the replica)."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -48,6 +58,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self.error: Optional[BaseException] = None
         self.aborted = 0
+        self.failed_steps = 0                 # in a row
         self.finished = {"stop": 0, "length": 0, "abort": 0}
         self.snapshot: dict = {}
         self._publish()
@@ -89,6 +100,9 @@ class EngineLoop:
                 _deliver(sink, ValueError(f"the prompt's cache blocks do not fit this engine's cache: {e}"))
             except ValueError as e:
                 _deliver(sink, e)
+            except Exception as e:  # noqa: BLE001 - a handoff the engine cannot take fails that request only
+                _deliver(sink, RequestFailed(f"the engine could not take the prefilled request: "
+                                             f"{type(e).__name__}: {e}"))
             else:
                 self._register(key, seq, sink)
             self._prefilled.pop(0)
@@ -106,6 +120,9 @@ class EngineLoop:
                 seq = self.engine.add_request(prompt_ids, params)
             except ValueError as e:
                 _deliver(sink, e)
+                return
+            except Exception as e:  # noqa: BLE001 - a request the engine cannot take fails alone
+                _deliver(sink, RequestFailed(f"the engine could not take the request: {type(e).__name__}: {e}"))
                 return
             self._register(key, seq, sink)
         elif cmd[0] == "abort":
@@ -137,15 +154,7 @@ class EngineLoop:
                 self._drain(block=not self.engine.has_work and not self._prefilled)
                 self._admit_prefilled()
                 if self.engine.has_work:
-                    for seq, new in self.engine.step():
-                        key = self._key_of.get(seq.seq_id)
-                        done = seq.status == "finished"
-                        if key is None:
-                            continue
-                        _deliver(self._sinks[key], TokenEvent(tuple(new), seq.finish_reason if done else None))
-                        if done:
-                            self.finished[seq.finish_reason] = self.finished.get(seq.finish_reason, 0) + 1
-                            del self._sinks[key], self._seqs[key], self._key_of[seq.seq_id]
+                    self._step()
                 self._publish()
         except BaseException as e:  # noqa: BLE001 - reported to every open request and to health checks
             self.error = e
@@ -153,6 +162,41 @@ class EngineLoop:
                 _deliver(sink, EngineDead(f"the engine loop stopped: {type(e).__name__}: {e}"))
             self._sinks.clear()
             self._publish()
+
+    def _step(self) -> None:
+        """One engine step, its events delivered. A step that raises fails the requests running in it."""
+        try:
+            events = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail the requests in this step, keep serving the rest
+            self.failed_steps += 1
+            if self.failed_steps >= MAX_FAILED_STEPS:
+                raise
+            self._fail_running(f"an engine step failed: {type(e).__name__}: {e}")
+            return
+        self.failed_steps = 0
+        for seq, new in events:
+            key = self._key_of.get(seq.seq_id)
+            done = seq.status == "finished"
+            if key is None:
+                if done:
+                    self.engine.pop_error(seq)
+                continue
+            if done and seq.finish_reason == "error":
+                _deliver(self._sinks[key], RequestFailed(self.engine.pop_error(seq) or "the request failed"))
+            else:
+                _deliver(self._sinks[key], TokenEvent(tuple(new), seq.finish_reason if done else None))
+            if done:
+                self.finished[seq.finish_reason] = self.finished.get(seq.finish_reason, 0) + 1
+                del self._sinks[key], self._seqs[key], self._key_of[seq.seq_id]
+
+    def _fail_running(self, why: str) -> None:
+        for seq in list(self.engine.scheduler.running):
+            self.engine.abort(seq)
+            key = self._key_of.pop(seq.seq_id, None)
+            if key is not None:
+                self._seqs.pop(key, None)
+                _deliver(self._sinks.pop(key), RequestFailed(why))
+                self.finished["error"] = self.finished.get("error", 0) + 1
 
     def _publish(self) -> None:
         eng = self.engine

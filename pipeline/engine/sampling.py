@@ -1,17 +1,24 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a seeded generator."""
+"""Token sampling: greedy, temperature, top-k, top-p, with a seeded generator; and stop strings, matched
+incrementally on text decoded a window of tokens at a time (:class:`StopText`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
+
+# A temperature below this is greedy (vLLM's _SAMPLING_EPS): dividing logits by it would overflow.
+MIN_TEMPERATURE = 1e-5
+# torch.Generator.manual_seed takes [-2**63, 2**64); outside it raises "Overflow when unpacking long".
+SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy. top_k 0 and top_p 1.0 disable those filters. ``stop``: strings that end
-    generation (the text is cut before them)."""
+    """temperature 0 (or below MIN_TEMPERATURE) is greedy. top_k 0 and top_p 1.0 disable those filters.
+    ``stop``: strings that end generation (the text is cut before them)."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -23,36 +30,113 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not self.temperature >= 0 or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [B, V] -> token ids [B] (int64)."""
+    """logits [B, V] -> token ids [B] (int64). Numerically safe for every valid ``p``: non-finite logits
+    are clamped, the most likely token always survives the filters, and a row whose probabilities are
+    still unusable falls back to greedy."""
     if p.greedy:
         return logits.argmax(-1)
-    x = logits.float() / p.temperature
+    x = torch.nan_to_num(logits.float(), nan=float("-inf"))
+    x = (x / p.temperature).clamp(min=torch.finfo(torch.float32).min)  # -inf stays finite-but-tiny
     if p.top_k:
         kth = x.topk(min(p.top_k, x.shape[-1]), dim=-1).values[:, -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if p.top_p < 1:
         sorted_x, order = x.sort(dim=-1, descending=True)
         probs = sorted_x.softmax(-1)
-        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        # drop a token when the mass before it already reaches top_p; the first token always stays (a
+        # top_p below float32's range compares as 0, which would otherwise drop every token)
         drop = probs.cumsum(-1) - probs >= p.top_p
+        drop[:, 0] = False
         x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
-    return torch.multinomial(x.softmax(-1), 1, generator=generator).squeeze(-1)
+    probs = x.softmax(-1)
+    usable = torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)
+    if not bool(usable.all()):
+        probs = torch.where(usable[:, None], probs, torch.nn.functional.one_hot(
+            logits.argmax(-1), probs.shape[-1]).to(probs.dtype))
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def cut_at_stop(text: str, stop: Iterable[str]) -> tuple[str, bool]:
     """``text`` cut before the earliest occurrence of any (non-empty) stop string, and whether one occurs."""
     cut = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
     return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+class StopText:
+    """The text of a growing list of token ids, decoded incrementally, cut at the first stop string.
+
+    Each :meth:`add` decodes only the tokens since the last settled point (plus the one before, for
+    context) and searches for the stop strings only in the new text and the ``longest stop - 1``
+    characters before it: the work per call is bounded by the new tokens and the stop strings' length,
+    never by the output so far. A decode ending in a replacement character (an incomplete multi-byte
+    character) is not settled: those tokens are decoded again with the next ones. :attr:`text` is the
+    settled text (cut before a stop string once :attr:`stopped`); :meth:`finish` settles the rest."""
+
+    def __init__(self, tokenizer, stop: Iterable[str] = ()):
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self._longest = max((len(s) for s in self.stop), default=0)
+        self.ids: list[int] = []
+        self._prefix = 0        # ids[_prefix:_read] were decoded already: the context of the next decode
+        self._read = 0          # ids[_read:] are not settled yet
+        self.text = ""
+        self.stopped = False
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Take new token ids; returns the text settled by them (cut before a stop string)."""
+        if self.stopped:
+            return ""
+        self.ids.extend(token_ids)
+        return self._settle(final=False)
+
+    def finish(self) -> str:
+        """Settle whatever is pending (a trailing incomplete character included)."""
+        return "" if self.stopped else self._settle(final=True)
+
+    def _settle(self, final: bool) -> str:
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self._prefix:self._read]) if self._read > self._prefix else ""
+        window = decode(self.ids[self._prefix:])
+        if len(self.ids) == self._read or (not final and window.endswith("\ufffd")):
+            return ""  # nothing new, or an incomplete character: wait for more tokens
+        new = window[len(before):]
+        self._prefix, self._read = self._read, len(self.ids)
+        return self._append(new)
+
+    def _append(self, new: str) -> str:
+        if self.stop:
+            start = max(0, len(self.text) - self._longest + 1)
+            tail = self.text[start:] + new
+            cut_tail, self.stopped = cut_at_stop(tail, self.stop)
+            if self.stopped:
+                new = cut_tail[len(self.text) - start:] if len(cut_tail) >= len(self.text) - start else ""
+                self.text = self.text[:start] + cut_tail
+                return new
+        self.text += new
+        return new
+
+    def held_back(self) -> int:
+        """How many characters at the end of :attr:`text` could still begin a stop string."""
+        if self.stopped or not self.stop:
+            return 0
+        tail = self.text[-(self._longest - 1):] if self._longest > 1 else ""
+        for k in range(len(tail), 0, -1):
+            end = tail[len(tail) - k:]
+            if any(s.startswith(end) for s in self.stop if len(s) > k):
+                return k
+        return 0

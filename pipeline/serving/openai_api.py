@@ -14,8 +14,15 @@ stream flag), or refused with an :class:`ApiError` whose :meth:`ApiError.body` i
 
 Sampling: ``max_tokens`` (chat also ``max_completion_tokens``) defaults to 16 for completions (capped by
 the room left in the context) and to the whole room left for chat; an explicit value with the prompt must
-fit the context. ``temperature`` in [0, 2] (0 is greedy), ``top_p`` in (0, 1], ``top_k`` (an extension,
-0 or -1 disables it), ``seed``, ``stop`` (a string or up to 4 strings).
+fit the context. ``temperature`` in [0, 2] (0, or below ``sampling.MIN_TEMPERATURE``, is greedy), ``top_p``
+in (0, 1], ``top_k`` (an extension, 0 or -1 disables it), ``seed`` (in torch's range, [-2**63, 2**64)),
+``stop`` (a string or up to 4 strings, each at most ``MAX_STOP_CHARS`` characters).
+
+Text: a chat message's content is tokenized as plain text (a special-token string in it, such as
+``<｜Assistant｜>``, becomes ordinary tokens: only the chat template's structure yields special ids). A
+completions ``prompt`` string is the model's raw input, as in vLLM: special-token strings in it are
+honoured (the caller could send the ids themselves anyway). A body must be a JSON object nested at most
+``MAX_JSON_DEPTH`` deep, whose strings are valid Unicode (no lone surrogate): else 400, naming the field.
 
 The engine side answers a :class:`GenerateRequest` with ``pipeline.engine.engine_loop.TokenEvent`` s; the ingress turns them into
 text with ``openai_responses.IncrementalDetokenizer`` and into responses with that module's builders.
@@ -29,11 +36,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
-from pipeline.engine.sampling import SamplingParams
+from pipeline.engine.sampling import SEED_RANGE, SamplingParams
 
 COMPLETION, CHAT = "completion", "chat"
 DEFAULT_COMPLETION_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 4                    # OpenAI's limit
+MAX_STOP_CHARS = 256                    # per stop string: bounds the matching work per token
+MAX_JSON_DEPTH = 32                     # an OpenAI body needs 5 levels; deeper is refused, not recursed into
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 _IGNORED = {"user", "stream_options"}   # accepted; stream_options is read, user is not used
@@ -51,6 +60,9 @@ class ApiError(Exception):
                  param: Optional[str] = None, code: Optional[str] = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def __reduce__(self):  # picklable with all its fields (Ray ships exceptions and captured globals)
+        return (type(self), (self.status, self.message, self.type, self.param, self.code))
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -90,9 +102,44 @@ def parse_json_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise invalid(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise invalid(f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
     if not isinstance(body, dict):
         raise invalid(f"the request body must be a JSON object, got {type(body).__name__}")
+    _check_json_values(body)
     return body
+
+
+def _check_json_values(body: dict) -> None:
+    """Refuse a body nested deeper than MAX_JSON_DEPTH, or holding a string (or key) that is not valid
+    Unicode (a lone surrogate, which JSON's ``\\ud800`` escapes allow): a 400 naming where. Iterative,
+    so no depth can overflow the stack."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            _check_unicode(value, path)
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise invalid(f"the request body is nested too deeply at {path} (at most {MAX_JSON_DEPTH} levels)",
+                          path.split(".")[0].split("[")[0] or None)
+        if isinstance(value, dict):
+            for k, v in value.items():
+                _check_unicode(k, f"{path}.{k!r}" if path else repr(k))
+                stack.append((v, f"{path}.{k}" if path else k, depth + 1))  # k is valid Unicode now
+        else:
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
+
+
+def _check_unicode(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        name = where.split(".")[0].split("[")[0]
+        raise invalid(f"{where} is not valid Unicode: a lone surrogate {text[e.start]!r} at character {e.start}",
+                      name) from None
 
 
 def parse_completion(body: Mapping[str, Any], tokenizer, served_model: str, max_model_len: int) -> GenerateRequest:
@@ -274,6 +321,10 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
         raise invalid(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
     if any(not s for s in stop):
         raise invalid("stop strings must not be empty", "stop")
+    longest = max(range(len(stop)), key=lambda i: len(stop[i]))
+    if len(stop[longest]) > MAX_STOP_CHARS:
+        raise invalid(f"stop strings may have at most {MAX_STOP_CHARS} characters; stop[{longest}] has "
+                      f"{len(stop[longest])}", "stop")
     return tuple(stop)
 
 
@@ -297,6 +348,8 @@ def _finish_parse(body: Mapping[str, Any], kind: str, model: str, prompt_ids: Se
     if top_k is not None and top_k < -1:
         raise invalid(f"top_k must be >= 0 (or -1 to disable it), got {top_k}", "top_k")
     seed = _integer(body, "seed")
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise invalid(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {seed}", "seed")
     stop = _stop(body)
     max_tokens = _integer(body, "max_tokens")
     n_prompt = len(prompt_ids)

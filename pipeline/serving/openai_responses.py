@@ -9,7 +9,7 @@ import json
 import time
 from typing import Any, Iterable, Mapping, Optional
 
-from pipeline.engine.sampling import cut_at_stop
+from pipeline.engine.sampling import StopText
 from pipeline.serving.openai_api import CHAT, COMPLETION, GenerateRequest
 
 DONE_LINE = "data: [DONE]\n\n"
@@ -18,43 +18,41 @@ DONE_LINE = "data: [DONE]\n\n"
 # ----- incremental detokenization --------------------------------------------------------------------
 
 class IncrementalDetokenizer:
-    """Text of a growing list of token ids, sent only once stable. Each :meth:`add` decodes the whole
-    output and returns the new suffix, holding back a trailing replacement character (an incomplete
-    multi-byte character) and any tail that could still grow into a stop string; once a stop string
-    appears the text is cut before it and :attr:`stopped` is set. :meth:`finish` returns whatever was held
-    back. The concatenation of all returned pieces equals :attr:`text`, the full output cut at its first
-    stop string (what ``LLMEngine.text`` returns)."""
+    """Text of a growing list of token ids, sent only once stable: :class:`StopText` decodes it
+    incrementally and cuts it at the first stop string; what :meth:`add` returns also holds back a
+    trailing incomplete multi-byte character and any tail that could still grow into a stop string.
+    :meth:`finish` returns whatever was held back. The concatenation of all returned pieces equals
+    :attr:`text`, the full output cut at its first stop string (what ``LLMEngine.text`` returns). The
+    work per call is bounded by the new tokens and the stop strings' length, not by the output so far."""
 
     def __init__(self, tokenizer, stop: Iterable[str] = ()):
-        self.tokenizer = tokenizer
-        self.stop = tuple(s for s in stop if s)
-        self.ids: list[int] = []
-        self.sent = ""
-        self.stopped = False
+        self._text = StopText(tokenizer, stop)
+        self.sent = 0           # characters of the text returned so far
+
+    @property
+    def ids(self) -> list[int]:
+        return self._text.ids
+
+    @property
+    def stopped(self) -> bool:
+        return self._text.stopped
 
     @property
     def text(self) -> str:
-        return cut_at_stop(self.tokenizer.decode(self.ids), self.stop)[0]
+        self._text.finish()
+        return self._text.text
 
     def add(self, token_ids: Iterable[int]) -> str:
-        if self.stopped:
-            return ""
-        self.ids.extend(token_ids)
-        text, self.stopped = cut_at_stop(self.tokenizer.decode(self.ids), self.stop)
-        if not self.stopped:
-            text = text.rstrip("\ufffd")
-            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            text = text[:len(text) - hold]
-        return self._emit(text)
+        self._text.add(list(token_ids))
+        return self._emit(len(self._text.text) - self._text.held_back())
 
     def finish(self) -> str:
-        return self._emit(self.text)
+        self._text.finish()
+        return self._emit(len(self._text.text))
 
-    def _emit(self, text: str) -> str:
-        if not text.startswith(self.sent):  # a decode that rewrote earlier text: send nothing until it settles
-            return ""
-        new = text[len(self.sent):]
-        self.sent = text
+    def _emit(self, upto: int) -> str:
+        new = self._text.text[self.sent:upto] if upto > self.sent else ""
+        self.sent = max(self.sent, upto)
         return new
 
 

@@ -9,6 +9,7 @@ template) and for any checkpoint whose config names its bos/eos tokens; without 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Mapping, Sequence
 
 import jinja2
@@ -46,6 +47,24 @@ CHAT_TEMPLATE = (
     "{%- endif %}{%- endfor %}"
     "{% if add_generation_prompt %}{{ '" + ASSISTANT + "' }}{% endif %}"
 )
+
+
+# Marks a special-token string inside message content while the template renders, so that only the
+# template's own special tokens are parsed as such (a private-use character; one in the content itself is
+# doubled, so the marking is lossless).
+_MARK = "\ue000"
+_UNMARK = re.compile(_MARK + "(" + _MARK + ")?")
+
+
+# Longer texts are encoded with encode_batch, which releases the GIL (encode holds it: a large prompt
+# tokenized on a worker thread would still stall the server's event loop).
+RELEASE_GIL_CHARS = 4096
+
+
+def _ids(tk: _HFTokenizer, text: str) -> list[int]:
+    if len(text) > RELEASE_GIL_CHARS:
+        return tk.encode_batch([text], add_special_tokens=False)[0].ids
+    return tk.encode(text, add_special_tokens=False).ids
 
 
 class TokenizerError(ValueError):
@@ -96,6 +115,13 @@ class Tokenizer:
 
     def __init__(self, tokenizer: _HFTokenizer, config: Mapping[str, Any], config_path: str = "tokenizer_config"):
         self._tk = tokenizer
+        # the same model with special-token strings encoded as ordinary text (for message content)
+        self._plain = _HFTokenizer.from_str(tokenizer.to_str())
+        self._plain.encode_special_tokens = True
+        specials = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special),
+                          key=len, reverse=True)
+        self._special_ids = {t: tokenizer.token_to_id(t) for t in specials}
+        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._config_path = config_path
         ids = {}
         for key in ("bos_token", "eos_token", "pad_token"):
@@ -147,8 +173,13 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of ``text``; special-token strings in it become their single ids."""
-        ids = self._tk.encode(text, add_special_tokens=False).ids
+        ids = _ids(self._tk, text)
         return [self.bos_id, *ids] if add_bos else ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` as ordinary text: a special-token string in it is split into ordinary
+        tokens, never its special id."""
+        return _ids(self._plain, text)
 
     @property
     def adds_bos_by_default(self) -> bool:
@@ -170,5 +201,26 @@ class Tokenizer:
         )
 
     def encode_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Ids of :meth:`apply_chat_template`'s text; the template writes the bos, so none is added."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=False)
+        """Ids of :meth:`apply_chat_template`'s text; the template writes the bos, so none is added. Only
+        the template's own structure yields special ids: a special-token string inside a message's
+        content is encoded as ordinary text (so no content can forge a turn or a system prompt)."""
+        if self._special_re is None:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=False)
+        marked = [{**m, "content": self._mark(m["content"])} if isinstance(m.get("content"), str) else m
+                  for m in messages]
+        text = self.apply_chat_template(marked, add_generation_prompt)
+        ids: list[int] = []
+        pos = 0
+        for m in self._special_re.finditer(text):  # the template's special tokens (content's are marked)
+            ids += self.encode_plain(self._unmark(text[pos:m.start()]))
+            ids.append(self._special_ids[m.group()])
+            pos = m.end()
+        return ids + self.encode_plain(self._unmark(text[pos:]))
+
+    def _mark(self, content: str) -> str:
+        content = content.replace(_MARK, _MARK + _MARK)
+        return self._special_re.sub(lambda m: m.group()[0] + _MARK + m.group()[1:], content)
+
+    @staticmethod
+    def _unmark(text: str) -> str:
+        return _UNMARK.sub(lambda m: m.group(1) or "", text) if _MARK in text else text
