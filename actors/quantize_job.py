@@ -8,8 +8,11 @@ quantize and write the shards on the actors, then the index and description last
 1. Plan: stage ranges from :func:`pipeline.plan.planner.plan` (balanced by bytes and FLOPs), checked against the
    resources Ray reports; the output's shards from :mod:`pipeline.quant.shard_layout` (the single-process
    writer's rule, so the files are the same).
-2. Destination (:mod:`pipeline.quant.job_state`): a finished output of the same job fingerprint: nothing
-   to do, said in one line. Otherwise it stops looking complete, and an earlier run's state is kept.
+2. Destination (:mod:`pipeline.quant.job_state`), after every input is checked
+   (:func:`pipeline.quant.preflight.check_job`): a finished output of the same job fingerprint: nothing
+   to do, said in one line. Otherwise it stops looking complete, and an earlier run's state is kept; with
+   ``overwrite`` an earlier output stays whole while the new one is written in a hidden sibling
+   directory (:func:`pipeline.quant.job_state.staging_dir`), swapped in at the end.
 3. Calibration (:mod:`actors.calibration`), skipped when ``.dsquant/calibration.parquet`` holds the same
    calibration fingerprint: with smoothing, a smoothing pass, its statistics reduced and folded into
    every stage; then the W8A8/FA3 pass; statistics reduced exactly (min/max) across samples and replicas
@@ -23,7 +26,6 @@ quantize and write the shards on the actors, then the index and description last
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Callable, Optional
 
@@ -33,20 +35,19 @@ from actors.calibration import run_pass
 from actors.ray_session import DistOptions, cluster_resources, connect, make_actors
 from actors.weights import run_weights
 from pipeline.io import storage
-from pipeline.io.checkpoint import CONFIG_NAME, CheckpointReader
+from pipeline.io.checkpoint import CheckpointReader
 from pipeline.plan.planner import plan as make_plan
 from pipeline.plan.resources import check_resources
 from pipeline.quant import job_state as js
 from pipeline.quant.observers import Stats
 from pipeline.quant.output_files import finalize, json_bytes
-from pipeline.config import model_dtype
-from pipeline.quant.run import QuantizeOptions, calibration_samples
+from pipeline.quant.run import QuantizeOptions
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.shard_layout import checkpoint_shards
 from pipeline.quant.smooth import ChannelAbsMax
 from pipeline.quant.stage import SMOOTH, STATS, StageSpec, even_ranges, split_stages
 from pipeline.quant.stats_io import load_calibration, save_calibration
-from pipeline.quant.writer import check_finish_args
+from pipeline.quant.preflight import check_job
 
 Log = Callable[[str], None]
 
@@ -137,12 +138,9 @@ def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptio
     calibration (sample, stage) and each unit written, in the driver (progress hooks, tests)."""
     t0 = time.time()
     phases: dict[str, float] = {}
-    reader = CheckpointReader(src)
+    checked = check_job(src, dst, recipe, opts, resumable=True)  # every input, before Ray starts
+    reader, raw_config, samples = checked.reader, checked.raw_config, checked.samples
     cfg = reader.config
-    recipe.check_config(cfg)
-    raw_config = json.loads(storage.read_bytes(storage.join(src, CONFIG_NAME)))
-    check_finish_args(dst, raw_config, src, model_dtype(cfg))
-    samples = calibration_samples(src, opts, cfg.max_position_embeddings)
     key = js.JobKey.of(reader, recipe, samples, smooth_alpha=opts.smooth_alpha, shard_bytes=opts.shard_bytes,
                        mindie_format=opts.mindie_format)
     if not opts.overwrite and js.is_up_to_date(dst, key):
@@ -151,12 +149,17 @@ def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptio
     shards = checkpoint_shards(reader, recipe, opts.shard_bytes)
     units = list(dict.fromkeys(s.unit for s in shards))
     specs, pl = stage_specs(reader, recipe, dist, max(len(s) for s in samples), len(samples), opts.shard_bytes)
-    state = js.open_destination(dst, opts.overwrite)
-    previous = js.load_job(dst) if state == "resume" else None
-    js.save_job(dst, key, status="running")
+    final = dst
+    # --overwrite of an earlier output: the new one is written beside it and swapped in once complete.
+    work = js.staging_dir(final) if opts.overwrite and js.owned_entries(final) else final
+    state = js.open_destination(work, opts.overwrite)
+    previous = js.load_job(work) if state == "resume" else None
+    js.save_job(work, key, status="running")
     phases["plan_s"] = round(time.time() - t0, 3)
     changed = js.changed_files(previous["source"], key.source) if previous else None
-    log(f"{src} -> {dst} ({state}{'; changed source files: ' + ', '.join(changed) if changed else ''}): "
+    notes = ([f"written in {work} until complete"] if work != final else []) + \
+        ([f"changed source files: {', '.join(changed)}"] if changed else [])
+    log(f"{src} -> {final} ({'; '.join([state, *notes])}): "
         f"{len(specs)} stages x {dist.replicas} replicas [{', '.join(s.label for s in specs)}], "
         f"{len(samples)} samples, {len(shards)} shards")
 
@@ -167,12 +170,12 @@ def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptio
         check_resources(pl, cluster_resources())
         actors = make_actors(src, specs, recipe, dist)
         phases["ray_start_s"] = round(time.time() - t, 3)
-        stats, smooth = _calibrate(actors, samples, recipe, opts, dist, key, dst, log, on_event, phases)
+        stats, smooth = _calibrate(actors, samples, recipe, opts, dist, key, work, log, on_event, phases)
 
         t = time.time()
         unit_fp = {u: key.unit(reader, u, stats, smooth) for u in units}
-        commits = js.load_commits(dst)
-        done = {s.name: js.verify_shard(dst, s, commits.get(s.name), unit_fp[s.unit], dist.verify) for s in shards}
+        commits = js.load_commits(work)
+        done = {s.name: js.verify_shard(work, s, commits.get(s.name), unit_fp[s.unit], dist.verify) for s in shards}
         todo = js.units_to_redo(shards, done)
         log(f"weights: {len(todo)} of {len(units)} units to write "
             f"({len(units) - len(todo)} committed and verified)")
@@ -180,13 +183,13 @@ def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptio
         def on_unit(u: str, records, types) -> None:
             for sh, rec in zip([s for s in shards if s.unit == u], records):
                 c = js.Commit(sh.name, u, unit_fp[u], rec, {n: types[n] for n in rec.names})
-                js.save_commit(dst, c)
+                js.save_commit(work, c)
                 commits[sh.name] = c
 
         held = [(sp, (*sp.layers, *(sp.mtp if recipe.quantize_mtp else ()))) for sp in specs]  # as Stage loads
         owner = {str(i): sp.index for sp, ids in held for i in ids}
         weights = run_weights([(sp.index, a) for sp, row in zip(specs, actors) for a in row], owner, todo, shards,
-                              dst, ray.put(stats), ray.put(smooth), opts.smooth_alpha,
+                              work, ray.put(stats), ray.put(smooth), opts.smooth_alpha,
                               key.calibration if smooth else None, dist, on_unit, log, on_event)
         phases["weights_s"] = round(time.time() - t, 3)
         actor_info = _actor_info(actors, specs)
@@ -197,10 +200,10 @@ def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptio
             ray.shutdown()
 
     t = time.time()
-    bad = [s.name for s in shards if not js.verify_shard(dst, s, commits.get(s.name), unit_fp[s.unit], "size")]
+    bad = [s.name for s in shards if not js.verify_shard(work, s, commits.get(s.name), unit_fp[s.unit], "size")]
     if bad:
-        raise RuntimeError(f"{dst}: shards not committed after the weight phase: {', '.join(bad)}")
-    stale = js.remove_stale(dst, [s.name for s in shards])
+        raise RuntimeError(f"{work}: shards not committed after the weight phase: {', '.join(bad)}")
+    stale = js.remove_stale(work, [s.name for s in shards])
     if stale:
         log(f"removed {len(stale)} files of an earlier layout: {', '.join(stale[:5])}")
     written = sum(commits[s.name].record.size for s in shards if s.unit in todo)
@@ -212,12 +215,14 @@ def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptio
         "write_mib_s": round(written / 2**20 / max(phases.get("weights_s", 0), 1e-9), 2),
         "phases": phases, "actors": actor_info, "weights": weights}
     types = {n: y for s in shards for n, y in commits[s.name].types.items()}
-    finalize(dst, recipe.dialect, [commits[s.name].record for s in shards], types, raw_config, src,
+    finalize(work, recipe.dialect, [commits[s.name].record for s in shards], types, raw_config, src,
              mindie_format=opts.mindie_format, job={"fingerprint": key.job, "source": src, "recipe": recipe.to_dict()})
     phases["finish_s"] = round(time.time() - t, 3)
     summary["total_s"] = round(time.time() - t0, 3)
-    storage.write_bytes(storage.join(dst, js.SUMMARY_NAME), json_bytes(summary))
-    js.save_job(dst, key, status="finished")
-    log(f"wrote {dst} in {summary['total_s']:.1f}s ({len(todo)} units written, {len(units) - len(todo)} kept; "
+    storage.write_bytes(storage.join(work, js.SUMMARY_NAME), json_bytes(summary))
+    js.save_job(work, key, status="finished")
+    if work != final:
+        storage.replace_dir(work, final)
+    log(f"wrote {final} in {summary['total_s']:.1f}s ({len(todo)} units written, {len(units) - len(todo)} kept; "
         f"phases {phases})")
     return summary

@@ -1,8 +1,10 @@
 """Check a quantized checkpoint directory against docs/format.md and print the report.
 
-    python -m jobs.check PATH [--dialect seed|ascendV1] [--json]
+    python -m jobs.check PATH [--dialect seed|ascendV1] [--json] [--no-verify]
 
-PATH may be a local path or any fsspec URL. Exit status: 0 clean, 1 any violation, 2 unreadable input.
+PATH may be a local path or any fsspec URL. Every file the quantizer's manifest.json lists is checked for
+its size and (unless ``--no-verify``) its sha256; msModelSlim's own folders have no manifest (the report
+says so). Exit status: 0 clean, 1 any violation, 2 unreadable input.
 """
 
 from __future__ import annotations
@@ -15,19 +17,29 @@ from typing import Optional, Sequence
 from pipeline.format.checker import check_dir
 from pipeline.format.description import DIALECTS
 from pipeline.io.safetensors_io import CheckpointError
+from pipeline.io.storage import describe_os_error
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jobs.check", description=__doc__.splitlines()[0])
     p.add_argument("path", help="the quantized checkpoint directory")
     p.add_argument("--dialect", choices=DIALECTS, default=None,
-                   help="hold the directory to this dialect's rules (default: the one detected)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = p.parse_args(argv)
+                   help="hold the directory to this dialect's rules (default: %(default)s, the one detected)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (default: %(default)s)")
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="compare only the sizes the manifest records, not the sha256 (default: off, the sha256 is verified)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
-        report = check_dir(args.path, dialect=args.dialect)
-    except (CheckpointError, OSError) as e:
+        report = check_dir(args.path, dialect=args.dialect, verify=args.verify)
+    except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)
         return 2
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
     return 0 if report.ok else 1

@@ -25,10 +25,12 @@ DEFAULT_SAVE = os.path.join("out", "dsv3-tiny-pydoc-w8a8-fa3")
 
 
 def _flag(ap, *names, **kw):
-    """Each --a-b option also as --a_b (msModelSlim's spelling)."""
+    """Each --a-b option also as --a_b (msModelSlim's spelling); its help ends with its default."""
     spelled = []
     for n in names:
         spelled += [n] + ([f"--{n[2:].replace('-', '_')}"] if "-" in n[2:] else [])
+    if "default" not in kw.get("help", ""):
+        kw["help"] = f"{kw.get('help', '')} (default: %(default)s)".lstrip()
     return ap.add_argument(*spelled, **kw)
 
 
@@ -40,39 +42,41 @@ def _layers(text: str) -> tuple[int, ...]:
 
 
 def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n")[1])
-    _flag(ap, "--model-path", default=None, help="source checkpoint (default: the embedded model)")
-    _flag(ap, "--save-path", default=DEFAULT_SAVE, help=f"output directory (default: {DEFAULT_SAVE})")
+    ap = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n")[0])
+    _flag(ap, "--model-path", default=None, help="source checkpoint; None: the embedded model")
+    _flag(ap, "--save-path", default=DEFAULT_SAVE, help="output directory")
     _flag(ap, "--calib-data", "--calib_file", dest="calib_data", default=None,
-          help="calibration texts: .json list of strings, .jsonl with 'text', or .parquet with a 'text' column")
+          help="calibration texts: .json list of strings, .jsonl with 'text', or .parquet with a 'text' "
+               "column; None: the embedded model's texts")
     fa = ap.add_mutually_exclusive_group()
     _flag(fa, "--fa-quant", dest="fa_quant", action="store_true", default=True,
-          help="FA3: int8 MLA latent cache scales (the default)")
-    _flag(fa, "--no-fa-quant", dest="fa_quant", action="store_false", help="W8A8 only, no FA3")
+          help="FA3: int8 MLA latent cache scales")
+    _flag(fa, "--no-fa-quant", dest="fa_quant", action="store_false", help="W8A8 only, no FA3 (default: FA3 on)")
     _flag(ap, "--fa-exclude-layers", type=_layers, default=(), help="layers kept out of FA3, e.g. 0,1,2,46")
     _flag(ap, "--dynamic", action="store_true", help="every quantized linear W8A8_DYNAMIC")
     _flag(ap, "--mindie-format", action="store_true", help="add MindIE's config.json keys (and model_type deepseekv2)")
     _flag(ap, "--smooth", action="store_true", help="anti-outlier smoothing (SmoothQuant + latent), format unchanged")
-    _flag(ap, "--smooth-alpha", type=float, default=0.5)
-    _flag(ap, "--quantize-mtp", action="store_true", help="quantize the MTP layer too (default: FLOAT)")
+    _flag(ap, "--smooth-alpha", type=float, default=0.5, help="smoothing migration strength alpha in [0, 1]")
+    _flag(ap, "--quantize-mtp", action="store_true", help="quantize the MTP layer too (else it stays FLOAT)")
     _flag(ap, "--dialect", choices=("seed", "ascendV1"), default="seed",
-          help="seed: the legacy msModelSlim/MindIE layout (default); ascendV1: msModelSlim's newer saver")
+          help="seed: the legacy msModelSlim/MindIE layout; ascendV1: msModelSlim's newer saver")
     _flag(ap, "--batch-size", type=int, default=1,
           help="accepted for msModelSlim compatibility; statistics are always taken per sample (batch of one)")
     _flag(ap, "--max-calib-tokens", type=int, default=2048, help="longest calibration sample allowed")
     _flag(ap, "--truncate", action="store_true", help="cut longer calibration samples instead of failing")
     _flag(ap, "--shard-size-gb", type=float, default=4.0, help="weight shard size limit in GiB")
-    _flag(ap, "--overwrite", action="store_true", help="replace an existing output in --save-path")
-    _flag(ap, "--device", default=None, help="cpu or cuda (default: cuda when present)")
-    _flag(ap, "--no-progress", action="store_true")
+    _flag(ap, "--overwrite", action="store_true",
+          help="replace an existing output in --save-path (kept until the new one is complete)")
+    _flag(ap, "--device", default=None, help="cpu or cuda; None: cuda when present")
+    _flag(ap, "--no-progress", action="store_true", help="no progress bars")
     _flag(ap, "--s3-endpoint", default=None, help="S3 endpoint URL for s3:// paths (credentials: the usual AWS_* "
-          "environment); also AWS_ENDPOINT_URL")
+          "environment); None: AWS_ENDPOINT_URL or AWS's")
     d = ap.add_argument_group("distributed (Ray)")
-    _flag(d, "--stages", type=int, default=0, help="pipeline stages on Ray (0: one process, the default)")
+    _flag(d, "--stages", type=int, default=0, help="pipeline stages on Ray; 0: one process")
     _flag(d, "--replicas", type=int, default=1, help="data-parallel copies of every stage")
-    _flag(d, "--ray-address", default=None, help="Ray cluster to use (default: RAY_ADDRESS, else a local Ray)")
-    _flag(d, "--cpus-per-actor", type=float, default=1.0)
-    _flag(d, "--gpus-per-actor", type=float, default=0.0)
+    _flag(d, "--ray-address", default=None, help="Ray cluster to use; None: RAY_ADDRESS, else a local Ray")
+    _flag(d, "--cpus-per-actor", type=float, default=1.0, help="CPUs reserved per stage actor")
+    _flag(d, "--gpus-per-actor", type=float, default=0.0, help="GPUs reserved per stage actor")
     _flag(d, "--memory-per-actor-gb", type=float, default=0.0, help="memory reserved per actor with Ray (0: none)")
     _flag(d, "--actor-resource", action="append", default=[], metavar="NAME=N",
           help="a custom Ray resource every stage actor asks for, e.g. stage_slot=1 (repeatable)")
@@ -111,6 +115,12 @@ def make_job(args: argparse.Namespace):
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.stages < 0:
         raise ValueError(f"--stages must be >= 0, got {args.stages}")
+    if not args.shard_size_gb > 0:
+        raise ValueError(f"--shard-size-gb must be > 0, got {args.shard_size_gb}")
+    if args.max_calib_tokens < 1:
+        raise ValueError(f"--max-calib-tokens must be >= 1, got {args.max_calib_tokens}")
+    if not 0 <= args.smooth_alpha <= 1:
+        raise ValueError(f"--smooth-alpha must be in [0, 1], got {args.smooth_alpha}")
     if args.s3_endpoint:
         storage.set_options("s3", client_kwargs={"endpoint_url": args.s3_endpoint})
     recipe = Recipe(fa_quant=args.fa_quant, dynamic=args.dynamic, fa_exclude_layers=args.fa_exclude_layers,
@@ -131,11 +141,12 @@ def make_job(args: argparse.Namespace):
     return args.model_path or EMBEDDED_MODEL_DIR, args.save_path, recipe, opts, dist
 
 
-JOB_ERRORS: tuple = (FileExistsError, FileNotFoundError, ValueError)
+JOB_ERRORS: tuple = (OSError, ValueError)
 
 
 def job_errors() -> tuple:
-    """The exceptions that mean bad input (exit 2 with the message), not a bug."""
+    """The exceptions that mean bad input or an unusable location (exit 2 with the message), not a bug:
+    a file that cannot be read (a directory, a symlink loop), a full disk, an unreachable store."""
     from pipeline.io.checkpoint import CheckpointError
     from pipeline.config import ConfigError
     from pipeline.plan.types import PlanError
@@ -153,8 +164,16 @@ def run_guarded(job: Callable[[], Any], failed: tuple = ()) -> tuple[int, Any]:
         print(f"failed: {e}", file=sys.stderr)
         return 1, None
     except job_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {error_line(e)}", file=sys.stderr)
         return 2, None
+
+
+def error_line(e: BaseException) -> str:
+    """The one line a job prints for bad input: an OSError as its file and reason."""
+    from pipeline.io.storage import describe_os_error
+
+    text = describe_os_error(e) if isinstance(e, OSError) else str(e)
+    return text.splitlines()[0] if text.strip() else type(e).__name__
 
 
 def failures(dist) -> tuple:

@@ -12,19 +12,27 @@ either way and exits 0; 2 for bad input, 1 when the job failed. Runs on Ray with
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import io
 import sys
 from contextlib import nullcontext, redirect_stdout
 
-from jobs.quantize import build_parser, failures, make_job, run_guarded
+from jobs.quantize import build_parser as quantize_parser
+from jobs.quantize import failures, make_job, run_guarded
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """jobs.quantize's options (``--stages`` 1 and no progress bars by default here) and ``--verbose``."""
+    ap = quantize_parser("python -m jobs.requantize", __doc__.split("\n")[0])
+    ap.set_defaults(stages=1, no_progress=True)
+    ap.add_argument("--verbose", action="store_true",
+                    help="the job's log lines too (default: %(default)s, one summary line)")
+    return ap
 
 
 def main(argv=None) -> int:
-    ap = build_parser("python -m jobs.requantize", __doc__.split("\n")[1])
-    ap.set_defaults(stages=1, no_progress=True)
-    ap.add_argument("--verbose", action="store_true", help="the job's log lines too (default: one summary line)")
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.stages < 1:
         print("error: --stages must be >= 1 for requantize", file=sys.stderr)
         return 2

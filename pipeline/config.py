@@ -8,7 +8,6 @@ mistyped or inconsistent; keys this project does not interpret are kept in ``ext
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -113,10 +112,9 @@ class DeepseekV3Config:
     def from_file(cls, path: str) -> "DeepseekV3Config":
         from pipeline.io import storage
 
-        try:
-            raw = json.loads(storage.read_bytes(path))
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        from pipeline.io.json_input import parse_json
+
+        raw = parse_json(storage.read_bytes(path), path, ConfigError)
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
         return cls.from_dict(raw, source=path)
@@ -187,6 +185,9 @@ def _parse_rope_scaling(raw: Mapping[str, Any], source: str) -> Optional[YarnSca
     if kind != "yarn":
         raise ConfigError(f"{source}: rope_scaling type {kind!r} is not supported (DeepSeek-V3 uses 'yarn')")
     where = f"{source} rope_scaling"
+    for f in ("factor", "original_max_position_embeddings"):
+        if isinstance(rs.get(f), (int, float)) and not isinstance(rs.get(f), bool) and rs[f] <= 0:
+            raise ConfigError(f"{where}: field '{f}' must be > 0, got {rs[f]}")
     return YarnScaling(
         factor=_float(rs, "factor", where),
         original_max_position_embeddings=_int(rs, "original_max_position_embeddings", where),
@@ -213,6 +214,9 @@ def _parse(raw: Mapping[str, Any], source: str) -> DeepseekV3Config:
     rope_theta = raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta"))
     kw["rope_theta"] = _float({"rope_theta": rope_theta}, "rope_theta", source) if rope_theta is not None \
         else _float(raw, "rope_theta", source)
+    for f in ("rope_theta", "rms_norm_eps"):
+        if kw[f] <= 0:
+            raise ConfigError(f"{source}: field '{f}' must be > 0, got {kw[f]}")
     kw["norm_topk_prob"] = bool(_need(raw, "norm_topk_prob", source))
     kw["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", False))
     kw["rope_scaling"] = _parse_rope_scaling(raw, source)

@@ -42,7 +42,7 @@ def test_formats_agree(tmp_path):
     ("a.json", '["ok", 3]', "sample 1 is int, expected a string"),
     ("a.json", '["ok", "   "]', "sample 1 is empty"),
     ("a.jsonl", '{"text": "a"}\n{"txt": "b"}\n', "line 2 has no 'text' field"),
-    ("a.jsonl", '{"text": "a"}\nnot json\n', "line 2 is not valid JSON"),
+    ("a.jsonl", '{"text": "a"}\nnot json\n', "line 2: not valid JSON"),
     ("a.txt", "hello", "unknown calibration format"),
 ])
 def test_bad_input_named(tmp_path, name, content, message):

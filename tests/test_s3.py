@@ -225,3 +225,27 @@ def test_crash_mid_write_to_s3_leaves_nothing_that_looks_complete(s3, monkeypatc
                             log=quiet)
     left = storage.listdir(dst) if storage.exists(dst) else []
     assert left == [], left  # the parts written before the failure were removed too
+
+
+def test_replace_dir_puts_the_new_directory_in_place(s3):
+    root = s3.bucket("swap")
+    old, new = storage.join(root, "q"), storage.join(root, ".q.overwrite")
+    storage.write_bytes(storage.join(old, "a.bin"), b"old")
+    storage.write_bytes(storage.join(new, "b.bin"), b"new")
+    storage.replace_dir(new, old)
+    assert storage.listdir(old) == ["b.bin"] and storage.read_bytes(storage.join(old, "b.bin")) == b"new"
+    assert storage.listdir(root) == ["q"]  # neither the staging nor the old directory is left
+
+
+def test_overwrite_crash_on_s3_keeps_the_old_output(s3, monkeypatch, tmp_path):
+    calib = tmp_path / "one.json"
+    calib.write_text(json.dumps(["The quick brown fox jumps over the lazy dog."]))
+    opts = dataclasses.replace(OPTS, calib_path=str(calib))
+    dst = storage.join(s3.bucket("keep"), "out")
+    quantize_checkpoint(str(TINY_FIXTURE), dst, Recipe(), opts, log=quiet)
+    before = tree(dst)
+    fail_quantize_layer(monkeypatch, 2)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        quantize_checkpoint(str(TINY_FIXTURE), dst, Recipe(dynamic=True), dataclasses.replace(opts, overwrite=True),
+                            log=quiet)
+    assert tree(dst) == before and check_dir(dst).ok

@@ -275,11 +275,16 @@ def test_abort_after_finish_keeps_the_output(tmp_path):
 
 def test_existing_output_needs_overwrite(tmp_path):
     write_model(str(tmp_path), ASCEND_V1)
-    with pytest.raises(FileExistsError, match="overwrite=True"):
+    before = _names(tmp_path)
+    with pytest.raises(FileExistsError, match="already holds quantized output .* use --overwrite"):
         QuantizedWriter(str(tmp_path), SEED, model_dtype=torch.bfloat16)
     w = QuantizedWriter(str(tmp_path), SEED, model_dtype=torch.bfloat16, overwrite=True)
-    assert not [f for f in _names(tmp_path) if "quant_model" in f]  # the old output is gone at once
+    for tensors, types in synthetic_model():
+        w.add(tensors, types)
+    w._wait()
+    assert before <= _names(tmp_path)  # the old output stays while the new one is written
     w.abort()
+    assert _names(tmp_path) == before and check_dir(str(tmp_path)).ok  # and after a failed one
 
 
 # ----- refusals ----------------------------------------------------------------------------------------

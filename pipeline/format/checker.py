@@ -17,7 +17,9 @@ here:
 - ``key-without-tensor`` / ``tensor-without-key``: description keys = tensor names; ``type-unknown``.
 - ``top-level-keys``, ``model-quant-type``, ``fa-quant-type``, ``layer-quant-type``: per dialect (see
   :mod:`pipeline.format.description`).
-- ``manifest``: when manifest.json is there, the sizes it records match the files.
+- ``manifest``: when manifest.json is there (the quantizer writes it; msModelSlim does not), every file it
+  lists exists with the recorded size and, with ``verify`` (the default), the recorded sha256: a flipped
+  byte is found. The report says which was done (``manifest``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Report:
     type_counts: dict[str, int] = field(default_factory=dict)
     fa_layers: list[int] = field(default_factory=list)
     model_quant_type: Optional[str] = None
+    manifest: str = "none (sizes and hashes not verified)"  # what was verified against manifest.json
     violations: list[Violation] = field(default_factory=list)
 
     @property
@@ -67,7 +70,7 @@ class Report:
         return {"path": self.path, "dialect": self.dialect, "detected": self.detected, "ok": self.ok,
                 "weight_files": self.weight_files, "tensors": self.tensors, "total_bytes": self.total_bytes,
                 "type_counts": self.type_counts, "fa_layers": self.fa_layers,
-                "model_quant_type": self.model_quant_type,
+                "model_quant_type": self.model_quant_type, "manifest": self.manifest,
                 "violations": [{"rule": v.rule, "where": v.where, "message": v.message} for v in self.violations]}
 
     def to_text(self, per_rule: int = 8) -> str:
@@ -77,7 +80,8 @@ class Report:
                  f"weights: {len(self.weight_files)} file(s), {self.tensors} tensors, {self.total_bytes} bytes",
                  "types: " + (", ".join(f"{t} {n}" for t, n in sorted(self.type_counts.items())) or "none"),
                  f"model_quant_type: {self.model_quant_type}",
-                 f"FA3 layers: {', '.join(map(str, self.fa_layers)) or 'none'} ({len(self.fa_layers)})"]
+                 f"FA3 layers: {', '.join(map(str, self.fa_layers)) or 'none'} ({len(self.fa_layers)})",
+                 f"manifest: {self.manifest}"]
         if self.ok:
             return "\n".join(lines + ["OK: no violations"])
         by_rule = Counter(v.rule for v in self.violations)
@@ -91,8 +95,9 @@ class Report:
         return "\n".join(lines)
 
 
-def check_dir(path: str, dialect: Optional[str] = None) -> Report:
-    """Check directory ``path`` in ``dialect`` ("seed" or "ascendV1"; default: the detected one).
+def check_dir(path: str, dialect: Optional[str] = None, verify: bool = True) -> Report:
+    """Check directory ``path`` in ``dialect`` ("seed" or "ascendV1"; default: the detected one);
+    ``verify``: re-read every file the manifest lists and compare its sha256 (sizes are always compared).
     Raises CheckpointError only when ``path`` is not a readable directory; all else is a violation."""
     path = path.rstrip("/") or path
     try:
@@ -121,7 +126,7 @@ def check_dir(path: str, dialect: Optional[str] = None) -> Report:
         report.violations += check_tensors(specs, types, report.dialect, md, heads)
     if cfg is not None:
         report.violations += check_layout(specs, cfg)
-    _check_manifest(path, entries, report)
+    _check_manifest(path, entries, report, verify)
     return report
 
 
@@ -295,7 +300,7 @@ def _check_description(desc: Description, specs: dict[str, TensorSpec], report: 
             report.add("layer-quant-type", k, "entry for a layer without FA3 tensors")
 
 
-def _check_manifest(path: str, entries: list[str], report: Report) -> None:
+def _check_manifest(path: str, entries: list[str], report: Report, verify: bool) -> None:
     if MANIFEST_NAME not in entries:
         return
     try:
@@ -308,7 +313,14 @@ def _check_manifest(path: str, entries: list[str], report: Report) -> None:
         return
     for name, entry in files.items():
         size = entry.get("size") if isinstance(entry, dict) else None
+        digest = entry.get("sha256") if isinstance(entry, dict) else None
+        where = storage.join(path, name)
         if name not in entries:
             report.add("manifest", name, "listed in the manifest but missing")
-        elif size != storage.size(storage.join(path, name)):
-            report.add("manifest", name, f"size {storage.size(storage.join(path, name))}, the manifest says {size}")
+        elif size != storage.size(where):
+            report.add("manifest", name, f"size {storage.size(where)}, the manifest says {size}")
+        elif verify and (got := storage.file_sha256(where)[1]) != digest:
+            report.add("manifest", name, f"sha256 {got}, the manifest says {digest!r}: the file changed after "
+                                         "it was written")
+    report.manifest = (f"{len(files)} files, sizes and sha256 verified" if verify
+                       else f"{len(files)} files, sizes verified (sha256 skipped: --no-verify)")

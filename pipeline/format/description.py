@@ -29,6 +29,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Union
 
+from pipeline.io.json_input import parse_json
 from pipeline.io.safetensors_io import CheckpointError
 
 DESCRIPTION_NAME = "quant_model_description.json"
@@ -228,10 +229,7 @@ def loads_json_object(data: bytes, source: str) -> dict:
             seen[k] = v
         return seen
 
-    try:
-        raw = json.loads(data.decode("utf-8"), object_pairs_hook=no_duplicates)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DescriptionError(f"{source}: not valid JSON ({e})") from None
+    raw = parse_json(data, source, DescriptionError, object_pairs_hook=no_duplicates)
     if not isinstance(raw, dict):
         raise DescriptionError(f"{source}: expected a JSON object, got {type(raw).__name__}")
     return raw

@@ -21,9 +21,10 @@ def fa_scales(tensors: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
 
 
 def read_quantized(path: str) -> tuple[DeepseekV3Config, dict[str, str], dict[str, torch.Tensor]]:
-    """Validate a quantized directory with the checker, then read config, types and every tensor.
+    """Validate a quantized directory with the checker (the manifest's sizes, not its hashes: run
+    ``python -m jobs.check`` for those), then read config, types and every tensor.
     Refuses a directory the checker rejects, with its report."""
-    report = check_dir(path)
+    report = check_dir(path, verify=False)  # sizes only: re-hashing every shard would double the load's reads
     if not report.ok:
         raise CheckpointError(f"{path}: not a valid quantized directory:\n{report.to_text()}")
     cfg = DeepseekV3Config.from_file(storage.join(path, "config.json"))

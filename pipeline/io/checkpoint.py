@@ -18,16 +18,17 @@ to sigmoid scores in fp32 (spec Pitfall 5), and rounding it to bf16 would move n
 
 from __future__ import annotations
 
-import json
 import posixpath
+import re
 from typing import Container, Iterable, Mapping, Optional
 
 import torch
 
 from pipeline import layout
 from pipeline.io import storage
-from pipeline.config import DeepseekV3Config
+from pipeline.config import ConfigError, DeepseekV3Config
 from pipeline.io.finite import all_finite, nonfinite_counts
+from pipeline.io.json_input import parse_json
 from pipeline.io.fp8 import (
     DEFAULT_BLOCK, FP8_DTYPE, FP8_MAX, BlockRows, dequantize_fp8_blocks, fp8_nan_count, scale_shape,
 )
@@ -71,6 +72,7 @@ class CheckpointReader:
         self._headers: dict[str, SafetensorsHeader] = {}
         self._file_of = self._discover(entries)
         self.files: list[str] = sorted(set(self._file_of.values()))
+        check_counts(self.config, self._file_of, storage.join(self.path, CONFIG_NAME))
         self._by_layer: dict[Optional[int], list[str]] = {}
         for name in sorted(self._file_of):
             self._by_layer.setdefault(layout.layer_of(name), []).append(name)
@@ -95,10 +97,7 @@ class CheckpointReader:
         return file_of
 
     def _from_index(self, index_path: str) -> dict[str, str]:
-        try:
-            raw = json.loads(storage.read_bytes(index_path))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{index_path}: not valid JSON ({e})") from None
+        raw = parse_json(storage.read_bytes(index_path), index_path, CheckpointError)
         wm = raw.get("weight_map") if isinstance(raw, dict) else None
         if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
             raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to file names")
@@ -306,6 +305,33 @@ class CheckpointReader:
             if narrowing:  # a widening cast keeps finite values finite
                 _check_finite(t, where, f" after conversion to {target}")
         return t
+
+
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+
+
+def check_counts(cfg: DeepseekV3Config, names: Iterable[str], source: str) -> None:
+    """Bound the config's counts by the tensors present, before anything sized by them is built: no more
+    layers than have tensors, and no more ``n_routed_experts`` than the experts stored (a missing layer's
+    tensors are reported by name when it is read).
+    A config claiming 10^9 layers is an error naming the field here, not a MemoryError later."""
+    layer_ids, experts = set(), -1
+    for n in names:
+        lid = layout.layer_of(n)
+        if lid is not None:
+            layer_ids.add(lid)
+        m = _EXPERT.match(n)
+        if m:
+            experts = max(experts, int(m.group(2)))
+    n_layers = max(layer_ids, default=-1) + 1
+    for field in ("num_hidden_layers", "num_nextn_predict_layers"):
+        if getattr(cfg, field) > n_layers:
+            raise ConfigError(f"{source}: field '{field}' is {getattr(cfg, field)}, but the checkpoint's tensors "
+                              f"hold {n_layers} layers")
+    moe = any(cfg.is_moe_layer(i) for i in range(n_layers))
+    if moe and cfg.n_routed_experts > experts + 1:
+        raise ConfigError(f"{source}: field 'n_routed_experts' is {cfg.n_routed_experts}, but the checkpoint's "
+                          f"tensors hold {experts + 1} routed experts")
 
 
 def read_dtype(name: str, stored: str, torch_dtype: str, dtype: Optional[torch.dtype] = None) -> torch.dtype:

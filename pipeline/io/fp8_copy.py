@@ -108,12 +108,25 @@ def _convert(reader: CheckpointReader, unit: _Unit, block: tuple[int, int]) -> d
     return out
 
 
+def check_destination(src: str, dst: str) -> None:
+    """``dst`` must not be ``src`` (compared as resolved locations) and must be new or empty: a copy
+    written into another checkpoint or output would overwrite its config.json and mix their files."""
+    if storage.same_location(src, dst):
+        raise ValueError(f"{dst}: the destination is the source {src}; choose another --dst")
+    if storage.exists(dst):
+        if not storage.isdir(dst):
+            raise FileExistsError(f"{dst}: exists and is not a directory")
+        entries = storage.listdir(dst)
+        if entries:
+            raise FileExistsError(f"{dst}: not empty ({', '.join(entries[:4])}); the FP8 copy goes into a new or "
+                                  "empty directory")
+
+
 def write_fp8_copy(src: str, dst: str, shards: Optional[int] = None,
                    block: tuple[int, int] = DEFAULT_BLOCK, shard_bytes: int = SHARD_BYTES) -> dict:
     """Write the FP8 copy of checkpoint ``src`` to directory ``dst``; returns the index written.
     ``shards``: the number of shard files (default: ceil(total bytes / ``shard_bytes``))."""
-    if src.rstrip("/") == dst.rstrip("/"):
-        raise ValueError(f"{dst}: the destination must differ from the source")
+    check_destination(src, dst)
     reader = CheckpointReader(src)
     units = plan_units(reader, block)
     specs = [s for u in units for s in u.specs]

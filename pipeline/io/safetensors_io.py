@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from pipeline.io import storage
+from pipeline.io.json_input import parse_json
 
 
 class CheckpointError(ValueError):
@@ -91,10 +92,7 @@ def read_header(path: str) -> SafetensorsHeader:
     if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
         raise CheckpointError(
             f"{path}: corrupt header: header length {n} is impossible for a file of {size} bytes")
-    try:
-        raw = json.loads(bytes(storage.read_range(path, 8, 8 + n)).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt header: not valid JSON ({e})") from None
+    raw = parse_json(bytes(storage.read_range(path, 8, 8 + n)), f"{path}: corrupt header", CheckpointError)
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: corrupt header: expected a JSON object, got {type(raw).__name__}")
     metadata = raw.pop("__metadata__", None) or {}
@@ -231,13 +229,23 @@ class SafetensorsWriter:
         self.specs = list(specs)
         self._header = encode_header(self.specs, metadata)
         self._next = 0
-        self._ctx = storage.atomic_write(path)
+        self._size = len(self._header) + sum(s.nbytes for s in self.specs)
+        self._ctx = storage.atomic_write(path, self._size)
         self._file: Any = None
 
     def __enter__(self) -> "SafetensorsWriter":
         self._file = self._ctx.__enter__()
-        self._file.write(self._header)
+        self._write(self._header)
         return self
+
+    def _write(self, data) -> None:
+        try:
+            self._file.write(data)
+        except OSError as e:  # a full disk: say where and how much
+            full = storage.disk_full(e, self.path, self._size)
+            if full is None:
+                raise
+            raise full from None
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if self._next >= len(self.specs):
@@ -247,7 +255,7 @@ class SafetensorsWriter:
             raise ValueError(f"{self.path}: expected tensor {want} next, got {got}")
         if tensor.numel():
             data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-            self._file.write(memoryview(data))
+            self._write(memoryview(data))
         self._next += 1
 
     def __exit__(self, exc_type, exc, tb) -> bool:

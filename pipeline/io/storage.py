@@ -15,7 +15,10 @@ deletes the markers too, so a removed directory is gone.
 
 from __future__ import annotations
 
+import errno
+import os
 import posixpath
+import shutil
 import uuid
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator
@@ -28,6 +31,15 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 _OPTIONS: dict[str, dict[str, Any]] = {}
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class StorageError(OSError):
+    """A location that cannot be used (unreachable store, full disk); the message names the path."""
+
+
+class DiskFullError(StorageError):
+    """No room to write a file; the message names the path and the bytes needed."""
 
 
 def set_options(protocol: str, **options: Any) -> None:
@@ -46,6 +58,63 @@ def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
     fs, p = url_to_fs(path, **_OPTIONS.get(protocol, {}))
     fs.invalidate_cache(p)  # no answer from an earlier call's listing (module doc); a no-op on local paths
     return fs, p
+
+
+def is_url(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def resolve(path: str) -> str:
+    """A canonical spelling of ``path`` to compare locations: a local path made absolute with symlinks,
+    ``.`` and ``..`` resolved; a URL with its path normalized (no trailing slash)."""
+    if path.startswith("file://"):
+        path = path[len("file://"):]
+    if "://" not in path:
+        return os.path.realpath(path)
+    scheme, rest = path.split("://", 1)
+    return f"{scheme}://{posixpath.normpath(rest).lstrip('/')}"
+
+
+def same_location(a: str, b: str) -> bool:
+    return resolve(a) == resolve(b)
+
+
+def check_reachable(path: str) -> None:
+    """Ask the store serving ``path`` whether it exists, so that an unreachable endpoint or a refused
+    connection is a StorageError naming the path (and endpoint) now, not after hours of work."""
+    if not is_url(path):
+        return
+    try:
+        exists(path)
+    except Exception as e:  # noqa: BLE001 - any failure to get an answer means the store cannot be used
+        endpoint = (_OPTIONS.get(path.split("://", 1)[0], {}).get("client_kwargs") or {}).get("endpoint_url") \
+            or os.environ.get("AWS_ENDPOINT_URL") or "the default endpoint"
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise StorageError(f"{path}: storage not reachable at {endpoint} ({reason})") from None
+
+
+def free_bytes(path: str) -> int | None:
+    """Bytes free on the local filesystem that holds (or would hold) ``path``; None for object stores."""
+    if is_url(path):
+        return None
+    p = os.path.abspath(path[len("file://"):] if path.startswith("file://") else path)
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    return shutil.disk_usage(p).free
+
+
+def check_room(path: str, nbytes: int) -> None:
+    """DiskFullError naming ``path`` when its local filesystem has fewer than ``nbytes`` free."""
+    free = free_bytes(path)
+    if free is not None and free < nbytes:
+        raise DiskFullError(f"{path}: no space left: the output needs about {nbytes} bytes, {free} bytes are free")
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line for an OSError: the file it concerns and the reason."""
+    if e.filename is not None and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def join(base: str, *names: str) -> str:
@@ -118,6 +187,21 @@ def read_range(path: str, start: int, end: int) -> bytes | np.ndarray:
     return fs.cat_file(p, start=start, end=end)
 
 
+def file_sha256(path: str, chunk: int = 64 * 1024 ** 2) -> tuple[int, str]:
+    """(size, sha256) of a stored file, read in chunks."""
+    import hashlib
+
+    digest, n = hashlib.sha256(), 0
+    with open_read(path) as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                break
+            digest.update(block)
+            n += len(block)
+    return n, digest.hexdigest()
+
+
 def open_read(path: str):
     """A seekable binary file object; use for many small ranged reads of the same file."""
     fs, p = filesystem(path)
@@ -125,10 +209,11 @@ def open_read(path: str):
 
 
 @contextmanager
-def atomic_write(path: str) -> Iterator[Any]:
+def atomic_write(path: str, size: int | None = None) -> Iterator[Any]:
     """A binary file object that streams to a hidden temporary name beside ``path`` and is renamed to
     ``path`` only when the ``with`` block ends without an exception; on failure the temporary is removed
-    and ``path`` is left as it was. Parent directories are created.
+    and ``path`` is left as it was. Parent directories are created. A full disk (or quota) is a
+    :class:`DiskFullError` naming ``path`` and ``size``, the bytes the file needs, when given.
 
     The rename is atomic on local and NFS paths; on object stores fsspec moves by copy-then-delete, and the
     final object still appears only once complete.
@@ -143,19 +228,32 @@ def atomic_write(path: str) -> Iterator[Any]:
         yield f
         f.close()
         fs.mv(tmp, p)
-    except BaseException:
-        try:
-            f.close()
-            if fs.exists(tmp):
-                fs.rm(tmp)
-        except Exception:  # the original error is the one to report
-            pass
+    except BaseException as e:
+        for cleanup in (f.close, lambda: fs.exists(tmp) and fs.rm(tmp)):  # each even if the other fails
+            try:
+                cleanup()
+            except Exception:  # the original error is the one to report (close fails again on a full disk)
+                pass
+        full = disk_full(e, path, size)
+        if full is not None:
+            raise full from None
         raise
+
+
+def disk_full(e: BaseException, path: str, size: int | None = None) -> DiskFullError | None:
+    """The DiskFullError to raise instead of ``e`` when ``e`` says the disk (or quota) is full while
+    writing ``path`` (``size`` bytes in all, when known); None for any other error."""
+    if isinstance(e, DiskFullError) or not (isinstance(e, OSError) and e.errno in _NO_SPACE):
+        return None
+    need = f"{size} bytes" if size is not None else "more bytes"
+    err = DiskFullError(f"{path}: no space left on the device to write {need} ({free_bytes(path)} bytes free)")
+    err.errno = e.errno
+    return err
 
 
 def write_bytes(path: str, data: bytes) -> None:
     """Write a whole (small) file atomically."""
-    with atomic_write(path) as f:
+    with atomic_write(path, len(data)) as f:
         f.write(data)
 
 
@@ -168,6 +266,42 @@ def move(src: str, dst: str) -> None:
     """Rename within one filesystem (atomic on local/NFS; copy-then-delete on object stores)."""
     fs, s = filesystem(src)
     fs.mv(s, filesystem(dst)[1])
+
+
+def sibling(path: str, name: str) -> str:
+    """``name`` in the directory that holds ``path``."""
+    return join(posixpath.dirname(path.rstrip("/")), name)
+
+
+def move_dir(src: str, dst: str) -> None:
+    """Move a directory and everything under it (a rename on local/NFS; copy-then-delete on object
+    stores, whose emptied folder markers are removed too)."""
+    fs, s = filesystem(src)
+    d = filesystem(dst)[1]
+    if isinstance(fs, LocalFileSystem):
+        fs.mv(s, d, recursive=True)
+        return
+    base = s.rstrip("/")
+    for f in fs.find(base):  # object by object: fsspec's recursive copy trips over a prefix with no marker
+        fs.mv(f, d.rstrip("/") + f[len(base):])
+    remove(src)
+
+
+def replace_dir(new: str, dst: str) -> None:
+    """Put directory ``new`` at ``dst``: what was at ``dst`` is moved aside first and removed only once
+    ``new`` is in place (moved back if that fails), so that ``dst`` is never lost."""
+    old = None
+    if exists(dst):
+        old = sibling(dst, f".{posixpath.basename(dst.rstrip('/'))}.old-{uuid.uuid4().hex[:12]}")
+        move_dir(dst, old)
+    try:
+        move_dir(new, dst)
+    except BaseException:
+        if old is not None:
+            move_dir(old, dst)
+        raise
+    if old is not None:
+        remove(old)
 
 
 def remove(path: str) -> None:

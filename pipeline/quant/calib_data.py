@@ -7,10 +7,10 @@ Every problem is a :class:`CalibDataError` naming the file and the sample (index
 from __future__ import annotations
 
 import io
-import json
 from typing import Sequence
 
 from pipeline.io import storage
+from pipeline.io.json_input import parse_json
 
 FORMATS = (".json", ".jsonl", ".parquet")
 
@@ -35,6 +35,8 @@ def load_texts(path: str | None = None, text_field: str = "text") -> list[str]:
         raw = storage.read_bytes(path)
     except FileNotFoundError:
         raise CalibDataError(f"{path}: calibration file not found") from None
+    except OSError as e:  # a directory, a symlink loop, no permission
+        raise CalibDataError(f"{path}: calibration file cannot be read ({e.strerror or e})") from None
     if suffix == ".json":
         texts = _from_json(path, raw, text_field)
     elif suffix == ".jsonl":
@@ -46,6 +48,11 @@ def load_texts(path: str | None = None, text_field: str = "text") -> list[str]:
     for i, t in enumerate(texts):
         if not t.strip():
             raise CalibDataError(f"{path}: sample {i} is empty")
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError as e:  # a JSON "\ud800" escape: a str no tokenizer takes
+            raise CalibDataError(f"{path}: sample {i} holds a lone surrogate (U+{ord(t[e.start]):04X}) at "
+                                 f"character {e.start}, not valid Unicode text") from None
     return texts
 
 
@@ -62,10 +69,7 @@ def _text_of(path: str, where: str, item, text_field: str) -> str:
 
 
 def _from_json(path: str, raw: bytes, text_field: str) -> list[str]:
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CalibDataError(f"{path}: not valid JSON ({e})") from None
+    data = parse_json(raw, path, CalibDataError)
     if not isinstance(data, list):
         raise CalibDataError(f"{path}: expected a JSON list of strings, got {type(data).__name__}")
     return [_text_of(path, f"sample {i}", x, text_field) for i, x in enumerate(data)]
@@ -73,13 +77,14 @@ def _from_json(path: str, raw: bytes, text_field: str) -> list[str]:
 
 def _from_jsonl(path: str, raw: bytes, text_field: str) -> list[str]:
     out = []
-    for n, line in enumerate(raw.decode("utf-8", errors="strict").splitlines(), start=1):
-        if not line.strip():
-            continue
+    for n, line in enumerate(raw.split(b"\n"), start=1):
         try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise CalibDataError(f"{path}: line {n} is not valid JSON ({e})") from None
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CalibDataError(f"{path}: line {n} is not UTF-8 text (byte {e.start} of the line)") from None
+        if not text.strip():
+            continue
+        item = parse_json(text, f"{path}: line {n}", CalibDataError)
         out.append(_text_of(path, f"line {n}", item, text_field))
     return out
 

@@ -31,7 +31,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 from pipeline.io import storage
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.quant.observers import Stats
-from pipeline.quant.output_files import ShardRecord, completeness_first, file_sha256, is_output_entry
+from pipeline.quant.output_files import ShardRecord, completeness_first, file_sha256, is_leftover, is_output_entry
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.shard_layout import Shard, unit_layer
 from pipeline.quant.smooth import ChannelAbsMax
@@ -195,7 +195,7 @@ def owned_entries(dst: str) -> list[str]:
     """The entries of ``dst`` that belong to a quantized output, its job state, or a crashed writer."""
     if not storage.exists(dst):
         return []
-    return [e for e in storage.listdir(dst) if is_output_entry(e) or e in (STATE_DIR, SUMMARY_NAME) or _leftover(e)]
+    return [e for e in storage.listdir(dst) if is_output_entry(e) or e in (STATE_DIR, SUMMARY_NAME) or is_leftover(e)]
 
 
 def is_up_to_date(dst: str, key: JobKey) -> bool:
@@ -212,6 +212,12 @@ def is_up_to_date(dst: str, key: JobKey) -> bool:
         return all(storage.size(storage.join(dst, f)) == e["size"] for f, e in manifest["files"].items())
     except (ValueError, KeyError, TypeError, FileNotFoundError):
         return False
+
+
+def staging_dir(dst: str) -> str:
+    """Where an overwriting run writes its output, beside ``dst``, until it is complete and swapped in
+    (:func:`pipeline.io.storage.replace_dir`): a hidden sibling directory."""
+    return storage.sibling(dst, f".{dst.rstrip('/').rsplit('/', 1)[-1]}.overwrite")
 
 
 def open_destination(dst: str, overwrite: bool) -> str:
@@ -246,11 +252,9 @@ def remove_stale(dst: str, keep: Iterable[str]) -> list[str]:
 
     keep = set(keep)
     stale = [e for e in owned_entries(dst) if e not in keep and e != STATE_DIR and (
-        _leftover(e) or (e.endswith(".safetensors") and any(n.owns(e) for n in NAMING.values())))]
+        is_leftover(e) or (e.endswith(".safetensors") and any(n.owns(e) for n in NAMING.values())))]
     for e in stale:
         storage.remove(storage.join(dst, e))
     return stale
 
 
-def _leftover(entry: str) -> bool:
-    return entry.startswith(".") and (".part-" in entry or ".tmp-" in entry)

@@ -30,6 +30,7 @@ from pipeline.format.description import (
     encode_description, model_quant_type,
 )
 from pipeline.io.safetensors_io import SafetensorsWriter, TensorSpec, encode_header
+from pipeline.io.storage import file_sha256  # noqa: F401 (re-exported: the job state verifies shards with it)
 
 COPIED_NAMES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "generation_config.json")
 PART_NAME = re.compile(r"\..*\.part-[0-9a-f]+-\d{5}\.safetensors(\.tmp-.*)?")  # QuantizedWriter's parts
@@ -127,23 +128,48 @@ def is_output_entry(name: str) -> bool:
             or bool(PART_NAME.fullmatch(name)))
 
 
+STATE_ENTRIES = (".dsquant", "job_summary.json")  # the distributed job's state and summary beside its output
+
+
+def is_companion_entry(name: str) -> bool:
+    """Whether a finished output holds ``name`` beside its weights: config.json, the copied files, the
+    distributed job's state and summary."""
+    return (name == CONFIG_NAME or name in COPIED_NAMES or name in STATE_ENTRIES
+            or (name.endswith(".py") and not name.startswith(".")))
+
+
+def is_leftover(name: str) -> bool:
+    """A hidden part or temporary file of a writer that crashed: garbage, never an output."""
+    return name.startswith(".") and (".part-" in name or ".tmp-" in name)
+
+
+def existing_output(dst: str, overwrite: bool, src: Optional[str] = None) -> list[str]:
+    """The entries of an earlier output in ``dst`` that a new one will replace (after checking that it may).
+    Refuses (ValueError) ``dst`` being the source, however spelt; refuses (FileExistsError) a directory
+    that holds anything but a quantized output, and an output unless ``overwrite``. A crashed writer's
+    leftovers are neither: they are not returned, and do not block."""
+    if src is not None and storage.same_location(src, dst):
+        raise ValueError(f"{dst}: the destination is the source {src}; choose another --save-path")
+    if not storage.exists(dst):
+        return []
+    if not storage.isdir(dst):
+        raise FileExistsError(f"{dst}: exists and is not a directory")
+    entries = [e for e in storage.listdir(dst) if not is_leftover(e)]
+    ours = [e for e in entries if is_output_entry(e)]
+    foreign = [e for e in entries if not (is_output_entry(e) or e in STATE_ENTRIES or (ours and is_companion_entry(e)))]
+    if foreign:
+        raise FileExistsError(f"{dst}: holds files that are not a quantized output ({', '.join(foreign[:4])}); "
+                              "choose a new or empty directory")
+    if ours and not overwrite:
+        raise FileExistsError(f"{dst}: already holds quantized output ({', '.join(ours[:4])}); "
+                              "use --overwrite to replace it")
+    return entries
+
+
 def completeness_first(entries) -> list[str]:
     """``entries`` in the order to remove them so that the directory stops looking complete at once: the
     description, then the index, then the manifest, then the rest."""
     return sorted(entries, key=lambda e: (e != DESCRIPTION_NAME, not e.endswith(".index.json"), e != MANIFEST_NAME))
-
-
-def file_sha256(path: str, chunk: int = 64 * 1024 ** 2) -> tuple[int, str]:
-    """(size, sha256) of a stored file, read in chunks."""
-    digest, size = hashlib.sha256(), 0
-    with storage.open_read(path) as f:
-        while True:
-            block = f.read(chunk)
-            if not block:
-                break
-            digest.update(block)
-            size += len(block)
-    return size, digest.hexdigest()
 
 
 def build_config(config: Mapping[str, Any], types: Mapping[str, str], mindie_format: bool = False) -> dict:

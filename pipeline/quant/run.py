@@ -18,23 +18,21 @@ The distributed pipeline runs the same two phases per layer range and must produ
 
 from __future__ import annotations
 
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
-from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
 from pipeline import layout
 from pipeline.quant import native
-from pipeline.io import storage
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.model.loading import load_model
-from pipeline.quant.calib_data import load_texts, tokenize
 from pipeline.quant.calibrate import collect_stats
 from pipeline.quant.observers import Stats
+from pipeline.quant.options import SHARD_BYTES, QuantizeOptions, calibration_samples  # noqa: F401 (re-exported)
+from pipeline.quant.preflight import check_job
 from pipeline.config import model_dtype
 from pipeline.quant.quantize_layer import quantize_globals, quantize_layer_pieces
 from pipeline.quant.recipe import Recipe
@@ -43,35 +41,6 @@ from pipeline.quant.smooth import ChannelAbsMax, apply_smoothing, collect_smooth
 from pipeline.quant.unit_writer import read_layer
 from pipeline.quant.writer import QuantizedWriter
 from pipeline.io.safetensors_io import TensorSpec
-from pipeline.text.tokenizer import Tokenizer
-
-SHARD_BYTES = 4 * 1024 ** 3
-
-
-@dataclass(frozen=True)
-class QuantizeOptions:
-    """How to run (not what to compute: that is the Recipe)."""
-
-    calib_path: Optional[str] = None        # default: the embedded model's calibration texts
-    max_calib_tokens: int = 2048            # per sample; longer samples are an error unless truncate
-    truncate: bool = False
-    smooth_alpha: float = 0.5
-    mindie_format: bool = False
-    overwrite: bool = False
-    shard_bytes: int = SHARD_BYTES
-    device: Optional[str] = None
-    progress: bool = False
-    prefetch: bool = True                   # read layer i+1 while layer i is quantized: one more layer in memory
-
-
-def calibration_samples(src: str, opts: QuantizeOptions, max_positions: int) -> list[list[int]]:
-    """The calibration texts tokenized one by one as HF's ``tokenizer(text)`` does (bos only when the
-    tokenizer's post-processor adds it), which is how msModelSlim feeds them."""
-    tok = Tokenizer.from_dir(src)
-    texts = load_texts(opts.calib_path)
-    return tokenize(texts, tok, max_tokens=min(opts.max_calib_tokens, max_positions), truncate=opts.truncate,
-                    add_bos=tok.adds_bos_by_default, source=opts.calib_path or "default calibration texts")
-
 
 def prepare_float_model(src: str, recipe: Recipe, samples: list[list[int]], opts: QuantizeOptions):
     """The float model in the model dtype, smoothed when the recipe says so. Returns (model,
@@ -86,10 +55,12 @@ def prepare_float_model(src: str, recipe: Recipe, samples: list[list[int]], opts
     return model, smooth_stats
 
 
-def calibrate(src: str, recipe: Recipe, opts: QuantizeOptions) -> tuple[Stats, Optional[dict[str, ChannelAbsMax]]]:
-    """Phase 1: (W8A8/FA3 statistics, smoothing statistics or None)."""
-    cfg = CheckpointReader(src).config
-    samples = calibration_samples(src, opts, cfg.max_position_embeddings)
+def calibrate(src: str, recipe: Recipe, opts: QuantizeOptions, samples: Optional[list[list[int]]] = None
+              ) -> tuple[Stats, Optional[dict[str, ChannelAbsMax]]]:
+    """Phase 1: (W8A8/FA3 statistics, smoothing statistics or None). ``samples``: the calibration
+    samples when already tokenized (default: read and tokenized here)."""
+    if samples is None:
+        samples = calibration_samples(src, opts, CheckpointReader(src).config.max_position_embeddings)
     model, smooth_stats = prepare_float_model(src, recipe, samples, opts)
     with torch.inference_mode():
         stats = collect_stats(model, samples, recipe, progress=opts.progress)
@@ -99,24 +70,23 @@ def calibrate(src: str, recipe: Recipe, opts: QuantizeOptions) -> tuple[Stats, O
 def quantize_checkpoint(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions = QuantizeOptions(),
                         log: Callable[[str], None] = print) -> dict:
     """Quantize ``src`` into ``dst`` (any fsspec locations); returns the job summary (also in the
-    manifest). Nothing in ``dst`` looks complete until the very end."""
+    manifest). Every input is checked first (:func:`pipeline.quant.preflight.check_job`); nothing in
+    ``dst`` looks complete until the very end, and an earlier output there (``opts.overwrite``) stays
+    whole until the new shards are all written."""
     t0 = time.time()
-    reader = CheckpointReader(src)
-    cfg = reader.config
-    recipe.check_config(cfg)
-    md = model_dtype(cfg)
+    job = check_job(src, dst, recipe, opts)
+    reader, cfg, md = job.reader, job.reader.config, job.model_dtype
     log(f"calibrating {src} ({cfg.num_hidden_layers} layers + {len(cfg.mtp_layer_ids)} MTP, {md})")
-    stats, smooth_stats = calibrate(src, recipe, opts)
+    stats, smooth_stats = calibrate(src, recipe, opts, job.samples)
     t1 = time.time()
     summary = {"source": src, "recipe": recipe.to_dict(), "calibration_s": round(t1 - t0, 3),
                "weight_kernel": native.status()}
     with QuantizedWriter(dst, recipe.dialect, model_dtype=md, shard_bytes=opts.shard_bytes,
-                         overwrite=opts.overwrite) as writer:
+                         overwrite=opts.overwrite, src=src) as writer:
         quantize_weights(reader, writer, stats, recipe, smooth_stats, opts.smooth_alpha, prefetch=opts.prefetch,
                          progress=opts.progress)
         summary["quantize_write_s"] = round(time.time() - t1, 3)
-        raw_config = json.loads(storage.read_bytes(storage.join(src, "config.json")))
-        writer.finish(raw_config, src_dir=src, mindie_format=opts.mindie_format, job=summary)
+        writer.finish(job.raw_config, src_dir=src, mindie_format=opts.mindie_format, job=summary)
     summary["total_s"] = round(time.time() - t0, 3)
     log(f"wrote {dst} in {summary['total_s']:.1f}s (calibration {summary['calibration_s']:.1f}s; "
         f"weights with {summary['weight_kernel'].split(' (')[0]})")

@@ -30,6 +30,9 @@ config.json, copies of the tokenizer files, generation_config.json and ``*.py`` 
 ``manifest.json`` (every file's size and sha256, computed while writing, plus the caller's ``job`` info),
 and last the index and ``quant_model_description.json``: a directory with a description is complete, and
 a crash at any point before leaves none. On an exception inside ``with``, everything this writer wrote is removed.
+An earlier output in ``dst`` (``overwrite``) is left whole until every new shard is written: only then is
+it removed, description first, and the parts renamed (:func:`pipeline.quant.output_files.existing_output`
+refuses a destination that is the source or holds anything else).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from pipeline.format.description import (
     TENSOR_TYPES, W8A8, W8A8_DYNAMIC, check_dialect,
 )
 from pipeline.quant.output_files import (  # noqa: F401 (build_config re-exported)
-    ShardFile, ShardRecord, build_config, completeness_first, finalize, is_output_entry,
+    ShardFile, ShardRecord, build_config, completeness_first, existing_output, finalize, is_leftover,
 )
 from pipeline.quant.shard_layout import split_unit
 from pipeline.io.safetensors_io import DTYPE_NAMES, TensorSpec
@@ -105,7 +108,7 @@ class QuantizedWriter:
 
     def __init__(self, dst: str, dialect: str = SEED, *, model_dtype: DtypeLike,
                  shard_bytes: int = SHARD_BYTES, overwrite: bool = False, background: bool = True,
-                 in_flight_bytes: int = IN_FLIGHT_BYTES):
+                 in_flight_bytes: int = IN_FLIGHT_BYTES, src: Optional[str] = None):
         if shard_bytes <= 0:
             raise ValueError(f"shard_bytes must be > 0, got {shard_bytes}")
         self.dst = dst.rstrip("/") or dst
@@ -127,19 +130,17 @@ class QuantizedWriter:
         self._in_flight_bytes = in_flight_bytes
         self._write_failed = False
         self._state = "open"
-        self._prepare(overwrite)
+        # An earlier output is checked now but kept until the new shards are all written (_swap_out).
+        self._replacing = existing_output(self.dst, overwrite, src)
 
-    def _prepare(self, overwrite: bool) -> None:
-        """Refuse a destination that holds an output (complete or not) unless ``overwrite``; then remove
-        that output, description first so that the directory stops looking complete at once."""
-        if not storage.exists(self.dst):
-            return
-        ours = [e for e in storage.listdir(self.dst) if is_output_entry(e)]
-        if ours and not overwrite:
-            raise FileExistsError(f"{self.dst}: already holds quantized output ({', '.join(ours[:4])}); "
-                                  "pass overwrite=True to replace it")
-        for e in completeness_first(ours):
+    def _swap_out(self) -> None:
+        """With every new shard complete under its hidden part name: remove the earlier output (description
+        first, so that it stops looking complete at once) and any crashed writer's leftovers."""
+        mine = {p.path.rsplit("/", 1)[-1] for p in self._parts}
+        leftovers = [e for e in storage.listdir(self.dst) if is_leftover(e) and e not in mine]
+        for e in completeness_first(self._replacing) + leftovers:
             storage.remove(storage.join(self.dst, e))
+        self._replacing = []
 
     # ----- context manager ---------------------------------------------------------------------------
     def __enter__(self) -> "QuantizedWriter":
@@ -310,6 +311,7 @@ class QuantizedWriter:
             raise ValueError(f"{self.dst}: {len(missing)} planned tensors were never added: {missing[:5]}")
         if not self._parts:
             raise ValueError(f"{self.dst}: no tensors were added")
+        self._swap_out()
         committed = []
         for part, final in zip(self._parts, self.naming.file_names(len(self._parts))):
             path = storage.join(self.dst, final)
@@ -370,5 +372,5 @@ def check_finish_args(dst: str, config: Mapping[str, Any], src_dir: Optional[str
     if dtype is not None and MD_NAMES.get(dtype) != DTYPE_NAMES[md]:
         raise ValueError(f"config.json says torch_dtype {dtype!r} but the tensors were written for "
                          f"{md}; pass the config of the model that was quantized")
-    if src_dir is not None and src_dir.rstrip("/") == dst.rstrip("/"):
-        raise ValueError(f"{dst}: the destination must differ from the source")
+    if src_dir is not None and storage.same_location(src_dir, dst):
+        raise ValueError(f"{dst}: the destination is the source {src_dir}; choose another --save-path")
