@@ -10,6 +10,7 @@ from typing import Any, Mapping, Optional
 
 import ray
 
+from actors.ray_start import init_ray
 from pipeline.io import storage
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.stage import StageSpec
@@ -25,7 +26,7 @@ class DistOptions:
 
     stages: int = 2
     replicas: int = 1                       # data-parallel copies of every stage
-    address: Optional[str] = None           # Ray address; None: RAY_ADDRESS, else a local Ray started here
+    address: Optional[str] = None           # Ray address; None: RAY_ADDRESS, else a private local Ray
     cpus_per_actor: float = 1.0
     gpus_per_actor: float = 0.0
     memory_per_actor: int = 0               # bytes reserved with Ray's memory resource (0: none)
@@ -49,16 +50,15 @@ class DistOptions:
 
 
 def connect(dist: DistOptions, n_actors: int) -> bool:
-    """Use the Ray this process is already in, or the cluster at ``dist.address`` / RAY_ADDRESS, or start
-    a local one sized for ``n_actors`` with a capped object store. Returns whether Ray was started here
-    (and should be shut down by the caller)."""
+    """Use the Ray this process is already in, or join the cluster at ``dist.address`` / RAY_ADDRESS, or
+    start a private local Ray sized for ``n_actors`` with a capped object store (never a cluster that
+    merely runs on this machine: see actors.ray_start). Returns whether Ray was initialised here (the
+    caller shuts it down)."""
     if ray.is_initialized():
         return False
-    if dist.address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=dist.address, **_quiet(dist))
-        return True
     cpus = max(os.cpu_count() or 1, math.ceil(n_actors * max(dist.cpus_per_actor, 0)))
-    ray.init(num_cpus=cpus, object_store_memory=dist.object_store_memory, include_dashboard=False, **_quiet(dist))
+    init_ray(dist.address, num_cpus=cpus, object_store_memory=dist.object_store_memory, flag="--ray-address",
+             log=print if dist.ray_logs else (lambda _m: None), **_quiet(dist))
     return True
 
 

@@ -145,6 +145,10 @@ class OpenAIIngress:
         self._draining.set()
         return self.in_flight
 
+    async def __del__(self):
+        """Serve calls this when it stops the replica: whatever is still open ends cleanly."""
+        self._draining.set()
+
     async def _next_event(self, it: AsyncIterator[TokenEvent]) -> TokenEvent:
         """The next event of ``it``, or ShuttingDown as soon as :meth:`drain` is called."""
         nxt = asyncio.ensure_future(it.__anext__())

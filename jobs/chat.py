@@ -11,17 +11,30 @@ import os
 import sys
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+DEFAULT_URL = "http://127.0.0.1:8000/v1"
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jobs.chat", description=__doc__.split("\n")[0])
-    ap.add_argument("prompt", nargs="?", default="What's deep learning?")
-    ap.add_argument("--base-url", dest="base_url", default="http://127.0.0.1:8000/v1")
-    ap.add_argument("--api-key", dest="api_key", default=os.environ.get("DSQUANT_API_KEY", "none"))
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--system", default=None, help="a system prompt")
-    ap.add_argument("--max-tokens", dest="max_tokens", type=int, default=128)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--no-stream", dest="stream", action="store_false")
-    return ap.parse_args(argv)
+    ap.add_argument("prompt", nargs="?", default="What's deep learning?",
+                    help="the question (default: %(default)r)")
+    ap.add_argument("--base-url", dest="base_url", default=DEFAULT_URL,
+                    help="the server's OpenAI API base URL (default: %(default)s)")
+    ap.add_argument("--api-key", dest="api_key", default=os.environ.get("DSQUANT_API_KEY", "none"),
+                    help="bearer token the server requires (default: $DSQUANT_API_KEY, else 'none')")
+    ap.add_argument("--model", default=None, help="model id (default: the first model the server lists)")
+    ap.add_argument("--system", default=None, help="a system prompt (default: none)")
+    ap.add_argument("--max-tokens", dest="max_tokens", type=int, default=128,
+                    help="most tokens in the answer (default: %(default)s)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature; 0 is greedy (default: %(default)s)")
+    ap.add_argument("--no-stream", dest="stream", action="store_false",
+                    help="wait for the whole answer instead of streaming it (default: off, streamed)")
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv=None) -> int:

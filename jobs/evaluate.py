@@ -4,7 +4,8 @@
 
 Quantizes SRC (default: the embedded model) into DIR/plain and DIR/smooth, evaluates float, W8A8 only,
 FA3 only and W8A8 + FA3 on the held-out text (default: the embedded model's heldout.json), and writes
-DIR/perplexity.parquet, DIR/sqnr.parquet and DIR/report.md.
+DIR/perplexity.parquet, DIR/sqnr.parquet and the report: DIR/report.md, report.png (perplexity per variant,
+SQNR per layer and module type) and report.html (both in one page).
 """
 
 from __future__ import annotations
@@ -17,21 +18,29 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     from jobs.quantize import _flag, _layers
 
-    ap = argparse.ArgumentParser(prog="python -m jobs.evaluate", description=__doc__.split("\n")[1])
-    _flag(ap, "--model-path", default=None)
-    _flag(ap, "--out", default=os.path.join("out", "eval"))
-    _flag(ap, "--calib-data", default=None)
-    _flag(ap, "--heldout", default=None, help="held-out texts (.json list / .jsonl / .parquet); default: "
-                                                "the embedded model's heldout.json")
-    _flag(ap, "--fa-exclude-layers", type=_layers, default=())
-    _flag(ap, "--dynamic", action="store_true")
-    _flag(ap, "--quantize-mtp", action="store_true")
-    _flag(ap, "--seq", type=int, default=256)
-    _flag(ap, "--max-heldout-tokens", type=int, default=0, help="evaluate on at most this many tokens (0: all)")
-    return ap.parse_args(argv)
+    ap = argparse.ArgumentParser(prog="python -m jobs.evaluate", description=__doc__.split("\n")[0])
+    _flag(ap, "--model-path", default=None, help="source checkpoint (default: the embedded model)")
+    _flag(ap, "--out", default=os.path.join("out", "eval"),
+          help="directory of the quantized copies and the report (default: %(default)s)")
+    _flag(ap, "--calib-data", default=None,
+          help="calibration texts, as jobs.quantize reads them (default: the built-in calibration set)")
+    _flag(ap, "--heldout", default=None, help="held-out texts (.json list / .jsonl / .parquet) (default: "
+                                                "the embedded model's heldout.json)")
+    _flag(ap, "--fa-exclude-layers", type=_layers, default=(),
+          help="layers kept out of FA3, e.g. 0,1,2 (default: none)")
+    _flag(ap, "--dynamic", action="store_true", help="every quantized linear W8A8_DYNAMIC (default: off)")
+    _flag(ap, "--quantize-mtp", action="store_true", help="quantize the MTP layer too (default: off, FLOAT)")
+    _flag(ap, "--seq", type=int, default=256, help="tokens per perplexity window (default: %(default)s)")
+    _flag(ap, "--max-heldout-tokens", type=int, default=0,
+          help="evaluate on at most this many tokens (default: %(default)s, all)")
+    return ap
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def heldout_texts(path):
@@ -51,7 +60,8 @@ def main(argv=None) -> int:
     from pipeline.io import storage
     from pipeline.assets import EMBEDDED_MODEL_DIR
     from pipeline.model.perplexity import token_stream
-    from pipeline.quant.evaluate import evaluate, ppl_table, sqnr_summary, write_parquet
+    from pipeline.quant.eval_report import write_report
+    from pipeline.quant.evaluate import evaluate, write_parquet
     from pipeline.quant.recipe import Recipe
     from pipeline.quant.run import QuantizeOptions
     from pipeline.text.tokenizer import Tokenizer
@@ -71,10 +81,7 @@ def main(argv=None) -> int:
         return 2
     write_parquet(ppl, storage.join(args.out, "perplexity.parquet"))
     write_parquet(sqnr, storage.join(args.out, "sqnr.parquet"))
-    report = (f"# Accuracy of W8A8 + FA3 on {src}\n\nHeld-out tokens: {ppl[0]['tokens']} "
-              f"(windows of {args.seq})\n\n## Perplexity\n\n{ppl_table(ppl)}\n\n"
-              f"## Per-module SQNR (each module on the float model's input)\n\n{sqnr_summary(sqnr)}\n")
-    storage.write_bytes(storage.join(args.out, "report.md"), report.encode())
+    report = write_report(args.out, src, ppl, sqnr, args.seq)
     storage.write_bytes(storage.join(args.out, "perplexity.json"), json.dumps(ppl, indent=1).encode())
     print(report)
     return 0

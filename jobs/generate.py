@@ -16,20 +16,32 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jobs.generate", description=__doc__.split("\n")[0])
-    ap.add_argument("prompt", nargs="?", default="What's deep learning?")
+    ap.add_argument("prompt", nargs="?", default="What's deep learning?",
+                    help="the prompt (default: %(default)r)")
     ap.add_argument("--model-path", "--model_path", dest="model_path", default=None,
                     help="checkpoint directory or fsspec URL (default: the embedded model)")
-    ap.add_argument("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=1.0)
-    ap.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--raw", action="store_true", help="no chat template: continue the text as is")
-    ap.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
+    ap.add_argument("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int, default=64,
+                    help="most tokens generated (default: %(default)s)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature; 0 is greedy (default: %(default)s)")
+    ap.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=1.0,
+                    help="nucleus sampling: keep the smallest set of tokens of this total probability "
+                         "(default: %(default)s, all)")
+    ap.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=0,
+                    help="sample among the k most likely tokens (default: %(default)s, no limit)")
+    ap.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible samples (default: random)")
+    ap.add_argument("--raw", action="store_true",
+                    help="no chat template: continue the text as is (default: off, the chat template)")
+    ap.add_argument("--dtype", default="auto",
+                    help="float32, bfloat16, float16 or auto, for a float model (default: %(default)s)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv=None) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Optional, Sequence
 
@@ -27,14 +28,19 @@ from pipeline.format.description import DIALECTS
 from pipeline.quant.recipe import Recipe
 from pipeline.io.safetensors_io import CheckpointError
 
+CHECK_OBJECT_STORE = 80 * 2**20   # bytes: a private Ray for --check-ray local stores nothing
+
 
 def ray_resources(address: str) -> dict:
-    """What Ray reports, in the shape Plan.check_resources reads."""
+    """What Ray reports, in the shape Plan.check_resources reads: the cluster at ``address`` ('auto': the
+    one this machine runs), or a private local Ray started here for the check ('local')."""
     import ray
 
     from actors.ray_session import cluster_resources
+    from actors.ray_start import init_ray
 
-    ray.init(address=None if address == "local" else address, logging_level="ERROR", log_to_driver=False)
+    init_ray(address, num_cpus=os.cpu_count() or 1, object_store_memory=CHECK_OBJECT_STORE, flag="--check-ray",
+             log=lambda m: print(m, file=sys.stderr), logging_level="ERROR", log_to_driver=False)
     try:
         return cluster_resources()
     finally:
@@ -51,33 +57,60 @@ def _cluster(spec: str, args) -> Cluster:
                    disk_write_gbps=args.disk_write_gbps, quantize_gbps=args.quantize_gbps)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jobs.plan", description=__doc__.splitlines()[0])
-    ap.add_argument("--model-path", default=EMBEDDED_MODEL_DIR, help="source checkpoint (default: embedded model)")
-    ap.add_argument("--stages", type=int, default=1)
-    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--model-path", default=EMBEDDED_MODEL_DIR, help="source checkpoint (default: the embedded model)")
+    ap.add_argument("--stages", type=int, default=1,
+                    help="pipeline stages the layers are split into (default: %(default)s)")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="data-parallel copies of every stage (default: %(default)s)")
     ap.add_argument("--seq-len", type=int, default=None,
-                    help=f"tokens per calibration micro-batch (default {DEFAULT_SEQ_LEN}, or the model's maximum)")
-    ap.add_argument("--calib-samples", type=int, default=DEFAULT_CALIB_SAMPLES)
-    ap.add_argument("--shard-gib", type=float, default=4.0)
-    ap.add_argument("--weight-workers", type=int, default=0)
-    ap.add_argument("--memory-model", choices=MEMORY_MODELS, default="resident")
-    ap.add_argument("--bytes-weight", type=float, default=0.5, help="weight of bytes against FLOPs in the balance")
-    ap.add_argument("--cpus-per-actor", type=float, default=1.0)
-    ap.add_argument("--gpus-per-actor", type=float, default=0.0)
-    ap.add_argument("--dialect", choices=DIALECTS, default="seed")
-    ap.add_argument("--quantize-mtp", action="store_true")
-    ap.add_argument("--cluster-memory-gib", type=float, default=None, help="check against this much memory")
-    ap.add_argument("--nodes", type=int, default=1, help="with --cluster-memory-gib: split over this many nodes")
-    ap.add_argument("--gpu-memory-gib", type=float, default=None, help="memory per GPU, for the check")
-    ap.add_argument("--check-ray", metavar="ADDRESS", default=None, help="check against a Ray cluster: its address, 'auto', or 'local' (start one here)")
-    ap.add_argument("--estimate", metavar="NODESxGPUS", default=None, help="estimate the wall time, e.g. 4x8")
-    ap.add_argument("--disk-read-gbps", type=float, default=5.0)
-    ap.add_argument("--disk-write-gbps", type=float, default=None)
-    ap.add_argument("--network-gbps", type=float, default=25.0)
-    ap.add_argument("--gpu-tflops", type=float, default=400.0)
-    ap.add_argument("--quantize-gbps", type=float, default=20.0)
-    ap.add_argument("--json", action="store_true")
+                    help=f"tokens per calibration micro-batch (default: {DEFAULT_SEQ_LEN}, or the model's maximum)")
+    ap.add_argument("--calib-samples", type=int, default=DEFAULT_CALIB_SAMPLES,
+                    help="calibration samples (default: %(default)s)")
+    ap.add_argument("--shard-gib", type=float, default=4.0, help="weight shard size limit, GiB (default: %(default)s)")
+    ap.add_argument("--weight-workers", type=int, default=0,
+                    help="separate weight-phase workers (0: the stage actors quantize their own layers)"
+                         " (default: %(default)s)")
+    ap.add_argument("--memory-model", choices=MEMORY_MODELS, default="resident",
+                    help="resident: a stage holds all its layers dequantized; streaming: one unit at a time"
+                         " (default: %(default)s)")
+    ap.add_argument("--bytes-weight", type=float, default=0.5,
+                    help="weight of bytes against FLOPs when balancing the stages (default: %(default)s)")
+    ap.add_argument("--cpus-per-actor", type=float, default=1.0,
+                    help="CPUs each stage actor asks Ray for (default: %(default)s)")
+    ap.add_argument("--gpus-per-actor", type=float, default=0.0,
+                    help="GPUs each stage actor asks Ray for (default: %(default)s)")
+    ap.add_argument("--dialect", choices=DIALECTS, default="seed",
+                    help="output format dialect (as jobs.quantize) (default: %(default)s)")
+    ap.add_argument("--quantize-mtp", action="store_true", help="plan for quantizing the MTP layer too (default: off)")
+    ap.add_argument("--cluster-memory-gib", type=float, default=None,
+                    help="check against this much memory (default: no check)")
+    ap.add_argument("--nodes", type=int, default=1,
+                    help="with --cluster-memory-gib: split over this many nodes (default: %(default)s)")
+    ap.add_argument("--gpu-memory-gib", type=float, default=None,
+                    help="memory per GPU, for the check (default: unchecked)")
+    ap.add_argument("--check-ray", metavar="ADDRESS", default=None,
+                    help="check against a Ray cluster: its address, 'auto' (the one this machine runs), or "
+                         "'local' (a private one started here for the check) (default: no check)")
+    ap.add_argument("--estimate", metavar="NODESxGPUS", default=None,
+                    help="estimate the wall time on such a cluster, e.g. 4x8 (default: no estimate)")
+    ap.add_argument("--disk-read-gbps", type=float, default=5.0,
+                    help="for --estimate: GB/s read per node (default: %(default)s)")
+    ap.add_argument("--disk-write-gbps", type=float, default=None,
+                    help="for --estimate: GB/s written per node (default: --disk-read-gbps)")
+    ap.add_argument("--network-gbps", type=float, default=25.0,
+                    help="for --estimate: GB/s of network per node (default: %(default)s)")
+    ap.add_argument("--gpu-tflops", type=float, default=400.0,
+                    help="for --estimate: effective TFLOP/s per GPU (default: %(default)s)")
+    ap.add_argument("--quantize-gbps", type=float, default=20.0,
+                    help="for --estimate: float weight GB/s quantized per GPU (default: %(default)s)")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON instead of text (default: off)")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
 
     out: dict[str, Any] = {}

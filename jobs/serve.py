@@ -2,9 +2,9 @@
 
 With no arguments it serves ``out/dsv3-tiny-pydoc-w8a8-fa3`` (quantizing the embedded model there first
 when that directory is missing or incomplete) on http://127.0.0.1:8000/v1 until Ctrl-C. Ray: the cluster
-at ``--address`` / RAY_ADDRESS when given, else a local one started here (object store capped) and stopped
-on exit. ``--config FILE`` (JSON or YAML, see ``actors.serve_app.ServeConfig``) gives every option; flags
-given on the command line override it.
+at ``--address`` / RAY_ADDRESS when given, else a private local one started here (object store capped) and
+stopped on exit; SIGINT and SIGTERM stop it within seconds. ``--config FILE`` (JSON or YAML, see
+``actors.serve_app.ServeConfig``) gives every option; flags given on the command line override it.
 
     python -m jobs.serve --port 8000 --api-key sk-local --max-in-flight 32 --num-blocks 512 --mtp
     python -m jobs.chat "What's deep learning?"
@@ -13,10 +13,13 @@ given on the command line override it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,42 +29,64 @@ DEFAULT_MODEL = os.path.join("out", "dsv3-tiny-pydoc-w8a8-fa3")
 MiB = 1024 ** 2
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The flags; each one overrides the --config file's value (the defaults stated are ServeConfig's)."""
+    from actors.serve_config import DEFAULT_ENGINE as E, ServeConfig
+
+    dd = ServeConfig(model_path="-")   # its defaults, stated in the help
     ap = argparse.ArgumentParser(prog="python -m jobs.serve", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default=None, help="JSON or YAML file of ServeConfig options")
+    ap.add_argument("--config", default=None, help="JSON or YAML file of ServeConfig options (default: none)")
     ap.add_argument("--model-path", "--model_path", dest="model_path", default=None,
                     help=f"quantized directory (default: {DEFAULT_MODEL}, made from the embedded model if missing)")
     ap.add_argument("--served-model-name", dest="served_model_name", default=None,
                     help="model id clients send (default: the directory's name)")
-    ap.add_argument("--host", default=None, help="HTTP host (default 127.0.0.1)")
-    ap.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    ap.add_argument("--host", default=None, help=f"HTTP host (default: {dd.host})")
+    ap.add_argument("--port", type=int, default=None, help=f"HTTP port (default: {dd.port})")
     ap.add_argument("--api-key", dest="api_key", default=os.environ.get("DSQUANT_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1 (default: $DSQUANT_API_KEY, else open)")
     ap.add_argument("--max-in-flight", dest="max_in_flight", type=int, default=None,
-                    help="generation requests in flight per ingress replica before 429 (default 64)")
-    ap.add_argument("--llm-replicas", dest="llm_replicas", type=int, default=None, help="engine replicas")
-    ap.add_argument("--llm-num-cpus", dest="llm_num_cpus", type=float, default=None, help="CPUs per engine replica")
-    ap.add_argument("--llm-num-gpus", dest="llm_num_gpus", type=float, default=None, help="GPUs per engine replica")
-    ap.add_argument("--ingress-replicas", dest="ingress_replicas", type=int, default=None)
-    ap.add_argument("--torch-threads", dest="torch_threads", type=int, default=None)
-    ap.add_argument("--num-blocks", dest="num_blocks", type=int, default=None, help="KV cache blocks per replica")
-    ap.add_argument("--block-size", dest="block_size", type=int, default=None)
-    ap.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=None)
-    ap.add_argument("--max-batched-tokens", dest="max_batched_tokens", type=int, default=None)
-    ap.add_argument("--max-model-len", dest="max_model_len", type=int, default=None)
-    ap.add_argument("--nz", dest="nz", action=argparse.BooleanOptionalAction, default=None, help="NZ cache layout")
+                    help=f"generation requests in flight per ingress replica before 429 (default: {dd.max_in_flight})")
+    ap.add_argument("--llm-replicas", dest="llm_replicas", type=int, default=None,
+                    help=f"engine (decode) replicas (default: {dd.llm.num_replicas})")
+    ap.add_argument("--llm-num-cpus", dest="llm_num_cpus", type=float, default=None,
+                    help=f"CPUs per engine replica (default: {dd.llm.ray_actor_options.get('num_cpus', 0)})")
+    ap.add_argument("--llm-num-gpus", dest="llm_num_gpus", type=float, default=None,
+                    help=f"GPUs per engine replica (default: {dd.llm.ray_actor_options.get('num_gpus', 0)})")
+    ap.add_argument("--ingress-replicas", dest="ingress_replicas", type=int, default=None,
+                    help=f"OpenAI ingress (HTTP) replicas (default: {dd.ingress.num_replicas})")
+    ap.add_argument("--torch-threads", dest="torch_threads", type=int, default=None,
+                    help=f"torch threads per engine replica (default: {dd.torch_threads})")
+    ap.add_argument("--num-blocks", dest="num_blocks", type=int, default=None,
+                    help=f"KV cache blocks per engine replica (default: {E.num_blocks})")
+    ap.add_argument("--block-size", dest="block_size", type=int, default=None,
+                    help=f"tokens per KV cache block (default: {E.block_size})")
+    ap.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=None,
+                    help=f"sequences an engine step batches at most (default: {E.max_num_seqs})")
+    ap.add_argument("--max-batched-tokens", dest="max_batched_tokens", type=int, default=None,
+                    help=f"prompt tokens an engine step prefills at most (default: {E.max_batched_tokens})")
+    ap.add_argument("--max-model-len", dest="max_model_len", type=int, default=None,
+                    help="longest prompt + completion in tokens (default: what the cache holds, capped by the "
+                         "model's positions)")
+    ap.add_argument("--nz", dest="nz", action=argparse.BooleanOptionalAction, default=None,
+                    help=f"NZ (fractal) latent cache layout, as on Ascend (default: {'on' if E.nz else 'off'})")
     ap.add_argument("--mtp", dest="mtp", action=argparse.BooleanOptionalAction, default=None,
-                    help="MTP speculative decoding")
-    ap.add_argument("--device", default=None, help="cpu or cuda")
+                    help=f"MTP speculative decoding, one draft token; needs the model's MTP layer "
+                         f"(default: {'on' if E.mtp else 'off'})")
+    ap.add_argument("--device", default=None, help=f"cpu or cuda (default: {E.device})")
     ap.add_argument("--mindie-config", dest="mindie_config", default=None,
                     help="a MindIE config.json (or its ModelConfig block) to serve as it says; sizes the hardware "
-                         "cannot honour are refused")
+                         "cannot honour are refused (default: none)")
     ap.add_argument("--mode", choices=("colocated", "disaggregated"), default=None,
-                    help="prefill and decode in one deployment (default) or apart")
-    ap.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local Ray)")
+                    help=f"prefill and decode in one deployment or apart (default: {dd.mode})")
+    ap.add_argument("--address", default=None,
+                    help="Ray cluster to join (default: RAY_ADDRESS if set, else a private local Ray started here)")
     ap.add_argument("--object-store-mb", dest="object_store_mb", type=int, default=256,
-                    help="object store of a local Ray started here, MiB")
-    return ap.parse_args(argv)
+                    help="object store of the private local Ray, MiB (default: 256)")
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def make_config(args: argparse.Namespace):
@@ -108,20 +133,119 @@ def ensure_default_model(path: str) -> None:
 
 
 def connect_ray(address, object_store_mb: int) -> bool:
-    """Join the given cluster or start a local one; True when started here."""
+    """Join the cluster at ``address`` / RAY_ADDRESS, else start a private local Ray; True when private."""
+    from actors.ray_start import init_ray
+
+    return init_ray(address, num_cpus=max(2, os.cpu_count() or 1), object_store_memory=object_store_mb * MiB,
+                    log=lambda m: print(m, file=sys.stderr, flush=True), logging_level="ERROR")
+
+
+EXISTING_SERVE = "Connecting to existing Serve app"
+
+
+@contextlib.contextmanager
+def dropped_log_line(logger: str, text: str):
+    """Within the block, ``logger`` drops records whose message contains ``text``."""
+    class Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return text not in record.getMessage()
+
+    f, log = Drop(), logging.getLogger(logger)
+    log.addFilter(f)
+    try:
+        yield
+    finally:
+        log.removeFilter(f)
+
+
+class RayOwner(threading.Thread):
+    """Starts Ray (connect_ray) off the main thread and stays alive until :meth:`release`. Off the main
+    thread, ray.init keeps our SIGTERM handler (from the main thread it installs its own, a sys.exit that a
+    start-up in progress may swallow); staying alive matters because Linux kills the processes ray.init
+    starts when the *thread* that started them ends (their parent-death signal)."""
+
+    def __init__(self, address, object_store_mb: int):
+        super().__init__(name="ray-owner", daemon=True)
+        self.args, self.private, self.error = (address, object_store_mb), False, None
+        self.ready, self.released = threading.Event(), threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.private = connect_ray(*self.args)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            self.error = e
+        finally:
+            self.ready.set()
+        self.released.wait()
+
+    def start_ray(self) -> bool:
+        """Start, wait (signals are handled meanwhile), re-raise its error; True when the Ray is private."""
+        with dropped_log_line("ray._private.worker", "SIGTERM handler is not set"):
+            self.start()
+            while not self.ready.wait(0.1):
+                pass
+        if self.error is not None:
+            raise self.error
+        return self.private
+
+    def release(self) -> None:
+        self.released.set()
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, or a service manager's stop: the same path
+DRAIN_S = 3.0   # seconds a stop gives the app's replicas to finish what is in flight before Ray goes
+
+
+class Stopper:
+    """SIGINT and SIGTERM both stop the server. Until :meth:`arm` (while Ray starts) a signal is only
+    recorded, so that Ray is never left half-started; after it, a signal raises KeyboardInterrupt in the
+    main thread; during the stop itself further signals are ignored, so a second Ctrl-C cannot cut it."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._hold)
+
+    def _hold(self, signum, frame) -> None:
+        self.requested = True
+
+    @staticmethod
+    def _interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    def arm(self) -> None:
+        """From now on a signal interrupts; one that came while held interrupts now."""
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._interrupt)
+        if self.requested:
+            raise KeyboardInterrupt
+
+    def disarm(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def stop(app_name: str, private: bool) -> None:
+    """Delete the app: Serve drains each replica (what is in flight is answered or ends; the replicas'
+    shutdown hooks run). On a private Ray, wait for that at most DRAIN_S, then stop the Ray and wait for
+    all its processes; on a joined cluster only disconnect (its controller finishes the deletion)."""
     import ray
+    from ray import serve
 
-    if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, logging_level="ERROR")
-        return False
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster: no token between processes
-    ray.init(num_cpus=max(2, os.cpu_count() or 1), object_store_memory=object_store_mb * MiB,
-             include_dashboard=False, logging_level="ERROR")
-    return True
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+    if not ray.is_initialized():
+        return
+    deadline = time.monotonic() + DRAIN_S
+    try:  # open streams end now with an error event and [DONE] (every replica also does it when stopped)
+        serve.get_deployment_handle("OpenAIIngress", app_name).drain.remote().result(timeout_s=1.0)
+    except Exception:  # noqa: BLE001 - no app yet, or it cannot answer: the deletion below still drains
+        pass
+    try:
+        serve.delete(app_name, _blocking=False)
+        while private and app_name in serve.status().applications and time.monotonic() < deadline:
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001 - no Serve yet (stopped during start-up), Ray going away: nothing to drain
+        pass
+    ray.shutdown(wait_for_processes=private)
 
 
 def main(argv=None) -> int:
@@ -137,31 +261,45 @@ def main(argv=None) -> int:
         print(f"error: --model-path {cfg.model_path} is not a directory", file=sys.stderr)
         return 2
 
-    import ray
-    from ray import serve
+    from actors.ray_start import join_address
 
-    from actors.serve_app import build_app
+    from actors import serve_proxy
 
-    started = connect_ray(args.address, args.object_store_mb)
-    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, or a service manager's stop: shut down cleanly
-        signal.signal(sig, _interrupt)
+    # Serve's proxies (started by a private Ray, from this environment) clean request ids and guard
+    # /-/routes with the key; on a joined cluster set both variables where its raylets start.
+    os.environ.setdefault(serve_proxy.CALLBACK_ENV, serve_proxy.CALLBACK)
+    if cfg.api_key:
+        os.environ["DSQUANT_API_KEY"] = cfg.api_key
+    stopper, owner, private = Stopper(), RayOwner(args.address, args.object_store_mb), False
     try:
+        if join_address(args.address):
+            stopper.arm()  # joining starts no process here: a signal may interrupt it at once
+        private = owner.start_ray()
+        stopper.arm()
+        from ray import serve
+
+        from actors.serve_app import build_app
+
         t0 = time.time()
         serve.start(http_options={"host": cfg.host, "port": cfg.port})
-        serve.run(build_app(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix)
+        try:
+            app = build_app(cfg)
+        except ValueError as e:  # a config the cluster cannot schedule: what to lower
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        with dropped_log_line("ray.serve", EXISTING_SERVE):  # serve.run finds the instance just started
+            serve.run(app, name=cfg.app_name, route_prefix=cfg.route_prefix)
         base = f"http://{cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}/v1"
         print(f"serving {cfg.model_name!r} from {cfg.model_path} at {base} (ready in {time.time() - t0:.0f}s; "
               f"{'API key required' if cfg.api_key else 'no API key'}); Ctrl-C stops", file=sys.stderr, flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        print("stopping", file=sys.stderr)
+        print("stopping", file=sys.stderr, flush=True)
     finally:
-        if started:
-            serve.shutdown()
-            ray.shutdown()
-        else:
-            serve.delete(cfg.app_name)
+        stopper.disarm()
+        stop(cfg.app_name, private)
+        owner.release()
     return 0
 
 

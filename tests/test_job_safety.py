@@ -104,11 +104,15 @@ def test_unreachable_s3_endpoint_is_refused_before_calibration(capsys, calib, mo
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
     t = time.time()
+    saved = storage.options().get("s3")          # the session's S3 server, when another test started it
     try:
         rc, out, err = quantize(capsys, "--model-path", str(TINY_FIXTURE), "--save-path", "s3://nobucket/q",
                                 "--calib-data", calib, "--s3-endpoint", "http://127.0.0.1:9")
     finally:
-        storage.set_options("s3")
+        if saved is None:
+            storage._OPTIONS.pop("s3", None)
+        else:
+            storage.set_options("s3", **saved)
     assert rc == 2 and "calibrating" not in out
     one_line_error(err, "s3://nobucket/q", "http://127.0.0.1:9")
     assert time.time() - t < 60
@@ -378,20 +382,6 @@ def test_lone_surrogate_in_calibration_text_names_the_sample(capsys, tmp_path):
                           "--calib-data", str(bad))
     assert rc == 2
     one_line_error(err, str(bad), "sample 1", "surrogate")
-
-
-# ----- the parsers: help and default for every option -----------------------------------------------------
-@pytest.mark.parametrize("module", ["jobs.quantize", "jobs.requantize", "jobs.check", "jobs.make_fp8"])
-def test_every_option_has_help_and_its_default(module):
-    import importlib
-
-    parser = importlib.import_module(module).build_parser()
-    assert parser.description
-    for action in parser._actions:
-        if action.dest == "help" or not action.option_strings:
-            continue
-        assert action.help and "\n" not in action.help, (module, action.dest)
-        assert "%(default)" in action.help or "default" in action.help.lower(), (module, action.dest, action.help)
 
 
 @pytest.mark.parametrize("flag,value,message", [("--shard-size-gb", "0", "--shard-size-gb must be > 0"),

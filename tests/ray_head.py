@@ -1,0 +1,112 @@
+"""A user's own ``ray start --head`` for tests (its own temp dir and ports, stopped by killing exactly the
+processes it started: never ``ray stop``, which stops every Ray on the machine), and the processes that
+still run under a Ray temp dir."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+RAY_BIN = str(Path(sys.executable).parent / "ray")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ray_tmpdir() -> str:
+    """A fresh, short directory for RAY_TMPDIR (Unix socket paths under it must stay short)."""
+    return tempfile.mkdtemp(prefix="rt", dir="/tmp")
+
+
+def processes_under(path: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process whose environment or command line names ``path``: every
+    process of a Ray started with ``RAY_TMPDIR=path`` inherits it (agents and workers rename themselves,
+    ``ray::IDLE``, so their command lines do not tell)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            env = (d / "environ").read_bytes().decode(errors="replace")
+            state = next((ln for ln in (d / "status").read_text().splitlines() if ln.startswith("State:")), "")
+        except OSError:
+            continue
+        if (path in cmd or path in env) and "zombie" not in state:
+            out.append((int(d.name), cmd[:200]))
+    return out
+
+
+def kill_under(path: str) -> None:
+    """SIGKILL what still runs under ``path`` (test cleanup only)."""
+    for pid, _ in processes_under(path):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def wait_gone(path: str, timeout: float) -> list[tuple[int, str]]:
+    """Wait up to ``timeout`` s for every process under ``path`` to exit; what is left."""
+    deadline = time.time() + timeout
+    while (left := processes_under(path)) and time.time() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+@dataclass
+class Head:
+    proc: subprocess.Popen
+    address: str
+    tmpdir: str                  # its RAY_TMPDIR: the pointer file lies in <tmpdir>/ray
+
+    def env(self, **extra) -> dict:
+        """An environment in which a plain ``ray.init()`` would find this head (its pointer file)."""
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        return dict(env, RAY_TMPDIR=self.tmpdir, RAY_AUTH_MODE="disabled", **extra)
+
+
+def start_head(num_cpus: int = 1, timeout: float = 90) -> Head:
+    """``ray start --head --block`` in its own process group; returns once its pointer file is written."""
+    tmp = ray_tmpdir()
+    port = free_port()
+    env = dict({k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, RAY_TMPDIR=tmp, RAY_AUTH_MODE="disabled")
+    log = open(Path(tmp) / "head.log", "w")
+    proc = subprocess.Popen(
+        [RAY_BIN, "start", "--head", "--block", f"--port={port}", f"--num-cpus={num_cpus}", "--num-gpus=0",
+         "--include-dashboard=false", f"--ray-client-server-port={free_port()}",
+         f"--dashboard-agent-listen-port={free_port()}", "--object-store-memory=100000000", "--disable-usage-stats"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    pointer = Path(tmp) / "ray" / "ray_current_cluster"
+    deadline = time.time() + timeout
+    while not pointer.exists():
+        if proc.poll() is not None or time.time() > deadline:
+            stop_head(Head(proc, "", tmp))
+            raise RuntimeError(f"ray start --head did not come up: {(Path(tmp) / 'head.log').read_text()[-2000:]}")
+        time.sleep(0.2)
+    return Head(proc, pointer.read_text().strip(), tmp)
+
+
+def stop_head(head: Head) -> None:
+    """Stop exactly this head: its process group, then anything left under its temp dir."""
+    try:
+        os.killpg(head.proc.pid, signal.SIGTERM)
+        head.proc.wait(timeout=5)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    if wait_gone(head.tmpdir, 10):
+        kill_under(head.tmpdir)
+    try:
+        os.killpg(head.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
