@@ -10,7 +10,7 @@ times are exclusive (a region's own time, less the regions it calls), so the col
   schedule    Scheduler.schedule (which sequences, how many tokens, cache blocks)
   prepare     what the step and the runner do around the model: spans, positions, rows, bookkeeping
   embed/norm/rope/einsum   the model's float work outside the regions below (the runner's own code)
-  cache write PagedLatentCache.write (quantize the latents, store them)
+  cache write PagedLatentCache.write / write_slots (quantize the latents, store them)
   attention   paged decode / prefill attention over the cache
   moe         MoE.forward's own work: routing, the per-expert loop, gathering and combining
   linears     every int8 (W8A8, W8A8_DYNAMIC) and float linear
@@ -75,6 +75,8 @@ def instrument(prof: Profiler) -> None:
     prof.wrap(runner.ModelRunner, "forward", "model other")
     prof.wrap(runner.ModelRunner, "mtp_forward", "model other")
     prof.wrap(paged_cache.PagedLatentCache, "write", "cache write")
+    if hasattr(paged_cache.PagedLatentCache, "write_slots"):       # one write per layer and step
+        prof.wrap(paged_cache.PagedLatentCache, "write_slots", "cache write")
     prof.wrap(runner, "paged_decode_attention", "attention")
     prof.wrap(runner, "paged_prefill_attention", "attention")
     prof.wrap(ffn.MoE, "forward", "moe")
