@@ -65,5 +65,8 @@ def check_job(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions, *, resu
     check_finish_args(dst, raw_config, src, md)
     nbytes = sum(s.nbytes for _, specs in output_units(reader, recipe) for s in specs)
     storage.check_room(dst, nbytes)
-    samples = calibration_samples(src, opts, cfg.max_position_embeddings)
+    # data-free recipes (no static linear, no FA3, no smoothing) read no calibration data, nor a tokenizer;
+    # the distributed job calibrates whatever the recipe (its stages load their layers in that pass)
+    needs = resumable or recipe.needs_calibration(cfg)
+    samples = calibration_samples(src, opts, cfg.max_position_embeddings) if needs else []
     return CheckedJob(reader, raw_config, md, samples, nbytes)

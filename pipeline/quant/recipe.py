@@ -81,6 +81,15 @@ class Recipe:
         return bool(self.fa_quant and layer_id not in self.fa_exclude_layers
                     and (layer_id < cfg.num_hidden_layers or self.quantize_mtp))
 
+    def needs_calibration(self, cfg: DeepseekV3Config) -> bool:
+        """Does any output depend on activations? Static W8A8 linears (input scale and offset), FA3
+        (its scales) and smoothing (its factors) do; W8A8_DYNAMIC weights and FLOAT tensors do not, so a
+        recipe with only those (``dynamic`` with ``fa_quant`` off) is data-free."""
+        if self.smooth:
+            return True
+        return any(kind in (W8A8, FAQUANT) for i in layout.all_layer_ids(cfg)
+                   for kind in self.layer_types(cfg, i).values())
+
     def layer_types(self, cfg: DeepseekV3Config, layer_id: int) -> dict[str, str]:
         """Module prefix (``model.layers.N.self_attn.q_a_proj``, ``...fa_q``) -> type, for every module
         holding a tensor of the layer, plus the FA3 branches."""

@@ -27,6 +27,7 @@ import torch
 
 from pipeline import layout
 from pipeline.quant import native
+from pipeline.io import storage
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.model.loading import load_model
 from pipeline.quant.calibrate import collect_stats
@@ -76,8 +77,15 @@ def quantize_checkpoint(src: str, dst: str, recipe: Recipe, opts: QuantizeOption
     t0 = time.time()
     job = check_job(src, dst, recipe, opts)
     reader, cfg, md = job.reader, job.reader.config, job.model_dtype
-    log(f"calibrating {src} ({cfg.num_hidden_layers} layers + {len(cfg.mtp_layer_ids)} MTP, {md})")
-    stats, smooth_stats = calibrate(src, recipe, opts, job.samples)
+    if recipe.needs_calibration(cfg):
+        log(f"calibrating {src} ({cfg.num_hidden_layers} layers + {len(cfg.mtp_layer_ids)} MTP, {md})")
+        stats, smooth_stats = calibrate(src, recipe, opts, job.samples)
+    else:
+        log(f"data-free: the recipe reads no activation statistic (no static linear, no FA3, no smoothing): "
+            f"no calibration, {src} is read once, for its weights")
+        if not storage.exists(storage.join(src, "tokenizer.json")):
+            log(f"warning: {src} has no tokenizer.json; the output will have none either")
+        stats, smooth_stats = Stats(), None
     t1 = time.time()
     summary = {"source": src, "recipe": recipe.to_dict(), "calibration_s": round(t1 - t0, 3),
                "weight_kernel": native.status()}
