@@ -99,8 +99,11 @@ def test_stop_forms(tok):
     ("seed", "x", "seed", "seed must be an integer, got 'x'"),
     ("n", 2, "n", "n must be 1 on this server (one choice per request), got 2"),
     ("stream", "yes", "stream", "stream must be a boolean, got 'yes'"),
-    ("frequency_penalty", 0.5, "frequency_penalty",
-     "frequency_penalty is not supported by this server (only 0), got 0.5"),
+    ("frequency_penalty", 2.5, "frequency_penalty", "frequency_penalty must be in [-2, 2], got 2.5"),
+    ("presence_penalty", "x", "presence_penalty", "presence_penalty must be a number, got 'x'"),
+    ("repetition_penalty", 0, "repetition_penalty", "repetition_penalty must be in (0, 2], got 0"),
+    ("ignore_eos", "yes", "ignore_eos", "ignore_eos must be a boolean, got 'yes'"),
+    ("min_tokens", "x", "min_tokens", "min_tokens must be an integer, got 'x'"),
     ("logprobs", 2, "logprobs", "logprobs are not supported by this server"),
     ("stream_options", {"include_usage": True}, "stream_options", "stream_options is only allowed with stream=true"),
     ("bogus", 1, "bogus", "unrecognized request argument(s): bogus"),
@@ -278,3 +281,17 @@ def test_detokenizer_matches_engine_text_rule(tok):
     ids = tok.encode("one. two. three.", add_bos=False)
     d, out = pieces(tok, ids, stop=("three", "two"))
     assert "".join(out) == "one. "  # cut at the earliest stop string, whichever it is
+
+
+def test_the_fields_vllms_benchmark_client_sends(tok):
+    """vllm bench serve always sends ignore_eos and repetition_penalty; both map to sampling params, and so
+    do min_tokens and the OpenAI penalties."""
+    body = completion_body(max_tokens=8, temperature=0, ignore_eos=True, repetition_penalty=1.0, stream=True,
+                           stream_options={"include_usage": True})
+    p = api.parse_completion(body, tok, MODEL, CTX).params
+    assert (p.ignore_eos, p.repetition_penalty, p.min_tokens, p.penalized) == (True, 1.0, 0, False)
+    p = api.parse_chat(chat_body(max_tokens=8, min_tokens=3, repetition_penalty=1.3, presence_penalty=-0.5,
+                                 frequency_penalty=0.25), tok, MODEL, CTX).params
+    assert (p.min_tokens, p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (3, 1.3, -0.5, 0.25)
+    e = refused(api.parse_completion, completion_body(max_tokens=4, min_tokens=5), tok)
+    assert (e.param, e.message) == ("min_tokens", "min_tokens must be in [0, max_tokens=4], got 5")

@@ -23,7 +23,7 @@ from pipeline.engine.loader import LoadedModel, load_quantized
 from pipeline.engine.runner import ModelRunner, Span
 from pipeline.engine.scheduler import FINISHED, RUNNING, Scheduler
 from pipeline.engine.scheduler import Sequence as Seq
-from pipeline.engine.sampling import SamplingParams, StopText, cut_at_stop, sample
+from pipeline.engine.sampling import SamplingParams, StopText, adjust_logits, cut_at_stop, sample
 
 
 @dataclass(frozen=True)
@@ -225,14 +225,21 @@ class LLMEngine:
         """The tokens a sampling piece yields: one, or with an MTP draft the verification and, when the
         draft is accepted, one more."""
         seq = p.seq
-        first = int(sample(logits[0:1], seq.params, seq.generator)[0])
+        out = list(seq.output)
+
+        def next_token(row: int) -> int:
+            x = adjust_logits(logits[row:row + 1], seq.params, seq.prompt, out, seq.eos_id)
+            return int(sample(x, seq.params, seq.generator)[0])
+
+        first = next_token(0)
         if p.draft is None:
             return [first]
         self.stats.drafts += 1
         if first != p.draft:
             return [first]
         self.stats.accepted += 1
-        return [first, int(sample(logits[1:2], seq.params, seq.generator)[0])]
+        out.append(first)
+        return [first, next_token(1)]
 
     def _draft(self, pieces, offsets: list[int], hidden: torch.Tensor) -> None:
         """Run the MTP layer on every position computed this step (with the token after it, now known),

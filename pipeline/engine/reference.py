@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 
 from pipeline.model import DeepseekV3ForCausalLM, ModelCache
-from pipeline.engine.sampling import SamplingParams, cut_at_stop, sample
+from pipeline.engine.sampling import SamplingParams, adjust_logits, cut_at_stop, sample
 
 
 @torch.inference_mode()
 def generate_ids(model: DeepseekV3ForCausalLM, prompt_ids: list[int], params: SamplingParams,
                  eos_id: int | None = None, absorb: bool = True) -> list[int]:
     """Prefill the prompt, then decode one token per step from the cache; returns the new token ids
-    (the eos token, when produced, is not included)."""
+    (the eos token, when produced, ends them and is not included, unless ``params.ignore_eos``)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     cfg = model.config
@@ -30,9 +30,9 @@ def generate_ids(model: DeepseekV3ForCausalLM, prompt_ids: list[int], params: Sa
     ids = torch.tensor([prompt_ids], device=device)
     out: list[int] = []
     for _ in range(params.max_new_tokens):
-        logits = model(ids, cache, absorb=absorb)[:, -1]
+        logits = adjust_logits(model(ids, cache, absorb=absorb)[:, -1], params, prompt_ids, out, eos_id)
         nxt = int(sample(logits, params, gen)[0])
-        if nxt == eos_id:
+        if nxt == eos_id and not params.ignore_eos:
             break
         out.append(nxt)
         ids = torch.tensor([[nxt]], device=device)

@@ -18,7 +18,12 @@ SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 (or below MIN_TEMPERATURE) is greedy. top_k 0 and top_p 1.0 disable those filters.
-    ``stop``: strings that end generation (the text is cut before them)."""
+    ``stop``: strings that end generation (the text is cut before them). ``ignore_eos``: generate through
+    the end-of-sequence token (it stays in the output), to ``max_new_tokens``; ``min_tokens``: the
+    end-of-sequence token cannot be sampled before that many tokens. Penalties (vLLM's and OpenAI's
+    meaning, applied before temperature, greedy included): ``repetition_penalty`` r divides a positive
+    logit, multiplies a negative one, of every token in the prompt or the output; ``presence_penalty`` and
+    ``frequency_penalty`` subtract ``presence * (count > 0) + frequency * count`` over the output."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -26,6 +31,11 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -38,6 +48,17 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     @property
     def greedy(self) -> bool:
@@ -69,6 +90,26 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator |
         probs = torch.where(usable[:, None], probs, torch.nn.functional.one_hot(
             logits.argmax(-1), probs.shape[-1]).to(probs.dtype))
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def adjust_logits(logits: torch.Tensor, p: SamplingParams, prompt: Sequence[int], output: Sequence[int],
+                  eos_id: int | None) -> torch.Tensor:
+    """The logits [1, V] of a sequence's next token after its penalties and ``min_tokens`` (see
+    SamplingParams); the same tensor when neither applies."""
+    block_eos = eos_id is not None and len(output) < p.min_tokens
+    if not (p.penalized or block_eos):
+        return logits
+    x = logits.float().clone()
+    if p.repetition_penalty != 1:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=x.device)
+        v = x[0, seen]
+        x[0, seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    if output and (p.presence_penalty or p.frequency_penalty):
+        ids, counts = torch.tensor(list(output), dtype=torch.long, device=x.device).unique(return_counts=True)
+        x[0, ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
+    if block_eos:
+        x[0, eos_id] = float("-inf")
+    return x
 
 
 def cut_at_stop(text: str, stop: Iterable[str]) -> tuple[str, bool]:

@@ -241,7 +241,7 @@ class Scheduler:
             else:
                 seq.num_computed = p.start + p.n
             for tok in toks:
-                if seq.eos_id is not None and tok == seq.eos_id:
+                if seq.eos_id is not None and tok == seq.eos_id and not seq.params.ignore_eos:
                     self._finish(seq, "stop")
                     break
                 seq.tokens.append(tok)

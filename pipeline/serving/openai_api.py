@@ -8,7 +8,7 @@ stream flag), or refused with an :class:`ApiError` whose :meth:`ApiError.body` i
 
 - 400 ``invalid_request_error``: a malformed or out-of-range field (the message names it), an empty
   prompt or message list, an unknown role, a field this server does not support (``n`` > 1, ``echo``,
-  ``logprobs``, ``suffix``, ``logit_bias``, non-zero penalties, tools) or does not know, and a prompt that
+  ``logprobs``, ``suffix``, ``logit_bias``, tools) or does not know, and a prompt that
   does not fit the context (code ``context_length_exceeded``, with the token counts and the limit);
 - 404 ``invalid_request_error`` with code ``model_not_found`` for a model this server does not serve.
 
@@ -16,7 +16,10 @@ Sampling: ``max_tokens`` (chat also ``max_completion_tokens``) defaults to 16 fo
 the room left in the context) and to the whole room left for chat; an explicit value with the prompt must
 fit the context. ``temperature`` in [0, 2] (0, or below ``sampling.MIN_TEMPERATURE``, is greedy), ``top_p``
 in (0, 1], ``top_k`` (an extension, 0 or -1 disables it), ``seed`` (in torch's range, [-2**63, 2**64)),
-``stop`` (a string or up to 4 strings, each at most ``MAX_STOP_CHARS`` characters).
+``stop`` (a string or up to 4 strings, each at most ``MAX_STOP_CHARS`` characters); vLLM's extensions
+that its benchmark client always sends and users rely on: ``ignore_eos`` (boolean), ``min_tokens`` (in
+[0, max_tokens]), ``repetition_penalty`` (in (0, 2]); and OpenAI's ``presence_penalty`` and
+``frequency_penalty`` (in [-2, 2]).
 
 Text: a chat message's content is tokenized as plain text (a special-token string in it, such as
 ``<｜Assistant｜>``, becomes ordinary tokens: only the chat template's structure yields special ids). A
@@ -47,7 +50,8 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 _IGNORED = {"user", "stream_options"}   # accepted; stream_options is read, user is not used
 _COMMON = {"model", "stream", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
-           "presence_penalty", "frequency_penalty", "logprobs", "logit_bias"}
+           "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
+           "ignore_eos", "min_tokens", "repetition_penalty"}   # the last three: vLLM's extensions
 _COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "suffix", "best_of"}
 _CHAT_FIELDS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                      "response_format", "parallel_tool_calls"}
@@ -210,13 +214,6 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
             raise invalid(f"n must be an integer, got {type(n).__name__}", "n")
         if n != 1:
             raise invalid(f"n must be 1 on this server (one choice per request), got {n}", "n")
-    for f in ("presence_penalty", "frequency_penalty"):
-        v = body.get(f)
-        if v is not None:
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise invalid(f"{f} must be a number, got {type(v).__name__}", f)
-            if v != 0:
-                raise invalid(f"{f} is not supported by this server (only 0), got {v}", f)
     if body.get("logprobs") not in (None, False, 0):
         raise invalid("logprobs are not supported by this server", "logprobs")
     if body.get("logit_bias") not in (None, {}):
@@ -351,6 +348,13 @@ def _finish_parse(body: Mapping[str, Any], kind: str, model: str, prompt_ids: Se
     if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise invalid(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {seed}", "seed")
     stop = _stop(body)
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise invalid(f"ignore_eos must be a boolean, got {ignore_eos!r}", "ignore_eos")
+    penalties = {"repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+                 "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                 "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0)}
+    min_tokens = _integer(body, "min_tokens") or 0
     max_tokens = _integer(body, "max_tokens")
     n_prompt = len(prompt_ids)
     if n_prompt >= max_model_len:
@@ -370,8 +374,11 @@ def _finish_parse(body: Mapping[str, Any], kind: str, model: str, prompt_ids: Se
                       f"and asks for {max_tokens} more ({max_tokens_param}), {n_prompt + max_tokens} in all; "
                       f"lower {max_tokens_param} to at most {room} or shorten the prompt", max_tokens_param,
                       "context_length_exceeded")
+    if not 0 <= min_tokens <= max_tokens:
+        raise invalid(f"min_tokens must be in [0, {max_tokens_param}={max_tokens}], got {min_tokens}", "min_tokens")
     params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
-                            top_k=0 if top_k in (None, -1) else top_k, top_p=top_p, seed=seed, stop=stop)
+                            top_k=0 if top_k in (None, -1) else top_k, top_p=top_p, seed=seed, stop=stop,
+                            ignore_eos=ignore_eos, min_tokens=min_tokens, **penalties)
     prefix = "cmpl" if kind == COMPLETION else "chatcmpl"
     return GenerateRequest(kind, model, tuple(prompt_ids), params, bool(stream), include_usage,
                            f"{prefix}-{uuid.uuid4().hex}")
