@@ -1,0 +1,196 @@
+"""This project's server against vLLM's, on the same model and load, measured with vLLM's own client.
+
+    python scripts/bench_vs_vllm.py --vllm-venv VENV [--rounds 3] [--concurrency 1,4,8,16] [--out FILE]
+
+Installs nothing: VENV is a venv with vLLM's CPU build (``../shared/peers/vllm/setup.sh`` makes one; its
+README lists the known breakages this works around: vLLM is run through ``vllm_cli.py``). Each round
+starts each server in turn, in its own process group, waits until ``/v1/models`` answers, runs ``vllm
+bench serve`` unmodified at every concurrency (random 128 in / 64 out, 32 prompts, ``--ignore-eos``,
+greedy), and stops the group before the next server starts. The servers alternate their order from
+round to round, and each timed run waits for a quiet CPU (load average below ``--quiet``).
+
+Servers: ``dsquant`` (``python -m jobs.serve`` on the quantized embedded model, W8A8 + FA3, int8-NZ cache)
+and ``vllm`` (``vllm serve`` on the embedded model in bf16). Writes the medians and ranges per server and
+concurrency, and their ratios, to --out (default benchmarks/vs_vllm.json), the plot beside it
+(scripts/plot_serving.py), and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from plot_serving import plot  # noqa: E402
+
+MODEL_DIR = REPO / "pipeline" / "assets" / "dsv3-tiny-pydoc"
+QUANTIZED = REPO / "out" / "dsv3-tiny-pydoc-w8a8-fa3"
+PEER = REPO.parent / "shared" / "peers" / "vllm"
+METRICS = ("output_throughput", "median_tpot_ms", "median_ttft_ms", "median_itl_ms")
+
+
+def server_command(name: str, args, port: int) -> tuple[list[str], dict]:
+    env = dict(os.environ)
+    if name == "dsquant":
+        return ([sys.executable, "-m", "jobs.serve", "--model-path", str(QUANTIZED), "--served-model-name", name,
+                 "--port", str(port)], env)
+    venv = Path(args.vllm_venv)
+    preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", str(venv / "lib" / "libiomp5.so"))
+               if Path(p).exists()]
+    env.update(VLLM_CPU_KVCACHE_SPACE="2", LD_PRELOAD=":".join(preload))
+    return ([str(venv / "bin" / "python"), str(Path(args.vllm_cli)), "serve", str(MODEL_DIR), "--host", "127.0.0.1",
+             "--port", str(port), "--max-model-len", "2048", "--dtype", "bfloat16", "--served-model-name", name], env)
+
+
+def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"the server on port {port} was not ready within {timeout:.0f} s")
+
+
+def wait_quiet(limit: float, timeout: float = 120) -> float:
+    deadline = time.time() + timeout
+    while True:
+        load = os.getloadavg()[0]
+        if load < limit or time.time() > deadline:
+            return load
+        time.sleep(5)
+
+
+def bench(name: str, args, port: int, concurrency: int, out_dir: Path) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fname = f"{name}-c{concurrency}-{int(time.time() * 1000)}.json"
+    cmd = [str(Path(args.vllm_venv) / "bin" / "python"), str(Path(args.vllm_cli)), "bench", "serve",
+           "--backend", "openai", "--host", "127.0.0.1", "--port", str(port), "--model", name,
+           "--tokenizer", str(MODEL_DIR), "--dataset-name", "random", "--random-input-len", str(args.input_len),
+           "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
+           "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--save-result",
+           "--result-dir", str(out_dir), "--result-filename", fname]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout)
+    path = out_dir / fname
+    if run.returncode != 0 or not path.exists():
+        raise RuntimeError(f"vllm bench serve against {name} failed ({run.returncode}):\n{run.stdout[-1500:]}"
+                           f"\n{run.stderr[-1500:]}")
+    r = json.loads(path.read_text())
+    if r.get("completed", 0) != args.num_prompts:
+        raise RuntimeError(f"{name}: only {r.get('completed')} of {args.num_prompts} requests completed")
+    return {k: r[k] for k in METRICS}
+
+
+def one_server(name: str, args, port: int, levels: list[int], out_dir: Path) -> dict[int, dict]:
+    cmd, env = server_command(name, args, port)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = open(out_dir / f"{name}-server.log", "a")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_ready(port, proc, args.ready_timeout)
+        bench(name, args, port, 1, out_dir / "warmup")               # compile caches, first-request costs
+        res = {}
+        for c in levels:
+            load = wait_quiet(args.quiet)
+            res[c] = {**bench(name, args, port, c, out_dir / name), "load_at_start": round(load, 2)}
+            print(name, c, json.dumps(res[c]), flush=True)
+        return res
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def summarize(rounds: list[dict]) -> dict:
+    out: dict = {}
+    for name in ("dsquant", "vllm"):
+        out[name] = {}
+        for c in rounds[0][name]:
+            vals = {k: [r[name][c][k] for r in rounds] for k in METRICS}
+            out[name][c] = {k: {"median": round(statistics.median(v), 2), "range": [round(min(v), 2), round(max(v), 2)]}
+                            for k, v in vals.items()}
+    out["ratio"] = {c: {"output_throughput": round(out["dsquant"][c]["output_throughput"]["median"]
+                                                   / out["vllm"][c]["output_throughput"]["median"], 3),
+                        "median_tpot_ms": round(out["dsquant"][c]["median_tpot_ms"]["median"]
+                                                / out["vllm"][c]["median_tpot_ms"]["median"], 3)}
+                    for c in out["dsquant"]}
+    return out
+
+
+def table(s: dict) -> str:
+    rows = ["| concurrency | output tok/s: dsquant / vLLM | median TPOT ms: dsquant / vLLM | median TTFT ms: dsquant / vLLM |",
+            "|---|---|---|---|"]
+    for c in s["dsquant"]:
+        d, v = s["dsquant"][c], s["vllm"][c]
+        rows.append(f"| {c} | {d['output_throughput']['median']:.0f} / {v['output_throughput']['median']:.0f} "
+                    f"({s['ratio'][c]['output_throughput']:.2f}x) | {d['median_tpot_ms']['median']:.1f} / "
+                    f"{v['median_tpot_ms']['median']:.1f} | {d['median_ttft_ms']['median']:.1f} / "
+                    f"{v['median_ttft_ms']['median']:.1f} |")
+    return "\n".join(rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--vllm-venv", required=True, help="a venv with vllm-cpu (../shared/peers/vllm/setup.sh)")
+    ap.add_argument("--vllm-cli", default=str(PEER / "vllm_cli.py"), help="vLLM's CLI wrapper for vllm-cpu")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of both servers")
+    ap.add_argument("--concurrency", default="1,4,8,16", help="client concurrencies, comma-separated")
+    ap.add_argument("--num-prompts", type=int, default=32, help="requests per run")
+    ap.add_argument("--input-len", type=int, default=128, help="random prompt tokens")
+    ap.add_argument("--output-len", type=int, default=64, help="generated tokens (ignore_eos)")
+    ap.add_argument("--port", type=int, default=8123, help="port each server listens on in turn")
+    ap.add_argument("--quiet", type=float, default=1.5, help="wait for a 1-minute load average below this")
+    ap.add_argument("--ready-timeout", type=float, default=300, help="seconds a server may take to start")
+    ap.add_argument("--bench-timeout", type=float, default=900, help="seconds one client run may take")
+    ap.add_argument("--work-dir", default="/tmp/dsquant-vs-vllm", help="raw results and server logs")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "vs_vllm.json"), help="JSON summary")
+    return ap
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    if not (Path(args.vllm_venv) / "bin" / "python").exists():
+        print(f"error: --vllm-venv {args.vllm_venv} has no bin/python (make it with {PEER / 'setup.sh'})",
+              file=sys.stderr)
+        return 2
+    if not (QUANTIZED / "quant_model_description.json").exists():
+        subprocess.run([sys.executable, "-m", "jobs.quantize", "--overwrite"], cwd=REPO, check=True)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    work = Path(args.work_dir)
+    rounds = []
+    for r in range(args.rounds):
+        order = ("dsquant", "vllm") if r % 2 == 0 else ("vllm", "dsquant")
+        rounds.append({name: one_server(name, args, args.port, levels, work / f"round{r}") for name in order})
+    s = summarize(rounds)
+    result = {"load": f"vllm bench serve, random {args.input_len} in / {args.output_len} out, {args.num_prompts} "
+                      f"prompts, greedy, ignore_eos; {args.rounds} alternating rounds; medians and ranges",
+              "machine": {"cpus": os.cpu_count()}, "summary": s, "rounds": rounds}
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    series = [{"label": {"dsquant": "dsquant, W8A8 + FA3", "vllm": "vLLM CPU, bf16"}[n],
+               "points": [{"concurrency": c, "output_tok_s": s[n][c]["output_throughput"]["median"],
+                           "median_tpot_ms": s[n][c]["median_tpot_ms"]["median"]} for c in s[n]]}
+              for n in ("dsquant", "vllm")]
+    plot(series, Path(args.out).with_suffix(".png"), "vllm bench serve: dsquant vs vLLM, same model and load")
+    print(table(s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
