@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.engine.qlinear import W8A8DynamicLinear, quantize_per_token
-from pipeline.model.ffn import MLP, MoE
+from pipeline.model.ffn import MLP, MoE, combine_experts
 
 
 class Int8Expert(nn.Module):
@@ -76,20 +76,8 @@ class Int8MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         weights, idx = self.gate(flat)
         x_q, s_tok = quantize_per_token(flat)
-        out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
-        load = torch.bincount(idx.flatten(), minlength=len(self.experts))
-        self.last_load = load
-        order = idx.flatten().argsort(stable=True)        # token slots grouped by expert
-        tokens = order // idx.shape[1]
-        slot_w = weights.flatten()[order]
-        start = 0
-        for e, n in enumerate(load.tolist()):
-            if n == 0:
-                continue
-            t = tokens[start:start + n]
-            y = self.experts[e].forward_quantized(x_q[t], s_tok[t], dtype).float() * slot_w[start:start + n, None]
-            out.index_add_(0, t, y)
-            start += n
+        out, self.last_load = combine_experts(flat, weights, idx, len(self.experts),
+                                              lambda e, t: self.experts[e].forward_quantized(x_q[t], s_tok[t], dtype))
         out = out.to(dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts.forward_quantized(x_q, s_tok, dtype)

@@ -67,6 +67,27 @@ class Router(nn.Module):
         return w * self.scaling, idx
 
 
+def combine_experts(flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, n_experts: int,
+                    run_expert) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum_k weights[:, k] * Expert_idx[:, k](x) over tokens ``flat`` [N, h], in float32: the token slots
+    sorted by expert (stable), ``run_expert(e, rows)`` called once per expert with tokens (``rows``: their
+    indices into ``flat``) and its results added back in that order. Returns (out float32 [N, h], tokens
+    per expert int64 [E])."""
+    out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+    load = torch.bincount(idx.flatten(), minlength=n_experts)
+    order = idx.flatten().argsort(stable=True)        # token slots grouped by expert
+    tokens = order // idx.shape[1]
+    slot_w = weights.flatten()[order]
+    start = 0
+    for e, n in enumerate(load.tolist()):
+        if n == 0:
+            continue
+        t = tokens[start:start + n]
+        out.index_add_(0, t, run_expert(e, t).float() * slot_w[start:start + n, None])
+        start += n
+    return out, load
+
+
 class MoE(nn.Module):
     """Routed experts plus shared experts. After each forward, ``last_load`` holds the number of
     tokens routed to each expert (int64 [E]), for load balancing and statistics."""
@@ -83,20 +104,8 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, idx = self.gate(flat)
-        out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
-        load = torch.bincount(idx.flatten(), minlength=len(self.experts))
-        self.last_load = load
-        order = idx.flatten().argsort(stable=True)        # token slots grouped by expert
-        tokens = order // idx.shape[1]
-        slot_w = weights.flatten()[order]
-        start = 0
-        for e, n in enumerate(load.tolist()):
-            if n == 0:
-                continue
-            t = tokens[start:start + n]
-            y = self.experts[e](flat[t]).float() * slot_w[start:start + n, None]
-            out.index_add_(0, t, y)
-            start += n
+        out, self.last_load = combine_experts(flat, weights, idx, len(self.experts),
+                                              lambda e, t: self.experts[e](flat[t]))
         out = out.to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
