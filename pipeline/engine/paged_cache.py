@@ -56,8 +56,12 @@ def fa3_scale(fa_k: Union[torch.Tensor, float]) -> torch.Tensor:
 def quantize_latent(c: torch.Tensor, fa_k: Union[torch.Tensor, float]) -> torch.Tensor:
     """``clamp(round(c.float() / fa_k), -127, 127)`` as int8: the integers inside ``fa3_latent(c, fa_k)``
     (same float32 operations, so ``fa_k * result`` cast to ``c.dtype`` equals ``fa3_latent`` exactly)."""
-    s = fa3_scale(fa_k)
-    return torch.clamp(torch.round(c.float() / s), -INT8_MAX, INT8_MAX).to(torch.int8)
+    return _to_int8(c, fa3_scale(fa_k))
+
+
+def _to_int8(c: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """quantize_latent's arithmetic on a scale already checked by fa3_scale."""
+    return torch.clamp(torch.round(c.float() / scale), -INT8_MAX, INT8_MAX).to(torch.int8)
 
 
 def _is_int(v) -> bool:
@@ -187,11 +191,7 @@ class PagedLatentCache:
         if c.shape != (n, self.C) or k_pe.shape != (n, self.d_r) or slots.shape != (n,):
             raise ValueError(f"write_slots: c [S, {self.C}], k_pe [S, {self.d_r}] and slots [S] expected, got "
                              f"{tuple(c.shape)}, {tuple(k_pe.shape)}, {tuple(slots.shape)}")
-        if self.is_int8:   # quantize_latent's ops on the scale checked at construction
-            cq = torch.clamp(torch.round(c.float() / self.scale), -INT8_MAX, INT8_MAX).to(torch.int8)
-        else:
-            cq = c.to(self.dtype)
-        cq = cq.to(self.c.device)
+        cq = (_to_int8(c, self.scale) if self.is_int8 else c.to(self.dtype)).to(self.c.device)
         pe = k_pe.to(dtype=self.dtype, device=self.pe.device)
         bs = self.block_size
         if not self.nz:

@@ -234,10 +234,6 @@ class Int8Linear(nn.Module):
             raise Int8LinearError(f"{self.name}: input must be a float tensor [..., {self.in_features}], got {what}")
         return x.reshape(-1, self.in_features)
 
-    def _product(self, x_q: Tensor) -> Tensor:
-        """Exact x_q @ weight.T as float64 [m, n]; records the kernel in ``last_kernel``."""
-        return self._acc(x_q).double()
-
     def _acc(self, x_q: Tensor) -> Tensor:
         """Exact x_q @ weight.T [m, n]: int32 from ``int_mm``, float64 from the other kernels; records the
         kernel in ``last_kernel``."""
