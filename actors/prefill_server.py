@@ -19,13 +19,12 @@ class PrefillServer:
     def __init__(self, config: ServeConfig):
         import torch
 
-        from pipeline.engine.engine import LLMEngine
-        from pipeline.engine.loader import load_quantized
+        from actors.engine_replica import make_engine
         from pipeline.text.tokenizer import Tokenizer
 
         torch.set_num_threads(config.torch_threads)
         tok = Tokenizer.from_dir(config.model_path)
-        self.engine = LLMEngine(load_quantized(config.model_path, device=config.engine.device), config.engine, tok)
+        self.engine = make_engine(config, "prefill", tok)
         self.lock = threading.Lock()
         self.prefilled = 0
 
@@ -40,6 +39,9 @@ class PrefillServer:
         return await asyncio.to_thread(self._prefill, list(prompt_ids), params)
 
     def check_health(self) -> None:
+        broken = getattr(self.engine.runner, "broken", None)
+        if broken:
+            raise RuntimeError(f"a rank of this sharded prefill replica failed: {broken}")
         if not self.lock.locked() and self.engine.has_work:
             raise RuntimeError("the prefill engine holds sequences between prefills: its state is broken")
 

@@ -27,6 +27,7 @@ from ray.serve.handle import DeploymentHandle
 from actors.ray_errors import app_error
 from pipeline.engine.engine_loop import EngineDead, EngineLoop, PrefillFailed  # noqa: F401
 from actors.serve_config import DEFAULT_ENGINE, DeploymentOptions, ServeConfig, check_fits  # noqa: F401
+from actors.engine_replica import make_engine, placement
 from actors.serve_ingress import OpenAIIngress
 from pipeline.engine.engine_loop import TokenEvent
 from pipeline.serving.openai_api import GenerateRequest
@@ -45,13 +46,12 @@ class LLMServer:
     def __init__(self, config: ServeConfig, prefill: Optional[DeploymentHandle] = None):
         import torch
 
-        from pipeline.engine.engine import LLMEngine
         from pipeline.text.tokenizer import Tokenizer
 
         torch.set_num_threads(config.torch_threads)
         self.config, self.prefill = config, prefill
         tok = Tokenizer.from_dir(config.model_path)
-        engine = LLMEngine(_load(config), config.engine, tok)
+        engine = make_engine(config, "llm", tok)
         self.max_model_len = engine.scheduler.max_model_len
         self.layout = engine.kv_layout()
         self.handoffs, self.handoff_bytes, self.prefill_failures = 0, 0, 0
@@ -126,6 +126,10 @@ class LLMServer:
 
     async def stats(self) -> dict:
         out = dict(self.loop.snapshot)
+        ranks = getattr(self.loop.engine.runner, "rank_info", None)
+        if ranks:
+            out.update(ranks=[{k: r[k] for k in ("rank", "pid") if k in r} for r in ranks],
+                       rank_bytes_sent=self.loop.engine.runner.comm.bytes_sent)
         if self.prefill is not None:
             out.update(kv_handoffs=self.handoffs, kv_handoff_bytes=self.handoff_bytes,
                        prefill_failures=self.prefill_failures, prefill_failing=self.prefill_failing)
@@ -139,6 +143,9 @@ class LLMServer:
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop(timeout=1.0)
+            close = getattr(loop.engine.runner, "close", None)
+            if close is not None:   # a sharded replica: stop its other ranks
+                close()
 
 
 def _check_cluster_fits(config: ServeConfig) -> None:
@@ -149,12 +156,6 @@ def _check_cluster_fits(config: ServeConfig) -> None:
         return  # `serve run` builds the app before connecting: Serve reports what does not fit
     nodes = [n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
     check_fits(config, sum(nodes), nodes)
-
-
-def _load(config: ServeConfig):
-    from pipeline.engine.loader import load_quantized
-
-    return load_quantized(config.model_path, device=config.engine.device)
 
 
 # ----- the application ---------------------------------------------------------------------------------
@@ -179,11 +180,11 @@ def build_app(config: Union[ServeConfig, Mapping[str, Any]]):
 
         prefill = PrefillServer.options(
             num_replicas=config.prefill.num_replicas, ray_actor_options=dict(config.prefill.ray_actor_options),
-            max_ongoing_requests=in_flight + ADMIN_HEADROOM, **FAST_STOP,
+            max_ongoing_requests=in_flight + ADMIN_HEADROOM, **FAST_STOP, **placement(config, "prefill"),
         ).bind(config)
     llm = LLMServer.options(
         num_replicas=config.llm.num_replicas, ray_actor_options=dict(config.llm.ray_actor_options),
-        max_ongoing_requests=in_flight + ADMIN_HEADROOM, **FAST_STOP,
+        max_ongoing_requests=in_flight + ADMIN_HEADROOM, **FAST_STOP, **placement(config, "llm"),
     ).bind(config, prefill)
     return OpenAIIngress.options(
         num_replicas=config.ingress.num_replicas, ray_actor_options=dict(config.ingress.ray_actor_options),

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from pipeline.engine.engine import EngineConfig
+from pipeline.parallel import SIZES as PARALLEL_SIZES, ParallelConfig
 from pipeline.strict import check_keys
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ class ServeConfig:
     prefill_timeout_s: float = 60.0
     max_body_bytes: int = 2 * 1024 * 1024   # a larger request body is refused with 413 before it is read
     body_timeout_s: float = 30.0            # a body not received in full by then: 408 (slow clients)
+    parallel: Mapping[str, int] = field(default_factory=dict)  # tp/dp/moe_ep/moe_tp of each engine replica
+    prefill_parallel: Optional[Mapping[str, int]] = None       # the prefill replicas' (default: parallel's)
+    moe_combine: str = "reduce"     # MoE combine over ranks: "reduce" or "exact" (pipeline.engine.sharded)
     host: str = "127.0.0.1"
     port: int = 8000
     app_name: str = "dsquant"
@@ -71,9 +75,23 @@ class ServeConfig:
             raise ValueError("api_key must be a non-empty string or null")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        for name in ("parallel", "prefill_parallel"):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, Mapping) or set(value) - set(PARALLEL_SIZES):
+                    raise ValueError(f"{name} must be a mapping of {', '.join(PARALLEL_SIZES)}, got {value!r}")
+                ParallelConfig(**value)
+        if self.moe_combine not in ("reduce", "exact"):
+            raise ValueError(f"moe_combine must be 'reduce' or 'exact', got {self.moe_combine!r}")
         for f in ("prefill_timeout_s", "body_timeout_s"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"{f} must be > 0, got {getattr(self, f)!r}")
+
+    def parallel_of(self, deployment: str) -> ParallelConfig:
+        """The layout of one replica of ``deployment`` ("llm" or "prefill")."""
+        if deployment == "prefill" and self.prefill_parallel is not None:
+            return ParallelConfig(**self.prefill_parallel)
+        return ParallelConfig(**self.parallel)
 
     @property
     def model_name(self) -> str:
@@ -93,12 +111,12 @@ class ServeConfig:
         return cls(**d)
 
     @classmethod
-    def from_mindie(cls, block: Any, devices_available: int, **overrides: Any) -> "ServeConfig":
+    def from_mindie(cls, block: Any, devices_available: int, cpu: bool = False, **overrides: Any) -> "ServeConfig":
         """From a MindIE ModelConfig block (pipeline.serving.mindie_config: refuses what the devices cannot honour);
         ``overrides`` (from_dict's keys, e.g. ``port``) win; an ``engine``/``llm`` mapping is merged in."""
         from pipeline.serving.mindie_config import parse_mindie_model_config, to_serve_options
 
-        d = to_serve_options(parse_mindie_model_config(block, devices_available))
+        d = to_serve_options(parse_mindie_model_config(block, devices_available, cpu=cpu))
         d["engine"] = {**dataclasses.asdict(DEFAULT_ENGINE), **d["engine"]}
         for key, value in overrides.items():
             d[key] = {**d[key], **value} if key in ("engine", "llm") and isinstance(value, Mapping) else value
@@ -143,11 +161,12 @@ def check_fits(config: ServeConfig, total_cpus: float, node_cpus: list[float]) -
     biggest = max(node_cpus, default=0.0)
     for name, opts in config.deployments().items():
         cpus = float(opts.ray_actor_options.get("num_cpus", 1) or 0)
+        ranks = config.parallel_of(name).world if name in ("llm", "prefill") else 1
         if cpus > biggest:
             raise ValueError(f"{name}.ray_actor_options.num_cpus is {cpus:g} but the largest Ray node has "
                              f"{biggest:g} CPUs: lower it (jobs.serve: --llm-num-cpus, or a --config file)")
-        need += cpus * opts.num_replicas
-        parts.append(f"{name} {opts.num_replicas} x {cpus:g}")
+        need += cpus * opts.num_replicas * ranks
+        parts.append(f"{name} {opts.num_replicas} x {cpus:g}" + (f" x {ranks} ranks" if ranks > 1 else ""))
     if need > total_cpus + 1e-9:
         raise ValueError(f"the {config.mode} app needs {need:g} CPUs ({', '.join(parts)}) but the Ray cluster "
                          f"has {total_cpus:g}: lower num_cpus or num_replicas in the llm/prefill/ingress options "

@@ -51,6 +51,13 @@ class ShuttingDown(Exception):
     """The ingress is draining for shutdown: open streams end, new requests are refused."""
 
 
+def engine_failed(cause: BaseException) -> ApiError:
+    """A request the engine failed: 503 when the engine replica itself is down (its loop stopped, e.g. a
+    rank of a sharded replica died: Serve replaces it, a retry can succeed), else 500."""
+    status = 503 if isinstance(cause, EngineDead) else 500
+    return ApiError(status, f"the engine failed: {type(cause).__name__}: {cause}", "server_error")
+
+
 def shutdown_error() -> ApiError:
     return ApiError(503, "the server is shutting down; retry the request", "server_error", None,
                     "server_shutting_down")
@@ -269,8 +276,7 @@ class OpenAIIngress:
                     return self._reply(route, api.invalid(str(cause)))
                 if isinstance(cause, PrefillFailed):
                     return self._reply(route, ApiError(503, str(cause), "server_error", None, "prefill_unavailable"))
-                return self._reply(route, ApiError(500, f"the engine failed: {type(cause).__name__}: {cause}",
-                                                   "server_error"))
+                return self._reply(route, engine_failed(cause))
             if req.stream:
                 # From here the stream generator owns the cleanup (abort, in-flight count). It is started
                 # (primed) before it is handed over, so its ``finally`` runs however it ends: finished,
@@ -327,8 +333,7 @@ class OpenAIIngress:
             return self._reply(route, shutdown_error())
         except Exception as e:  # noqa: BLE001
             cause = app_error(e)
-            return self._reply(route, ApiError(500, f"the engine failed: {type(cause).__name__}: {cause}",
-                                               "server_error"))
+            return self._reply(route, engine_failed(cause))
         self.metrics.e2e.observe(time.perf_counter() - t0)
         self.metrics.generation_tokens.inc(n)
         self.metrics.finished.labels(reason=reason).inc()
@@ -365,8 +370,7 @@ class OpenAIIngress:
                 yield resp.sse(shutdown_error().body())
             except Exception as e:  # noqa: BLE001 - headers are out: report in the stream
                 cause = app_error(e)
-                yield resp.sse(ApiError(500, f"the engine failed: {type(cause).__name__}: {cause}",
-                                       "server_error").body())
+                yield resp.sse(engine_failed(cause).body())
             yield resp.DONE_LINE
             complete = True
         finally:

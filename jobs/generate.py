@@ -9,9 +9,12 @@ int8 latent cache (NZ), MTP speculative decoding when the model has the layer. G
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
+
+from jobs._sharding_flags import add_sharding_flags, parallel_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -37,7 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="auto",
                     help="float32, bfloat16, float16 or auto, for a float model (default: %(default)s)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    add_parallel_args(ap)
     return ap
+
+
+def add_parallel_args(ap: argparse.ArgumentParser) -> None:
+    g = add_sharding_flags(ap)
+    g.add_argument("--ray-address", default=None,
+                   help="Ray cluster to run the ranks on (default: RAY_ADDRESS, else a private local Ray)")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,6 +67,7 @@ def main(argv=None) -> int:
     from pipeline.text.tokenizer import Tokenizer
 
     path = args.model_path or EMBEDDED_MODEL_DIR
+    stack = contextlib.ExitStack()
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -67,15 +78,21 @@ def main(argv=None) -> int:
         if storage.exists(storage.join(path, DESCRIPTION_NAME)):
             from pipeline.engine.engine import LLMEngine
 
-            eng = LLMEngine.from_dir(path, tokenizer=tok, nz=True, device=args.device or "cpu")
-            eng = LLMEngine(eng.loaded, replace(eng.config, mtp=bool(eng.loaded.model.mtp_layers)), tok)
+            parallel = _parallel(args)
+            if parallel is None:
+                eng = LLMEngine.from_dir(path, tokenizer=tok, nz=True, device=args.device or "cpu")
+                eng = LLMEngine(eng.loaded, replace(eng.config, mtp=bool(eng.loaded.model.mtp_layers)), tok)
+            else:
+                eng = _sharded_engine(path, parallel, args, tok)
+                stack.callback(eng.runner.close)
             t1 = time.time()
             ids = tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user", "content": args.prompt}])
             seq = eng.add_request(ids, params)
             while eng.has_work:
                 eng.step()
             text = eng.text(seq)
-            path = f"{path} (engine: int8 linears, int8-NZ latent cache" + (
+            where = "" if parallel is None else f", {parallel.describe()}"
+            path = f"{path} (engine: int8 linears, int8-NZ latent cache{where}" + (
                 f", MTP acceptance {eng.acceptance_rate:.2f})" if eng.config.mtp else ")")
         else:
             model = load_model(path, dtype=args.dtype, device=args.device, with_mtp=False)
@@ -84,9 +101,56 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        stack.close()
     print(f"> {args.prompt}\n{text.strip()}")
     print(f"[{path}: loaded in {t1 - t0:.1f}s, generated in {time.time() - t1:.1f}s]", file=sys.stderr)
     return 0
+
+
+def _parallel(args):
+    p = parallel_config(args)
+    return None if p.single else p
+
+
+def _sharded_engine(path, parallel, args, tok):
+    """The engine over ``parallel.world`` ranks: this process is rank 0, the others Ray actors (a private
+    Ray, stopped when the engine is, unless --ray-address / RAY_ADDRESS names a cluster)."""
+    from dataclasses import replace
+
+    import ray
+
+    from actors.rank_group import build_sharded_engine
+    from actors.ray_start import init_ray
+    from pipeline.engine.engine import EngineConfig
+    from pipeline.format.reader import QuantizedSource
+
+    src = QuantizedSource(path)
+    cfg = src.config
+    parallel.check_model(cfg.num_attention_heads, cfg.n_routed_experts, cfg.moe_intermediate_size,
+                         cfg.intermediate_size, cfg.vocab_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+    started = init_ray(args.ray_address, num_cpus=max(parallel.world, 2), object_store_memory=256 * 2**20,
+                       flag="--ray-address", log=lambda m: print(m, file=sys.stderr))
+    if started:   # the ranks share this machine's cores: one thread each when they are few
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.world))
+    config = replace(EngineConfig(nz=True, device=args.device or "cpu"), mtp=bool(cfg.mtp_layer_ids))
+    try:
+        eng = build_sharded_engine(path, parallel, config, tok, combine=args.moe_combine,
+                                   log=lambda m: print(m, file=sys.stderr))
+    except BaseException:
+        if started:
+            ray.shutdown()
+        raise
+    if started:
+        close = eng.runner.close
+
+        def close_and_stop():
+            close()
+            ray.shutdown()
+        eng.runner.close = close_and_stop
+    return eng
 
 
 if __name__ == "__main__":

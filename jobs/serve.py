@@ -23,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 
+from jobs._sharding_flags import add_sharding_flags, parallel_config
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 DEFAULT_MODEL = os.path.join("out", "dsv3-tiny-pydoc-w8a8-fa3")
@@ -78,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "cannot honour are refused (default: none)")
     ap.add_argument("--mode", choices=("colocated", "disaggregated"), default=None,
                     help=f"prefill and decode in one deployment or apart (default: {dd.mode})")
+    add_sharding_flags(ap, default_combine=None)
     ap.add_argument("--address", default=None,
                     help="Ray cluster to join (default: RAY_ADDRESS if set, else a private local Ray started here)")
     ap.add_argument("--object-store-mb", dest="object_store_mb", type=int, default=256,
@@ -99,7 +102,8 @@ def make_config(args: argparse.Namespace):
         import torch
 
         block = json.loads(Path(args.mindie_config).read_text())
-        cfg = ServeConfig.from_mindie(block, torch.cuda.device_count())
+        gpus = torch.cuda.device_count()   # none: CPU serving, one process per rank on this machine's cores
+        cfg = ServeConfig.from_mindie(block, gpus or (os.cpu_count() or 1), cpu=not gpus)
     else:
         cfg = ServeConfig.from_file(args.config) if args.config else ServeConfig(model_path=DEFAULT_MODEL)
     top = {k: getattr(args, k) for k in ("model_path", "served_model_name", "host", "port", "api_key",
@@ -113,6 +117,10 @@ def make_config(args: argparse.Namespace):
         llm_opts["num_gpus"] = args.llm_num_gpus
     llm = DeploymentOptions(args.llm_replicas or cfg.llm.num_replicas, llm_opts)
     ingress = DeploymentOptions(args.ingress_replicas or cfg.ingress.num_replicas, cfg.ingress.ray_actor_options)
+    if (args.tp, args.dp, args.moe_ep, args.moe_tp) != (1, 1, 1, 0):   # the flags given: they win
+        top["parallel"] = parallel_config(args).to_dict()
+    if args.moe_combine is not None:
+        top["moe_combine"] = args.moe_combine
     cfg = dataclasses.replace(cfg, **top, engine=dataclasses.replace(cfg.engine, **engine), llm=llm, ingress=ingress)
     if "://" not in cfg.model_path:  # replicas may start elsewhere: an absolute path
         cfg = dataclasses.replace(cfg, model_path=str(Path(cfg.model_path).resolve()))

@@ -12,7 +12,7 @@ import pytest
 
 import jobs
 
-JOBS = sorted(m.name for m in pkgutil.iter_modules(jobs.__path__))
+JOBS = sorted(m.name for m in pkgutil.iter_modules(jobs.__path__) if not m.name.startswith("_"))  # _x: shared code
 
 
 def parser_of(name: str) -> argparse.ArgumentParser:

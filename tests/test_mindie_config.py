@@ -44,11 +44,13 @@ def test_seed_block_parses_with_enough_devices():
     assert (cfg.world_size, cfg.tp, cfg.dp, cfg.moe_ep, cfg.moe_tp, cfg.sp) == (8, 8, 2, 4, 4, 1)
     assert cfg.mtp is True and cfg.enable_nz is True
     assert (cfg.ranks, cfg.nodes) == (16, 2)          # dp x tp = 16 = worldSize 8 x 2 nodes
-    assert len(cfg.warnings) == 1 and "do not shard a replica" in cfg.warnings[0]  # said, not passed over
+    assert len(cfg.warnings) == 1 and "dp 2 runs as 2 replicas of tp 8" in cfg.warnings[0]  # said, not passed over
+    assert "split moe_ep 2 x moe_tp 4 over its 8 ranks instead of moe_ep 4 x moe_tp 4 over all 16" in cfg.warnings[0]
     with pytest.raises(AttributeError):
         cfg.tp = 1                                    # frozen
     assert to_serve_options(cfg) == {"model_path": "/models/dsv3-w8a8", "served_model_name": "deepseekr1",
-                                     "engine": {"nz": True, "mtp": True}, "llm": {"num_replicas": 2}}
+                                     "engine": {"nz": True, "mtp": True}, "llm": {"num_replicas": 2},
+                                     "parallel": {"tp": 8, "dp": 1, "moe_ep": 2, "moe_tp": 4}}
 
 
 @pytest.mark.parametrize("shape", ["whole", "deploy", "model_config_key", "list", "single"])
@@ -90,9 +92,10 @@ def test_dp_tp_must_equal_moe_ep_moe_tp():
         in msg
 
 
-def test_sp_at_most_tp():
+def test_sp_at_most_tp_and_only_1():
     assert "ModelConfig.sp 2 exceeds tp 1: sequence parallelism splits within the tp group; set sp <= tp" \
         in refused(entry(tp=1, dp=2, moe_ep=2, moe_tp=1, worldSize=2, sp=2))
+    assert "ModelConfig.sp 2: this engine has no sequence parallelism; set sp to 1" in refused(entry(sp=2))
 
 
 def test_ranks_a_whole_number_of_nodes():
@@ -123,6 +126,11 @@ def test_refuse_what_the_devices_cannot_honour():
     assert "CPU serving runs one rank" in msg
     assert "needs 2 accelerators but this cluster reports 0" in \
         refused(single(worldSize=2, tp=2, moe_ep=2), 0)
+    # ... unless it serves on CPU with a process per rank (cpu=True: devices are the CPU slots)
+    two = parse_mindie_model_config(single(worldSize=2, tp=2, moe_ep=2), 2, cpu=True)
+    assert (two.replica_parallel(), two.warnings) == ({"tp": 2, "dp": 1, "moe_ep": 2, "moe_tp": 1}, ())
+    assert "4 ranks need 4 CPU slots (one process each) but this cluster reports 2" in \
+        str(pytest.raises(ValueError, parse_mindie_model_config, single(worldSize=4, tp=4, moe_tp=4), 2, cpu=True).value)
     cpu = parse_mindie_model_config(single(), 0)
     assert (cpu.tp, cpu.dp, cpu.ranks) == (1, 1, 1)
     assert cpu.warnings == ()                          # nz on, nothing sharded

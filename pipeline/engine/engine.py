@@ -43,6 +43,12 @@ class EngineConfig:
 STEP_TIMES_KEPT = 10_000
 
 
+def make_runner(loaded: LoadedModel, config: EngineConfig, cls=ModelRunner, **kw) -> ModelRunner:
+    """The model runner (``cls``) of ``loaded`` as ``config`` sets its cache."""
+    return cls(loaded, config.num_blocks, config.block_size, config.nz, config.device,
+               getattr(torch, config.cache_dtype) if config.cache_dtype else None, config.mtp, config.fa3, **kw)
+
+
 @dataclass
 class KVHandoff:
     """A prefilled prompt, as a prefill engine hands it to a decode engine: the prompt, the first token
@@ -75,7 +81,10 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), tokenizer=None):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), tokenizer=None,
+                 runner: Optional[ModelRunner] = None):
+        """``runner``: a model runner already built for ``loaded`` and ``config`` (a sharded replica's rank
+        0, actors.rank_group); default one in this process."""
         cfg = loaded.config
         self.config, self.loaded, self.tokenizer = config, loaded, tokenizer
         cap = config.num_blocks * config.block_size
@@ -83,9 +92,7 @@ class LLMEngine:
         self.allocator = BlockAllocator(config.num_blocks)
         self.scheduler = Scheduler(self.allocator, config.block_size, max_len, config.max_num_seqs,
                                    config.max_batched_tokens)
-        self.runner = ModelRunner(loaded, config.num_blocks, config.block_size, config.nz, config.device,
-                                  getattr(torch, config.cache_dtype) if config.cache_dtype else None, config.mtp,
-                                  config.fa3)
+        self.runner = runner or make_runner(loaded, config)
         self.stats = EngineStats()
         self._stop_texts: dict[int, StopText] = {}      # seq_id -> its output's text, for stop strings
         self.errors: dict[int, str] = {}                # seq_id -> why it failed (finish_reason "error")
@@ -142,7 +149,7 @@ class LLMEngine:
             first = seq.output[0] if seq.output else None
             n = len(seq.prompt)
             blocks = seq.table.blocks[: -(-n // self.config.block_size)]
-            data = {i: (c.c[blocks].clone(), c.pe[blocks].clone()) for i, c in self.runner.caches.items()}
+            data = self.runner.read_blocks(blocks)
             reason = "stop" if first is None else ("length" if params.max_new_tokens <= 1 else None)
             return KVHandoff(list(seq.prompt), first, reason, n, data, seq.draft, self.kv_layout())
         finally:  # done or failed: this prompt leaves nothing behind in the engine
@@ -161,11 +168,7 @@ class LLMEngine:
             raise ValueError(f"KV handoff: the request already finished at prefill ({kv.finish_reason})")
         seq = self.scheduler.add_running(kv.prompt + [kv.first_token], len(kv.prompt), kv.num_cached, params,
                                          self.eos_id)
-        nb = len(seq.table.blocks)
-        for i, cache in self.runner.caches.items():
-            c, pe = kv.blocks[i]
-            cache.c[seq.table.blocks] = c[:nb].to(cache.c.device)
-            cache.pe[seq.table.blocks] = pe[:nb].to(cache.pe.device)
+        self.runner.write_blocks(list(seq.table.blocks), kv.blocks)
         seq.draft = kv.draft if params.greedy else None
         self.stats.prompt_tokens += len(kv.prompt)
         return seq
@@ -258,7 +261,7 @@ class LLMEngine:
                 drafting.append(seq)
         if not spans:
             return
-        logits = self.runner.mtp_forward(spans, hidden[rows_h], draft_rows)
+        logits = self.runner.mtp_forward(spans, hidden, rows_h, draft_rows)
         for seq, row in zip(drafting, logits.argmax(-1).tolist()):
             seq.draft = int(row)
 

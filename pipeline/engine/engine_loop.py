@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 from pipeline.engine.blocks import OutOfBlocks
+from pipeline.engine.dist_runner import ReplicaBroken
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,8 @@ class EngineLoop:
         """One engine step, its events delivered. A step that raises fails the requests running in it."""
         try:
             events = self.engine.step()
+        except ReplicaBroken:
+            raise                   # a rank of a sharded replica is gone: the loop stops, health fails
         except Exception as e:  # noqa: BLE001 - fail the requests in this step, keep serving the rest
             self.failed_steps += 1
             if self.failed_steps >= MAX_FAILED_STEPS:

@@ -86,7 +86,13 @@ def quantize_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [..., k] -> (x_q int8 [..., k], s_tok float32 [..., 1]): s_tok = max(max_j |x_j| / 127, eps),
     x_q = clamp(round(x / s_tok), -128, 127), in float32 (qparams.dynamic_quant_per_token's formula)."""
     xf = x.float()
-    s = torch.clamp(xf.abs().amax(dim=-1, keepdim=True) / 127, min=F32_EPS)
+    return quantize_with_absmax(xf, xf.abs().amax(dim=-1, keepdim=True))
+
+
+def quantize_with_absmax(xf: Tensor, absmax: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`quantize_per_token` of float32 ``xf`` given its rows' absmax [..., 1] (a row-parallel linear
+    holds a slice of each row and all-reduces the slices' maxima first: the same scale, the same int8)."""
+    s = torch.clamp(absmax / 127, min=F32_EPS)
     return torch.clamp(torch.round(xf / s), QMIN, QMAX).to(torch.int8), s
 
 
@@ -275,13 +281,22 @@ class W8A8StaticLinear(Int8Linear):
     def forward(self, x: Tensor) -> Tensor:
         # the small tensors are converted on every call (n values), so load_state_dict is always honoured
         x2 = self._flat(x)
-        acc = self._acc(quantize_static(x2, self.input_scale.reshape(()), self.input_offset.reshape(())))
+        y = self.finish(self._acc(self.quantize_input(x2)))
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def quantize_input(self, x2: Tensor) -> Tensor:
+        """The int8 activations [m, k] of float rows ``x2`` (elementwise: a slice of the columns quantizes
+        to the same slice of the int8 row)."""
+        return quantize_static(x2, self.input_scale.reshape(()), self.input_offset.reshape(()))
+
+    def finish(self, acc: Tensor) -> Tensor:
+        """The epilogue on the exact accumulator [m, n] (int32 or float64 integers): float32 [m, n]."""
         deq = _bits_to_float32(self.deq_scale)
         if self.epilogue == EXACT:
             y = acc.double().add_(self.quant_bias).mul_(deq.double()).float()
         else:  # int32 (or float64) + int32: exact (|sum| < 2^31); then one conversion, one multiply
             y = acc.add_(self.quant_bias).float().mul_(deq)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y
 
 
 class W8A8DynamicLinear(Int8Linear):
@@ -306,7 +321,10 @@ class W8A8DynamicLinear(Int8Linear):
     def apply_quantized(self, x_q: Tensor, s_tok: Tensor) -> Tensor:
         """The float32 output [m, n] (no bias, not cast) for activations already quantized per token
         (``quantize_per_token``: several linears reading the same input quantize it once)."""
-        acc = self._acc(x_q)
+        return self.finish(self._acc(x_q), s_tok)
+
+    def finish(self, acc: Tensor, s_tok: Tensor) -> Tensor:
+        """The epilogue on the exact accumulator [m, n] and the per-token scales [m, 1]: float32 [m, n]."""
         if self.epilogue == EXACT:
             return acc.double().mul_(s_tok.double()).mul_(self.weight_scale.double().reshape(1, -1)).float()
         return acc.float().mul_(s_tok).mul_(self.weight_scale.float().reshape(1, -1))

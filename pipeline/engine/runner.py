@@ -116,13 +116,27 @@ class ModelRunner:
         return model.lm_head(hidden[:, list(rows)]).float()[0], hidden[0]
 
     @torch.no_grad()
-    def mtp_forward(self, spans: Sequence[Span], hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
-        """The MTP layer: ``spans[k].ids`` are the NEXT tokens (t+1) of positions ``start ..`` and ``hidden``
-        [N, h] the main model's normed hidden state at those positions; returns logits [R, V] float32 (for
-        tokens t+2) at the flat ``rows``."""
+    def mtp_forward(self, spans: Sequence[Span], hidden: torch.Tensor, hidden_rows: Sequence[int],
+                    rows: Sequence[int]) -> torch.Tensor:
+        """The MTP layer: ``spans[k].ids`` are the NEXT tokens (t+1) of positions ``start ..`` and
+        ``hidden[hidden_rows]`` [N, h] the main model's normed hidden state at those positions (``hidden``:
+        what :meth:`forward` returned); returns logits [R, V] float32 (for tokens t+2) at the flat ``rows``."""
+        hidden = hidden[list(hidden_rows)]
         layer = self.model.mtp_layers[0]
         (cos, sin), bounds, slots = self._positions(spans)
         nxt = torch.tensor([t for sp in spans for t in sp.ids], device=self.device)[None]
         x = layer.eh_proj(torch.cat([layer.enorm(layer.embed_tokens(nxt)), layer.hnorm(hidden[None])], dim=-1))
         x = self._layer(layer, self.caches[self.mtp_id], x, cos, sin, spans, bounds, slots)
         return layer.shared_head.head(layer.shared_head.norm(x[:, list(rows)])).float()[0]
+
+    def read_blocks(self, blocks: Sequence[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of ``blocks`` of every layer's cache in their stored form: layer id -> (c, pe)."""
+        return {i: (c.c[blocks].clone(), c.pe[blocks].clone()) for i, c in self.caches.items()}
+
+    def write_blocks(self, blocks: Sequence[int], data: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Store ``data`` (as :meth:`read_blocks` gives it; at least len(blocks) blocks) into ``blocks``."""
+        n = len(blocks)
+        for i, cache in self.caches.items():
+            c, pe = data[i]
+            cache.c[blocks] = c[:n].to(cache.c.device)
+            cache.pe[blocks] = pe[:n].to(cache.pe.device)

@@ -12,7 +12,7 @@ from pipeline.config import DeepseekV3Config
 from pipeline.format.checker import check_dir
 from pipeline.format.description import DESCRIPTION_NAME, loads_json_object, parse_description
 from pipeline.io import storage
-from pipeline.io.safetensors_io import CheckpointError, read_header, read_tensors
+from pipeline.io.safetensors_io import CheckpointError, read_header, read_rows, read_tensors
 
 
 def fa_scales(tensors: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -20,18 +20,46 @@ def fa_scales(tensors: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
     return {layout.layer_of(k): v for k, v in tensors.items() if k.endswith("self_attn.fa_k.scale")}
 
 
+class QuantizedSource:
+    """A quantized directory validated by the checker, with its config, types and a tensor -> file index;
+    tensors are read on demand, whole or in parts (a sharded replica's rank reads only its slices)."""
+
+    def __init__(self, path: str):
+        report = check_dir(path, verify=False)  # sizes only (see read_quantized)
+        if not report.ok:
+            raise CheckpointError(f"{path}: not a valid quantized directory:\n{report.to_text()}")
+        self.path = path
+        self.config = DeepseekV3Config.from_file(storage.join(path, "config.json"))
+        desc = parse_description(loads_json_object(storage.read_bytes(storage.join(path, DESCRIPTION_NAME)),
+                                                   DESCRIPTION_NAME))
+        self.types = dict(desc.tensors)
+        self.headers = [read_header(storage.join(path, f)) for f in report.weight_files]
+        self.where = {n: h for h in self.headers for n in h.tensors}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.where[name].info(name).shape
+
+    def read(self, parts: Mapping[str, object]) -> dict[str, torch.Tensor]:
+        """``parts``: name -> "full" or (dim, start, end). Whole tensors are read together per file; a
+        dim-0 part with one ranged read of its rows; a dim-1 part by reading the tensor, keeping a copy of
+        the columns (one tensor at a time)."""
+        out: dict[str, torch.Tensor] = {}
+        for h in self.headers:
+            names = [n for n in h.tensors if n in parts]
+            out.update(read_tensors(h, [n for n in names if parts[n] == "full"]))
+            for n in names:
+                p = parts[n]
+                if p == "full":
+                    continue
+                dim, a, b = p
+                out[n] = read_rows(h, n, a, b) if dim == 0 else \
+                    read_tensors(h, [n])[n].narrow(dim, a, b - a).contiguous()
+        return out
+
+
 def read_quantized(path: str) -> tuple[DeepseekV3Config, dict[str, str], dict[str, torch.Tensor]]:
     """Validate a quantized directory with the checker (the manifest's sizes, not its hashes: run
     ``python -m jobs.check`` for those), then read config, types and every tensor.
     Refuses a directory the checker rejects, with its report."""
-    report = check_dir(path, verify=False)  # sizes only: re-hashing every shard would double the load's reads
-    if not report.ok:
-        raise CheckpointError(f"{path}: not a valid quantized directory:\n{report.to_text()}")
-    cfg = DeepseekV3Config.from_file(storage.join(path, "config.json"))
-    desc = parse_description(loads_json_object(storage.read_bytes(storage.join(path, DESCRIPTION_NAME)),
-                                               DESCRIPTION_NAME))
-    tensors: dict[str, torch.Tensor] = {}
-    for f in report.weight_files:
-        header = read_header(storage.join(path, f))
-        tensors.update(read_tensors(header, list(header.tensors)))
-    return cfg, dict(desc.tensors), tensors
+    src = QuantizedSource(path)
+    return src.config, src.types, src.read({n: "full" for n in src.where})

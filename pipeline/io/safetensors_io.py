@@ -164,6 +164,22 @@ def read_tensors(header: SafetensorsHeader, names: Iterable[str],
     return out
 
 
+def read_rows(header: SafetensorsHeader, name: str, start: int, end: int) -> torch.Tensor:
+    """Rows ``start .. end`` (dim 0) of one tensor, with one ranged read of just their bytes."""
+    info = header.info(name)
+    if not info.shape or not 0 <= start <= end <= info.shape[0]:
+        raise CheckpointError(f"{header.path}: tensor {name!r}: rows {start}..{end} outside its shape "
+                              f"{list(info.shape)}")
+    row = math.prod(info.shape[1:]) * itemsize(info.dtype)
+    part = TensorInfo(info.dtype, (end - start, *info.shape[1:]), info.start + start * row, info.start + end * row)
+    data = storage.read_range(header.path, part.start, part.end) if part.end > part.start else bytearray()
+    buf = bytearray(data) if isinstance(data, bytes) else data
+    if len(buf) != part.end - part.start:
+        raise CheckpointError(f"{header.path}: tensor {name!r}: truncated file: read {len(buf)} of "
+                              f"{part.end - part.start} bytes at offset {part.start}")
+    return _from_bytes(buf, 0, part)
+
+
 def _from_bytes(buf: bytearray | np.ndarray, offset: int, info: TensorInfo) -> torch.Tensor:
     dtype = DTYPES[info.dtype]
     numel = math.prod(info.shape)

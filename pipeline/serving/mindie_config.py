@@ -19,10 +19,12 @@ Rules (every refusal is a ``ValueError`` naming the field and what to change):
   ``gpus_per_node`` is given, ``worldSize`` may not exceed it.
 * Refuse what cannot be honoured: the ``dp * tp`` ranks need that many accelerators; more than
   ``devices_available`` is refused ("worldSize 8 needs 8 accelerators but this cluster reports N; ...").
-  With ``devices_available == 0`` the job serves on CPU, which provides exactly one rank, so only the
-  single-rank layout (every size 1) is accepted there. A layout the devices allow is accepted, but this
-  engine runs each of the ``dp`` replicas on one device (it does not shard a replica over tp / moe_ep /
-  moe_tp / sp), and that is said in ``warnings`` rather than passed over.
+  With ``devices_available == 0`` only the single-rank layout is accepted; with ``cpu=True`` the job serves
+  on CPU with one process per rank and ``devices_available`` counts the CPU slots. ``sp`` other than 1 is
+  refused (no sequence parallelism here).
+* A replica is sharded as the block says (tp, moe_ep, moe_tp; :meth:`MindieModelConfig.replica_parallel`);
+  ``dp > 1`` runs as ``dp`` replicas of ``tp`` ranks, each splitting the experts over its own ranks (DP-
+  attention inside one replica is not supported yet), which ``warnings`` says rather than passes over.
 * ``plugin_params`` is a JSON *string* (a mapping is accepted too); ``plugin_type`` ``"mtp"`` turns MTP on
   and needs ``num_speculative_tokens`` exactly 1 (MindIE allows only one; absent counts as 1). Any other
   plugin type is refused (this engine has none).
@@ -33,6 +35,7 @@ Rules (every refusal is a ``ValueError`` naming the field and what to change):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
@@ -63,6 +66,15 @@ class MindieModelConfig:
     @property
     def nodes(self) -> int:
         return self.ranks // self.world_size
+
+    def replica_parallel(self) -> dict:
+        """One serving replica's layout: the block's dp groups run as ``dp`` replicas of ``tp`` ranks (DP-
+        attention inside one replica is not supported yet), each replica's experts split over its own tp
+        ranks: moe_tp kept when it divides tp, moe_ep = tp / moe_tp (with dp 1: the block's sizes as they are)."""
+        if self.dp == 1:
+            return {"tp": self.tp, "dp": 1, "moe_ep": self.moe_ep, "moe_tp": self.moe_tp}
+        moe_tp = self.moe_tp if self.tp % self.moe_tp == 0 else self.tp
+        return {"tp": self.tp, "dp": 1, "moe_ep": self.tp // moe_tp, "moe_tp": moe_tp}
 
 
 def _model_entry(block: Any) -> Mapping[str, Any]:
@@ -143,11 +155,12 @@ def _enable_nz(m: Mapping[str, Any]) -> bool:
 
 
 def parse_mindie_model_config(block: Any, devices_available: int, gpus_per_node: Optional[int] = None, *,
-                              fa3: bool = True) -> MindieModelConfig:
+                              fa3: bool = True, cpu: bool = False) -> MindieModelConfig:
     """Read and check one MindIE ModelConfig (see the module docstring for shapes and rules).
     ``devices_available``: accelerators in the cluster (0: CPU serving). ``gpus_per_node``: accelerators
     per node, when known. ``fa3``: whether the serving engine keeps the FA3 int8 latent cache (the default
-    engine does), for the enable_nz warning."""
+    engine does), for the enable_nz warning. ``cpu``: serve on CPU with one process per rank, and
+    ``devices_available`` counts the CPU slots for them."""
     if isinstance(devices_available, bool) or not isinstance(devices_available, int) or devices_available < 0:
         raise ValueError(f"devices_available must be an integer >= 0, got {devices_available!r}")
     m = _model_entry(block)
@@ -169,6 +182,8 @@ def parse_mindie_model_config(block: Any, devices_available: int, gpus_per_node:
     if sp > tp:
         raise ValueError(f"ModelConfig.sp {sp} exceeds tp {tp}: sequence parallelism splits within the tp "
                          "group; set sp <= tp")
+    if sp != 1:
+        raise ValueError(f"ModelConfig.sp {sp}: this engine has no sequence parallelism; set sp to 1")
     if dp * tp != moe_ep * moe_tp:
         raise ValueError(f"ModelConfig: dp x tp = {dp}x{tp} = {dp * tp} but moe_ep x moe_tp = {moe_ep}x{moe_tp} "
                          f"= {moe_ep * moe_tp}; attention runs over dp x tp ranks and MoE over moe_ep x moe_tp "
@@ -182,8 +197,12 @@ def parse_mindie_model_config(block: Any, devices_available: int, gpus_per_node:
         raise ValueError(f"ModelConfig: tp x dp = {tp}x{dp} = {ranks} ranks is not a whole number of nodes of "
                          f"worldSize {ws} (accelerators per node); make tp x dp a multiple of worldSize")
     nodes = ranks // ws
-    if devices_available == 0:
-        if ranks > 1:
+    if devices_available == 0 or cpu:
+        if cpu and ranks > devices_available:
+            raise ValueError(f"ModelConfig: tp {tp} x dp {dp} = {ranks} ranks need {ranks} CPU slots (one process "
+                             f"each) but this cluster reports {devices_available}; lower worldSize/tp/dp or add "
+                             "CPUs")
+        if not cpu and ranks > 1:
             raise ValueError(f"ModelConfig: worldSize {ws} (tp {tp} x dp {dp} = {ranks} ranks) needs {ranks} "
                              f"accelerators but this cluster reports 0; lower worldSize/tp/dp or add devices "
                              "(CPU serving runs one rank: worldSize, tp, dp, moe_ep, moe_tp, sp all 1)")
@@ -199,15 +218,19 @@ def parse_mindie_model_config(block: Any, devices_available: int, gpus_per_node:
         warnings.append("enable_nz is false with an FA3 (int8 latent) cache: MindIE requires enable_nz true "
                         "with FA3; this engine will run the FA3 cache in ND layout (set enable_nz: true to "
                         "match MindIE)")
-    if max(tp, moe_ep, moe_tp, sp) > 1:
-        warnings.append(f"this engine runs each of the {dp} dp replica(s) on one device: tp {tp}, moe_ep "
-                        f"{moe_ep}, moe_tp {moe_tp}, sp {sp} were checked against the {devices_available} "
-                        "accelerators but do not shard a replica")
-    return MindieModelConfig(name, path, ws, tp, dp, moe_ep, moe_tp, sp, mtp, enable_nz, tuple(warnings))
+    out = MindieModelConfig(name, path, ws, tp, dp, moe_ep, moe_tp, sp, mtp, enable_nz)
+    if dp > 1:
+        r = out.replica_parallel()
+        warnings.append(f"dp {dp} runs as {dp} replicas of tp {tp} (DP-attention inside one replica is not "
+                        f"supported yet): each replica's experts are split moe_ep {r['moe_ep']} x moe_tp "
+                        f"{r['moe_tp']} over its {tp} ranks instead of moe_ep {moe_ep} x moe_tp {moe_tp} over all "
+                        f"{ranks}")
+    return dataclasses.replace(out, warnings=tuple(warnings))
 
 
 def to_serve_options(cfg: MindieModelConfig) -> dict:
     """What the serving config (actors.serve_config.ServeConfig.from_dict) takes from the MindIE block:
     the model, the engine's NZ / MTP switches, and dp replicas of the engine deployment."""
     return {"model_path": cfg.model_weight_path, "served_model_name": cfg.model_name,
-            "engine": {"nz": cfg.enable_nz, "mtp": cfg.mtp}, "llm": {"num_replicas": cfg.dp}}
+            "engine": {"nz": cfg.enable_nz, "mtp": cfg.mtp}, "llm": {"num_replicas": cfg.dp},
+            "parallel": cfg.replica_parallel()}

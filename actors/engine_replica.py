@@ -1,0 +1,37 @@
+"""An engine replica's engine, for the engine and prefill deployments: one process, or sharded over the
+ranks its ``parallel`` config names (this replica rank 0, the others Ray actors in its placement group)."""
+
+from __future__ import annotations
+
+from actors.serve_config import ServeConfig
+
+
+def make_engine(config: ServeConfig, deployment: str, tok):
+    """The engine of one replica of ``deployment`` ("llm" or "prefill"): in this process, or sharded over
+    ``config.parallel_of(deployment).world`` ranks (this replica is rank 0; the others Ray actors in the
+    replica's placement group, actors.rank_group)."""
+    from pipeline.engine.engine import LLMEngine
+    from pipeline.engine.loader import load_quantized
+
+    parallel = config.parallel_of(deployment)
+    if parallel.single:
+        return LLMEngine(load_quantized(config.model_path, device=config.engine.device), config.engine, tok)
+    from actors.rank_group import build_sharded_engine
+
+    opts = getattr(config, deployment).ray_actor_options
+    return build_sharded_engine(config.model_path, parallel, config.engine, tok, combine=config.moe_combine,
+                                cpus_per_rank=float(opts.get("num_cpus", 1) or 0),
+                                gpus_per_rank=float(opts.get("num_gpus", 0) or 0),
+                                threads_per_rank=config.torch_threads)
+
+
+def placement(config: ServeConfig, deployment: str) -> dict:
+    """Serve options that give a sharded replica one bundle per rank (its own actor in the first)."""
+    world = config.parallel_of(deployment).world
+    if world == 1:
+        return {}
+    opts = getattr(config, deployment).ray_actor_options
+    bundle = {"CPU": float(opts.get("num_cpus", 1) or 0)}
+    if opts.get("num_gpus"):
+        bundle["GPU"] = float(opts["num_gpus"])
+    return {"placement_group_bundles": [bundle] * world, "placement_group_strategy": "PACK"}

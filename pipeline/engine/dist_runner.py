@@ -1,0 +1,120 @@
+"""Running a sharded replica's model: rank 0 drives, the other ranks follow (docs/serving.md, "Sharded
+serving").
+
+Rank 0 holds the engine (scheduler, sampling) and a :class:`ShardedRunner`: each call that runs the model
+(``forward``, ``mtp_forward``) or changes the cache (``write_blocks``) is first broadcast to every rank as
+one message, ``(op, args)`` with the step's spans (plain ids, positions, block ids), then run on rank 0's
+own shard. Every other rank runs :func:`follow`: it receives the message and makes the same call on its
+shard, so all ranks enter the same collectives in the same order; the logits and tokens are rank 0's.
+A rank keeps the hidden state of its last ``forward`` for the MTP call that follows it (only the rows
+are sent).
+
+A failure in a collective (a rank that died, a timeout) leaves the replica unusable as a unit:
+``ShardedRunner`` then refuses every later call (``broken`` says why) so that the serving layer reports
+the replica unhealthy and it is replaced whole.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from pipeline.engine.comm import Comm
+from pipeline.engine.runner import ModelRunner, Span
+
+STOP = "stop"
+
+
+class ReplicaBroken(RuntimeError):
+    """A rank of the replica failed; the replica cannot run another step."""
+
+
+class ShardedRunner(ModelRunner):
+    """Rank 0's runner of a sharded replica (module docstring). ``comm``: rank 0's Comm; ``on_close``:
+    called once when the runner is closed (stops the other ranks' processes)."""
+
+    def __init__(self, *args, comm: Comm, on_close=None, **kw):
+        super().__init__(*args, **kw)
+        self.comm, self._on_close = comm, on_close
+        self.broken: Optional[str] = None
+        self.steps = 0
+
+    def _send(self, op: str, *args):
+        if self.broken:
+            raise ReplicaBroken(f"sharded replica unusable: {self.broken}")
+        try:
+            self.comm.broadcast_object((op, args))
+        except Exception as e:  # noqa: BLE001 - any collective failure breaks the whole replica
+            self.broken = f"{type(e).__name__}: {e}"
+            raise ReplicaBroken(f"sharded replica unusable: {self.broken}") from e
+
+    def _run(self, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:
+            if isinstance(e, (ValueError, TypeError)) and not _is_comm_error(e):
+                raise                                   # the same bad input failed on every rank: not fatal
+            self.broken = f"{type(e).__name__}: {e}"
+            raise ReplicaBroken(f"sharded replica unusable: {self.broken}") from e
+
+    @torch.no_grad()
+    def forward(self, spans: Sequence[Span], rows: Sequence[int]):
+        self._send("forward", list(spans), list(rows))
+        self.steps += 1
+        return self._run(super().forward, spans, rows)
+
+    @torch.no_grad()
+    def mtp_forward(self, spans: Sequence[Span], hidden: torch.Tensor, hidden_rows: Sequence[int],
+                    rows: Sequence[int]) -> torch.Tensor:
+        self._send("mtp_forward", list(spans), list(hidden_rows), list(rows))
+        return self._run(super().mtp_forward, spans, hidden, hidden_rows, rows)
+
+    def write_blocks(self, blocks, data) -> None:
+        self._send("write_blocks", list(blocks), data)
+        self._run(super().write_blocks, blocks, data)
+
+    def close(self) -> None:
+        """Tell the other ranks to stop (when they still listen) and leave the process group."""
+        if self._on_close is None:
+            return
+        try:
+            if not self.broken:
+                self.comm.broadcast_object((STOP, ()))
+        except Exception:  # noqa: BLE001 - stopping a replica whose rank already died
+            pass
+        finally:
+            on_close, self._on_close = self._on_close, None
+            self.comm.close()
+            on_close()
+
+
+def _is_comm_error(e: BaseException) -> bool:
+    text = str(e).lower()
+    return any(w in text for w in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
+
+
+def follow(runner: ModelRunner, comm: Comm) -> int:
+    """A rank other than 0: run rank 0's calls on this shard until it says stop; returns the steps run.
+    A call that fails here with bad input failed on rank 0 too (the same checks run first everywhere)."""
+    hidden, steps = None, 0
+    with torch.no_grad():
+        while True:
+            op, args = comm.broadcast_object()
+            if op == STOP:
+                comm.close()
+                return steps
+            try:
+                if op == "forward":
+                    _, hidden = runner.forward(*args)
+                    steps += 1
+                elif op == "mtp_forward":
+                    spans, hidden_rows, rows = args
+                    runner.mtp_forward(spans, hidden, hidden_rows, rows)
+                elif op == "write_blocks":
+                    runner.write_blocks(*args)
+                else:
+                    raise ValueError(f"unknown op {op!r} from rank 0")
+            except (ValueError, TypeError) as e:
+                if _is_comm_error(e):
+                    raise

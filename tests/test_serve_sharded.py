@@ -1,0 +1,133 @@
+"""Sharded engine replicas behind the OpenAI server, on the simulated Ray cluster, spoken to with the official
+``openai`` client: a MindIE block of worldSize 2 (tp 2, moe_ep 2) served colocated, and a disaggregated app
+whose prefill replica (tp 2 x moe_tp 2) and decode replica (tp 2 x moe_ep 2) differ in layout. Greedy text
+equals the single-rank engine's. A rank killed (SIGKILL) takes its replica down as a unit: the request in
+flight fails with 503, /health says so, Serve replaces the replica and the service answers again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytestmark = pytest.mark.slow
+openai = pytest.importorskip("openai")
+
+from pipeline.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from pipeline.engine.sampling import SamplingParams  # noqa: E402
+from pipeline.text.tokenizer import Tokenizer  # noqa: E402
+
+ENGINE = {"num_blocks": 64, "block_size": 16, "max_num_seqs": 8, "max_batched_tokens": 256, "nz": True, "mtp": True}
+QUESTION = "What's deep learning?"
+MAX_TOKENS = 24
+REPLACED_WITHIN_S = 120      # Serve's health check (10 s period) plus a new replica's ranks loading
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mindie_block(path: str) -> dict:
+    return {"ModelConfig": [{"modelName": "tiny-sharded", "modelWeightPath": path, "worldSize": 2, "tp": 2, "dp": 1,
+                             "moe_ep": 2, "moe_tp": 1, "sp": 1,
+                             "plugin_params": "{\"plugin_type\":\"mtp\",\"num_speculative_tokens\": 1}",
+                             "models": {"deepseekv2": {"kv_cache_options": {"enable_nz": True}}}}]}
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, embedded_quantized):
+    from ray import serve
+
+    from actors.serve_app import DeploymentOptions, ServeConfig, build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+    try:
+        rank = {"num_cpus": 0.5}
+        colo = ServeConfig.from_mindie(mindie_block(embedded_quantized), 2, cpu=True, engine=ENGINE,
+                                       llm={"ray_actor_options": rank},
+                                       ingress=DeploymentOptions(1, {"num_cpus": 0.1}))
+        assert colo.parallel == {"tp": 2, "dp": 1, "moe_ep": 2, "moe_tp": 1} and colo.engine.mtp
+        disagg = ServeConfig(embedded_quantized, "tiny-sharded", EngineConfig(**ENGINE), mode="disaggregated",
+                             parallel={"tp": 2, "moe_ep": 2}, prefill_parallel={"tp": 2, "moe_tp": 2},
+                             llm=DeploymentOptions(1, rank), prefill=DeploymentOptions(1, rank),
+                             ingress=DeploymentOptions(1, {"num_cpus": 0.1}))
+        serve.run(build_app(colo), name="colo", route_prefix="/")
+        serve.run(build_app(disagg), name="disagg", route_prefix="/disagg")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(embedded_quantized) -> str:
+    """The single-rank engine's greedy answer, in this process with one thread (as each rank runs)."""
+    import torch
+
+    tok = Tokenizer.from_dir(embedded_quantized)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        eng = LLMEngine.from_dir(embedded_quantized, tokenizer=tok, **ENGINE)
+        ids = tok.encode_chat([{"role": "user", "content": QUESTION}])
+        return tok.decode(eng.generate([ids], SamplingParams(max_new_tokens=MAX_TOKENS))[0])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def client(server: str, prefix: str = "") -> "openai.OpenAI":
+    return openai.OpenAI(base_url=f"{server}{prefix}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def ask(server: str, prefix: str = "", stream: bool = False) -> str:
+    c = client(server, prefix)
+    msgs = [{"role": "user", "content": QUESTION}]
+    if stream:
+        return "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model="tiny-sharded", messages=msgs, max_tokens=MAX_TOKENS, temperature=0, stream=True) if ch.choices)
+    return c.chat.completions.create(model="tiny-sharded", messages=msgs, max_tokens=MAX_TOKENS,
+                                     temperature=0).choices[0].message.content
+
+
+@pytest.mark.parametrize("prefix", ["", "/disagg"], ids=["colocated-mindie", "disaggregated-two-layouts"])
+def test_sharded_replicas_answer_as_one_rank(server, reference, prefix):
+    assert ask(server, prefix) == reference
+    assert ask(server, prefix, stream=True) == reference
+
+
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_a_killed_rank_takes_its_replica_down_and_serve_replaces_it(server, reference):
+    from ray import serve
+
+    handle = serve.get_deployment_handle("LLMServer", app_name="colo")
+    ranks = handle.stats.remote().result()["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    os.kill(ranks[1]["pid"], signal.SIGKILL)
+    with pytest.raises(openai.APIStatusError) as e:       # the replica cannot run a step any more
+        ask(server)
+    assert e.value.status_code == 503
+    deadline = time.time() + REPLACED_WITHIN_S
+    while True:                                            # Serve replaces the replica, ranks and all
+        try:
+            text = ask(server)
+            break
+        except (openai.APIStatusError, openai.APIConnectionError):
+            assert time.time() < deadline, "the replica was not replaced"
+            time.sleep(2)
+    assert text == reference
+    new = handle.stats.remote().result()["ranks"]
+    assert new[1]["pid"] != ranks[1]["pid"] and _status(f"{server}/health") == 200
