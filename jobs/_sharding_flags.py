@@ -19,7 +19,8 @@ def add_sharding_flags(ap: argparse.ArgumentParser, default_combine: str | None 
                    help="each expert's width split over this many ranks (default: dp x tp / moe_ep)")
     g.add_argument("--moe-combine", choices=("reduce", "exact"), default=default_combine,
                    help="MoE combine over ranks: 'reduce' sums partial outputs (float order differs from one "
-                        "rank), 'exact' the single-rank bits at top_k times the bytes (default: %(default)s)")
+                        "rank), 'exact' the single-rank bits at top_k times the bytes (default: "
+                        + ("%(default)s)" if default_combine else "the --config file's, else reduce)"))
     return g
 
 
