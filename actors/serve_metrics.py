@@ -66,3 +66,9 @@ class _EngineCollector:
         for k, doc in self.COUNTERS.items():
             if k in s:
                 yield CounterMetricFamily(f"dsquant_engine_{k}", doc, value=float(s[k]))
+        if s.get("kernels"):
+            info = GaugeMetricFamily("dsquant_engine_kernels", "1 per device: which kernels the engine runs there "
+                                     "(triton on CUDA, torch elsewhere)", labels=["device", "backend"])
+            for device, name in sorted(s["kernels"].items()):
+                info.add_metric([device, name], 1.0)
+            yield info

@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional, Union
 
 from pipeline.engine.blocks import OutOfBlocks
 from pipeline.engine.dist_runner import ReplicaBroken
+from pipeline.engine.kernels.dispatch import chosen
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,7 @@ class EngineLoop:
             "generated_tokens": eng.stats.generated_tokens, "preemptions": eng.stats.preemptions,
             "mtp_drafts": eng.stats.drafts, "mtp_accepted": eng.stats.accepted,
             "aborted": self.aborted, "finished": dict(self.finished), "alive": self.error is None,
+            "kernels": chosen(),
         }
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.engine.kernels.dispatch import TRITON, backend
 from pipeline.engine.qlinear import W8A8DynamicLinear, quantize_per_token
 from pipeline.model.ffn import MLP, MoE, combine_experts
 
@@ -72,6 +73,12 @@ class Int8MoE(nn.Module):
         self.last_load: Optional[torch.Tensor] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if backend(x.device) == TRITON:                 # the fused grouped int8 GEMM (kernels.moe_gemm)
+            from pipeline.engine.kernels.moe_gemm import StackedExperts, int8_moe_forward
+
+            if getattr(self, "_stacked", None) is None:
+                self._stacked = StackedExperts.of(self)
+            return int8_moe_forward(self, self._stacked, x)
         shape, dtype = x.shape, x.dtype
         flat = x.reshape(-1, shape[-1])
         weights, idx = self.gate(flat)

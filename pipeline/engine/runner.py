@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 
 from pipeline.engine.attention import paged_decode_attention, paged_prefill_attention
+from pipeline.engine.kernels.dispatch import TRITON, backend
 from pipeline.engine.loader import LoadedModel
 from pipeline.engine.paged_cache import PagedLatentCache
 from pipeline.config import model_dtype
@@ -52,6 +53,7 @@ class ModelRunner:
                 raise ValueError(f"{loaded.path}: speculative decoding needs the MTP layer, which this model lacks")
             ids.append(self.model.mtp_layers[0].layer_id)
         self.mtp_id = ids[-1] if mtp else None
+        self.kernels = backend(device)      # decode attention: the Triton kernel on CUDA, else torch
         self.caches = {
             i: PagedLatentCache(num_blocks, block_size, self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim,
                                 dtype=cache_dtype, fa_k=loaded.fa_k.get(i) if fa3 else None, nz=nz, device=device)
@@ -74,8 +76,14 @@ class ModelRunner:
         single = [j for j, sp in enumerate(spans) if sp.n == 1]
         if single:
             rows = [bounds[j][0] for j in single]
-            o_lat[rows] = paged_decode_attention(q_abs[rows], qp[rows], cache, [spans[j].blocks for j in single],
-                                                 [spans[j].start + 1 for j in single], attn.scale)
+            tables, lengths = [spans[j].blocks for j in single], [spans[j].start + 1 for j in single]
+            if self.kernels == TRITON:
+                from pipeline.engine.kernels.mla_decode import block_table_tensor, paged_mla_decode_cache
+
+                table, lens = block_table_tensor(tables, lengths, self.block_size, dev)
+                o_lat[rows] = paged_mla_decode_cache(q_abs[rows], qp[rows], cache, table, lens, attn.scale)
+            else:
+                o_lat[rows] = paged_decode_attention(q_abs[rows], qp[rows], cache, tables, lengths, attn.scale)
         for sp, (a, b) in zip(spans, bounds):
             if sp.n > 1:
                 o_lat[a:b] = paged_prefill_attention(q_abs[a:b], qp[a:b], cache, sp.blocks, sp.start, attn.scale)

@@ -1,0 +1,58 @@
+"""The engine's kernel choice (pipeline.engine.kernels.dispatch): torch on the CPU by default, visible in the
+engine loop's snapshot (which /metrics renders); and the Triton path wired into the engine end to end —
+decode attention and the fused MoE run through Triton's interpreter on the CPU (``DSQUANT_KERNELS=triton``,
+``TRITON_INTERPRET=1``, in a subprocess so the variables do not leak) give the torch path's greedy tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.engine.engine import EngineConfig, LLMEngine
+from pipeline.engine.engine_loop import EngineLoop
+from pipeline.engine.loader import load_quantized
+
+SCRIPT = """
+import json, sys
+from pipeline.engine.engine import EngineConfig, LLMEngine
+from pipeline.engine.loader import load_quantized
+from pipeline.engine.sampling import SamplingParams
+from pipeline.text.tokenizer import Tokenizer
+tok = Tokenizer.from_dir(sys.argv[1])
+ids = tok.encode_chat([{"role": "user", "content": "What's deep learning?"}])
+eng = LLMEngine(load_quantized(sys.argv[1]), EngineConfig(num_blocks=16, nz=True), tok)
+print(json.dumps({"kernels": eng.runner.kernels, "out": eng.generate([ids], SamplingParams(max_new_tokens=3))[0]}))
+"""
+
+
+def test_cpu_runs_torch_and_says_so(embedded_quantized):
+    env_before = os.environ.get("DSQUANT_KERNELS")
+    assert env_before in (None, "", "auto", "torch")
+    eng = LLMEngine(load_quantized(embedded_quantized), EngineConfig(num_blocks=16))
+    assert eng.runner.kernels == "torch"
+    loop = EngineLoop(eng)
+    try:
+        loop._publish()
+        assert loop.snapshot["kernels"].get("cpu") == "torch"
+    finally:
+        loop.stop(timeout=5)
+
+
+@pytest.mark.slow
+def test_triton_path_through_the_interpreter_gives_the_same_greedy_tokens(embedded_quantized):
+    pytest.importorskip("triton")
+
+    def run(**env):
+        r = subprocess.run([sys.executable, "-c", SCRIPT, embedded_quantized], capture_output=True, text=True,
+                           timeout=600, env={**os.environ, **env})
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    torch_path = run(DSQUANT_KERNELS="torch")
+    triton_path = run(DSQUANT_KERNELS="triton", TRITON_INTERPRET="1")
+    assert (torch_path["kernels"], triton_path["kernels"]) == ("torch", "triton")
+    assert triton_path["out"] == torch_path["out"] and len(torch_path["out"]) == 3
