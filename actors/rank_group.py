@@ -23,7 +23,8 @@ from ray.util.placement_group import get_current_placement_group, placement_grou
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pipeline.engine.comm import Comm
-from pipeline.engine.dist_runner import ShardedRunner, follow
+from pipeline.engine.dist_runner import DPRunner, ShardedRunner, follow
+from pipeline.engine.dp_engine import DPEngine
 from pipeline.engine.engine import EngineConfig, LLMEngine, make_runner
 from pipeline.engine.qlinear import EXACT
 from pipeline.engine.shard_loader import load_sharded, resident_bytes
@@ -54,7 +55,7 @@ class RankWorker:
         self.comm = Comm.init(ParallelConfig(**parallel), rank, init_method, timeout_s=timeout_s)
         cfg = EngineConfig(**config)
         self.loaded = _load(path, self.comm, cfg, epilogue, combine)
-        self.runner = make_runner(self.loaded, cfg)
+        self.runner = make_runner(self.loaded, cfg, scratch=self.comm.parallel.dp > 1)
 
     def info(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
@@ -79,7 +80,7 @@ def build_sharded_engine(path: str, parallel: ParallelConfig, config: EngineConf
                          tokenizer=None, *, epilogue: str = EXACT, combine: str = REDUCE,
                          cpus_per_rank: float = 1.0, gpus_per_rank: float = 0.0, strategy: str = "PACK",
                          threads_per_rank: Optional[int] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                         log=print) -> LLMEngine:
+                         log=print) -> "LLMEngine | DPEngine":
     """An engine whose model runs over ``parallel.world`` ranks (this process is rank 0; Ray must be up).
     ``engine.runner.workers``: the other ranks' actors; ``engine.runner.close()`` stops them.
 
@@ -88,10 +89,6 @@ def build_sharded_engine(path: str, parallel: ParallelConfig, config: EngineConf
     CPU GEMM's summation order depends on its thread count (measured: the router's weights then differ in
     the last bit between a 1-thread and a 2-thread rank)."""
     threads_per_rank = threads_per_rank or torch.get_num_threads()
-    if parallel.dp > 1:
-        raise ValueError(f"parallel config: dp {parallel.dp} inside one replica (DP-attention) is not supported "
-                         "yet: run dp replicas of a tp x moe_ep replica instead (jobs.serve --num-replicas, or "
-                         "MindIE's dp), or set dp 1")
     world = parallel.world
     pg, first, own_pg = _placement(world, cpus_per_rank, gpus_per_rank, strategy)
     host = ray.util.get_node_ip_address()
@@ -125,9 +122,12 @@ def build_sharded_engine(path: str, parallel: ParallelConfig, config: EngineConf
         if own_pg:
             remove_placement_group(pg)
 
-    runner = make_runner(loaded, config, cls=ShardedRunner, comm=comm, on_close=stop)
+    runner = make_runner(loaded, config, cls=DPRunner if parallel.dp > 1 else ShardedRunner, comm=comm,
+                         on_close=stop)
     runner.workers, runner.runs, runner.rank_info = workers, runs, [
         {"rank": 0, "pid": os.getpid(), "resident_bytes": resident_bytes(loaded.model)}] + infos
+    if parallel.dp > 1:   # DP-attention: a scheduler and cache per dp group, stepped together
+        return DPEngine([LLMEngine(loaded, config, tokenizer, runner=runner) for _ in range(parallel.dp)], runner)
     return LLMEngine(loaded, config, tokenizer, runner=runner)
 
 

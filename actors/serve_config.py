@@ -80,7 +80,10 @@ class ServeConfig:
             if value is not None:
                 if not isinstance(value, Mapping) or set(value) - set(PARALLEL_SIZES):
                     raise ValueError(f"{name} must be a mapping of {', '.join(PARALLEL_SIZES)}, got {value!r}")
-                ParallelConfig(**value)
+                if ParallelConfig(**value).dp > 1:
+                    raise ValueError(f"{name}: dp {value['dp']} inside one serving replica (DP-attention) is not "
+                                     "supported yet: serve dp replicas instead (llm.num_replicas, or MindIE's dp) "
+                                     "with dp 1 here")
         if self.moe_combine not in ("reduce", "exact"):
             raise ValueError(f"moe_combine must be 'reduce' or 'exact', got {self.moe_combine!r}")
         for f in ("prefill_timeout_s", "body_timeout_s"):

@@ -1,4 +1,4 @@
-"""A sharded replica (tp / moe_ep / moe_tp over Ray actors joined by gloo) against the single-rank engine, on
+"""A sharded replica (tp / dp / moe_ep / moe_tp over Ray actors joined by gloo) against the single-rank engine, on
 the quantized embedded model (MTP on) and on msModelSlim's own output for the tiny fixture.
 
 Real parts: the session's simulated Ray cluster (three 2-CPU nodes, so a 4-rank replica spans nodes),
@@ -33,6 +33,7 @@ from pipeline.text.tokenizer import Tokenizer
 MSMODELSLIM = Path(__file__).parent / "fixtures" / "msmodelslim-v1-bf16"
 QUESTIONS = ["What's deep learning?", "How do I open a file?", "Explain list comprehensions"]
 REDUCE_LOGIT_ATOL = 1e-3     # float32 MoE sums in another order, through 3 layers (measured ~1e-5)
+DP_LOGIT_ATOL = 1e-3         # the router's float GEMM over a batch of another size (measured ~1e-6)
 FLOAT_UPCAST = 2             # the engine holds the bf16 float parts in float32
 CFG = EngineConfig(num_blocks=64, nz=True, mtp=True)
 
@@ -162,6 +163,45 @@ def test_exact_combine_is_bit_identical_to_one_rank(ray_cluster, embedded_quanti
         eng.runner.close()
 
 
+DP_LAYOUTS = [pytest.param(dict(dp=2, moe_ep=2), id="dp2-moe_ep2"),
+              pytest.param(dict(dp=2, tp=2, moe_ep=4), id="dp2-tp2-moe_ep4-two-nodes")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", DP_LAYOUTS)
+def test_dp_attention_groups_each_give_the_single_rank_logits(ray_cluster, embedded_quantized, tok, single, layout):
+    """DP-attention: each dp group holds its own sequences and cache; a prompt run in either group (the other
+    idle: a one-token step in its scratch block) gives the single-rank logits within DP_LOGIT_ATOL, the same
+    argmax, and a batch spread over the groups the single-rank greedy tokens, MTP on. Not bit for bit: the
+    idle group's token joins the MoE's batch, so the router's float GEMM sees another number of rows (on
+    the CPU a 1-row GEMV and a 2-row GEMM round differently); the int8 linears stay exact."""
+    eng = _sharded(embedded_quantized, layout, tok, "exact")
+    try:
+        p = ParallelConfig(**layout)
+        ids = tok.encode_chat([{"role": "user", "content": QUESTIONS[2]}])
+        want = _prefill_then_decode(single.runner, ids)
+        blocks = list(range(4))
+        for g in range(p.dp):
+            def one(spans, rows):
+                per = [None] * p.dp
+                per[g] = (spans, rows)
+                return eng.runner.forward_dp(per)[g]
+            first = one([Span(ids, 0, blocks)], [len(ids) - 1])
+            second = one([Span([int(first[0].argmax())], len(ids), blocks)], [0])
+            for w, g_ in ((want[0], first), (want[1], second)):
+                assert float((w - g_).abs().max()) <= DP_LOGIT_ATOL and torch.equal(w.argmax(-1), g_.argmax(-1))
+        prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+        params = SamplingParams(max_new_tokens=24)
+        assert eng.generate(prompts, params) == single.generate(prompts, params)
+        assert [len(g.scheduler.running) + len(g.scheduler.waiting) for g in eng.groups] == [0] * p.dp
+        whole = resident_bytes(single.loaded.model)
+        for info in eng.runner.rank_info:   # experts split over all ranks; attention over tp only
+            assert info["resident_bytes"] < whole / p.moe_ep + FLOAT_UPCAST * _replicated_bytes(embedded_quantized) \
+                + whole / p.tp
+    finally:
+        eng.runner.close()
+
+
 def _replicated_bytes(path) -> int:
     src = QuantizedSource(path)
     p = ParallelConfig(tp=2)
@@ -218,3 +258,18 @@ def test_generate_job_sharded_gives_the_single_rank_answer(embedded_quantized):
     one, _ = answer()
     sharded, log = answer("--tp", "2", "--moe-ep", "2")
     assert sharded == one and "2 rank(s): dp 1 x tp 2" in log and "private local Ray" in log
+    dp, log = answer("--dp", "2", "--moe-ep", "2")
+    assert dp == one and "2 rank(s): dp 2 x tp 1" in log
+
+
+def test_serve_config_takes_a_sharded_layout_and_refuses_dp_inside_a_replica():
+    from actors.serve_config import ServeConfig
+
+    cfg = ServeConfig("q", parallel={"tp": 2, "moe_ep": 2}, prefill_parallel={"tp": 2})
+    assert (cfg.parallel_of("llm").moe_tp, cfg.parallel_of("prefill").moe_tp) == (1, 2)
+    with pytest.raises(ValueError, match="dp 2 inside one serving replica"):
+        ServeConfig("q", parallel={"dp": 2, "moe_ep": 2})
+    with pytest.raises(ValueError, match="parallel must be a mapping of tp, dp, moe_ep, moe_tp, sp"):
+        ServeConfig("q", parallel={"pp": 2})
+    with pytest.raises(ValueError, match="moe_combine must be"):
+        ServeConfig("q", moe_combine="sum")

@@ -89,6 +89,55 @@ class ShardedRunner(ModelRunner):
             on_close()
 
 
+class DPRunner(ShardedRunner):
+    """Rank 0's runner of a DP-attention replica (dp > 1): each step runs every dp group's own spans at
+    once (:func:`dp_forward`); rank 0 runs group 0's and receives every group's logits. The engine calls
+    ``forward_dp`` / ``mtp_dp`` (pipeline.engine.dp_engine), never ``forward``."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, scratch=True, **kw)
+        self.hidden: Optional[torch.Tensor] = None
+
+    def forward(self, spans, rows):
+        raise TypeError("a DP-attention replica runs all its groups at once: use forward_dp (dp_engine)")
+
+    def forward_dp(self, per_group: list) -> list:
+        self._send("forward_dp", per_group)
+        self.steps += 1
+        return self._run(dp_forward, self, self.comm, per_group)
+
+    def mtp_dp(self, per_group: list) -> list:
+        self._send("mtp_dp", per_group)
+        return self._run(dp_mtp, self, self.comm, per_group)
+
+
+def _gather(comm: Comm, logits: torch.Tensor) -> list[torch.Tensor]:
+    rows, counts = comm.all_gather_dp(logits)
+    out, a = [], 0
+    for c in counts:
+        out.append(rows[a:a + c])
+        a += c
+    return out
+
+
+def dp_forward(runner: ModelRunner, comm: Comm, per_group: list) -> list[torch.Tensor]:
+    """This rank's dp group's part of a step (``per_group[g]``: (spans, rows), or None for a group without
+    work, which runs one token in the scratch block so that every rank joins the MoE's collectives), then
+    every group's logits, gathered over the dp groups in dp order. The hidden state stays on the rank
+    (``runner.hidden``) for the MTP call."""
+    mine = per_group[comm.parallel.dp_rank(comm.rank)]
+    spans, rows = mine if mine is not None else ([Span([0], 0, [runner.scratch_block])], [])
+    logits, runner.hidden = ModelRunner.forward(runner, spans, rows)
+    return _gather(comm, logits)
+
+
+def dp_mtp(runner: ModelRunner, comm: Comm, per_group: list) -> list[torch.Tensor]:
+    """The MTP layer's part, as :func:`dp_forward` (``per_group[g]``: (spans, hidden_rows, rows) or None)."""
+    mine = per_group[comm.parallel.dp_rank(comm.rank)]
+    spans, hidden_rows, rows = mine if mine is not None else ([Span([0], 0, [runner.scratch_block])], [0], [])
+    return _gather(comm, ModelRunner.mtp_forward(runner, spans, runner.hidden, hidden_rows, rows))
+
+
 def _is_comm_error(e: BaseException) -> bool:
     text = str(e).lower()
     return any(w in text for w in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
@@ -113,6 +162,11 @@ def follow(runner: ModelRunner, comm: Comm) -> int:
                     runner.mtp_forward(spans, hidden, hidden_rows, rows)
                 elif op == "write_blocks":
                     runner.write_blocks(*args)
+                elif op == "forward_dp":
+                    dp_forward(runner, comm, *args)
+                    steps += 1
+                elif op == "mtp_dp":
+                    dp_mtp(runner, comm, *args)
                 else:
                     raise ValueError(f"unknown op {op!r} from rank 0")
             except (ValueError, TypeError) as e:

@@ -44,7 +44,7 @@ STEP_TIMES_KEPT = 10_000
 
 
 def make_runner(loaded: LoadedModel, config: EngineConfig, cls=ModelRunner, **kw) -> ModelRunner:
-    """The model runner (``cls``) of ``loaded`` as ``config`` sets its cache."""
+    """The model runner (``cls``) of ``loaded`` as ``config`` sets its cache (``kw``: ModelRunner's others)."""
     return cls(loaded, config.num_blocks, config.block_size, config.nz, config.device,
                getattr(torch, config.cache_dtype) if config.cache_dtype else None, config.mtp, config.fa3, **kw)
 
@@ -78,6 +78,29 @@ class EngineStats:
     drafts: int = 0                 # MTP draft tokens proposed (and verified)
     accepted: int = 0               # ... and accepted
     step_seconds: deque = field(default_factory=lambda: deque(maxlen=STEP_TIMES_KEPT))  # the latest steps'
+
+
+@dataclass
+class StepWork:
+    """One step between its phases (LLMEngine.step)."""
+
+    t0: float
+    batch: object
+    events: list
+    spans: list
+    offsets: list
+    rows: list
+    before: dict = field(default_factory=dict)
+
+
+@dataclass
+class DraftWork:
+    """The MTP layer's part of a step: spans, the main hidden rows they read, the logit rows, the drafters."""
+
+    spans: list
+    hidden_rows: list
+    rows: list
+    drafting: list
 
 
 class LLMEngine:
@@ -175,12 +198,24 @@ class LLMEngine:
 
     def step(self) -> list[tuple[Seq, list[int]]]:
         """One engine step; returns (sequence, its new tokens: one, two when an MTP draft was accepted,
-        or none when it just finished without one) for every sequence that produced a token or finished."""
+        or none when it just finished without one) for every sequence that produced a token or finished.
+
+        In phases (a DP-attention replica runs them for all its groups in lockstep, dp_engine): ``begin``
+        (schedule: the spans and logit rows), the model, ``sampled`` (sample, update; the MTP work),
+        the MTP layer, ``end`` (events, stop strings, stats)."""
+        st = self.begin_step()
+        if not st.spans:
+            return st.events
+        logits, hidden = self.runner.forward(st.spans, st.rows)
+        draft = self.sampled(st, logits)
+        if draft is not None:
+            self.drafted(draft, self.runner.mtp_forward(draft.spans, hidden, draft.hidden_rows, draft.rows))
+        return self.end_step(st)
+
+    def begin_step(self) -> "StepWork":
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         events: list[tuple[Seq, list[int]]] = [(s, []) for s in batch.finished]
-        if not batch.pieces:
-            return events
         spans = [Span(p.token_ids, p.start, p.seq.table.blocks) for p in batch.pieces]
         offsets = [0]
         for sp in spans:
@@ -189,7 +224,12 @@ class LLMEngine:
         for p, a, b in zip(batch.pieces, offsets, offsets[1:]):
             if p.samples:
                 rows += [b - 2, b - 1] if p.draft is not None else [b - 1]
-        logits, hidden = self.runner.forward(spans, rows)
+        return StepWork(t0, batch, events, spans, offsets, rows)
+
+    def sampled(self, st: "StepWork", logits: torch.Tensor) -> Optional["DraftWork"]:
+        """Sample every sampling piece's tokens from ``logits`` (its rows), update the scheduler; returns
+        the MTP layer's work for this step (None without MTP or with nothing to draft)."""
+        batch = st.batch
         sampled: dict[int, list[int]] = {}
         failed: list[Seq] = []
         r = 0
@@ -203,15 +243,17 @@ class LLMEngine:
                 self.errors[p.seq.seq_id] = f"sampling failed: {type(e).__name__}: {e}"
                 failed.append(p.seq)
             r += rows_of
-        before = {p.seq.seq_id: len(p.seq.output) for p in batch.pieces}
+        st.before = {p.seq.seq_id: len(p.seq.output) for p in batch.pieces}
         self.scheduler.update(batch, sampled)
         for seq in failed:
             self.scheduler.finish(seq, "error")
-        if self.runner.mtp_id is not None:
-            self._draft(batch.pieces, offsets, hidden)
-        for p in batch.pieces:
+        return self._draft_work(batch.pieces, st.offsets) if self.runner.mtp_id is not None else None
+
+    def end_step(self, st: "StepWork") -> list[tuple[Seq, list[int]]]:
+        events = st.events
+        for p in st.batch.pieces:
             seq = p.seq
-            new = seq.output[before[seq.seq_id]:]
+            new = seq.output[st.before[seq.seq_id]:]
             self.stats.generated_tokens += len(new)
             if new:
                 self._check_stop(seq)
@@ -221,7 +263,7 @@ class LLMEngine:
                 self._forget(seq)
         self.stats.steps += 1
         self.stats.preemptions = self.scheduler.num_preemptions
-        self.stats.step_seconds.append(time.perf_counter() - t0)
+        self.stats.step_seconds.append(time.perf_counter() - st.t0)
         return events
 
     def _sample_piece(self, p, logits: torch.Tensor) -> list[int]:
@@ -244,8 +286,8 @@ class LLMEngine:
         out.append(first)
         return [first, next_token(1)]
 
-    def _draft(self, pieces, offsets: list[int], hidden: torch.Tensor) -> None:
-        """Run the MTP layer on every position computed this step (with the token after it, now known),
+    def _draft_work(self, pieces, offsets: list[int]) -> Optional["DraftWork"]:
+        """The MTP layer's work: every position computed this step (with the token after it, now known),
         filling its cache; the last position of each running greedy sequence gives its next draft."""
         spans, rows_h, draft_rows, drafting, k = [], [], [], [], 0
         for p, a in zip(pieces, offsets):
@@ -259,10 +301,11 @@ class LLMEngine:
             if end == len(seq.tokens) - 1 and seq.params.greedy:
                 draft_rows.append(k - 1)
                 drafting.append(seq)
-        if not spans:
-            return
-        logits = self.runner.mtp_forward(spans, hidden, rows_h, draft_rows)
-        for seq, row in zip(drafting, logits.argmax(-1).tolist()):
+        return DraftWork(spans, rows_h, draft_rows, drafting) if spans else None
+
+    @staticmethod
+    def drafted(work: "DraftWork", logits: torch.Tensor) -> None:
+        for seq, row in zip(work.drafting, logits.argmax(-1).tolist()):
             seq.draft = int(row)
 
     @property

@@ -43,8 +43,12 @@ class Span:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16, nz: bool = False,
                  device: str = "cpu", cache_dtype: torch.dtype | None = None, mtp: bool = False,
-                 fa3: bool = True):
+                 fa3: bool = True, scratch: bool = False):
+        """``scratch``: one more cache block, ``scratch_block`` (= num_blocks), that no scheduler hands out:
+        a DP-attention group with no work runs a one-token step there to join the others' collectives."""
         self.loaded, self.model, self.cfg = loaded, loaded.model, loaded.config
+        self.scratch_block = num_blocks if scratch else None
+        num_blocks += 1 if scratch else 0
         self.block_size, self.device = block_size, device
         cache_dtype = cache_dtype or model_dtype(self.cfg)  # k_pe (and a non-FA3 latent): the model's dtype
         ids = list(range(self.cfg.num_hidden_layers))
