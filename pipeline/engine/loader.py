@@ -21,7 +21,7 @@ from pipeline import layout
 from pipeline.config import DeepseekV3Config
 from pipeline.model import DeepseekV3ForCausalLM, build_model
 from pipeline.engine.moe import fuse_moe_layers
-from pipeline.engine.qlinear import EXACT, build_from_checkpoint
+from pipeline.engine.qlinear import EXACT, build_from_checkpoint, by_linear
 from pipeline.format.description import FLOAT, QUANT_KINDS
 from pipeline.format.reader import fa_scales, read_quantized
 
@@ -50,6 +50,7 @@ def load_quantized(path: str, dtype: torch.dtype = torch.float32, device: str = 
         floats = {n: t for n, t in floats.items() if layout.layer_of(n) not in cfg.mtp_layer_ids}
     model = build_model(cfg, floats, dtype=dtype, device=device, with_mtp=with_mtp and bool(cfg.mtp_layer_ids),
                         strict=False)
+    index = by_linear(tensors)
     for prefix in sorted(quant):
         if not with_mtp and layout.layer_of(prefix + ".weight") in cfg.mtp_layer_ids:
             continue
@@ -57,7 +58,7 @@ def load_quantized(path: str, dtype: torch.dtype = torch.float32, device: str = 
         parent = model.get_submodule(parent_name)
         if not isinstance(getattr(parent, child, None), nn.Linear):
             raise ValueError(f"{path}: {prefix} is typed {types[prefix + '.weight']} but the model has no linear there")
-        params = {k: v.to(device) for k, v in tensors.items() if k.startswith(prefix + ".")}
+        params = {f"{prefix}.{leaf}": v.to(device) for leaf, v in index.get(prefix, {}).items()}
         setattr(parent, child, build_from_checkpoint(prefix, params, types, epilogue=epilogue))
     missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if missing:

@@ -331,6 +331,16 @@ class W8A8DynamicLinear(Int8Linear):
 
 
 # ----- building from a quantized directory ----------------------------------------------------------
+def by_linear(tensors: Mapping[str, Tensor]) -> dict[str, dict[str, Tensor]]:
+    """Every tensor filed under its linear: ``{prefix: {leaf: tensor}}`` in one pass (a name index, so
+    building each of a model's linears does not scan every tensor)."""
+    out: dict[str, dict[str, Tensor]] = {}
+    for k, v in tensors.items():
+        prefix, _, leaf = k.rpartition(".")
+        out.setdefault(prefix, {})[leaf] = v
+    return out
+
+
 def linear_tensors(tensors: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
     """The tensors of linear ``prefix`` keyed by leaf: ``{prefix}.input_scale`` -> ``input_scale``."""
     p = prefix + "."

@@ -15,7 +15,7 @@ from pipeline import layout
 from pipeline.engine.comm import Comm
 from pipeline.engine.loader import LoadedModel
 from pipeline.engine.moe import Int8Expert
-from pipeline.engine.qlinear import EXACT, W8A8DynamicLinear, build_int8_linear, linear_tensors
+from pipeline.engine.qlinear import EXACT, W8A8DynamicLinear, build_int8_linear, by_linear
 from pipeline.engine.shard_spec import COL, REPLICATED, ROW, VOCAB, expert_range, linear_role, part, tensor_slice
 from pipeline.engine.sharded import REDUCE, RowParallel, ShardedMoE, VocabEmbedding, VocabHead
 from pipeline.format.description import FLOAT, QUANT_KINDS
@@ -54,12 +54,13 @@ def load_sharded(path: str, comm: Comm, dtype: torch.dtype = torch.float32, devi
               and _prefix(n) not in split}
     model = build_model(cfg, floats, dtype=dtype, device=device, with_mtp=with_mtp and bool(cfg.mtp_layer_ids),
                         strict=False)
+    index = by_linear(tensors)
     for prefix in sorted(quant | split):
         parent_name, _, child = prefix.rpartition(".")
         parent = model.get_submodule(parent_name)     # "" (lm_head): the model itself
         role, group, width = linear_role(cfg, prefix)
         if prefix in quant:
-            module: nn.Module = build_int8_linear(prefix, types[prefix + ".weight"], linear_tensors(tensors, prefix),
+            module: nn.Module = build_int8_linear(prefix, types[prefix + ".weight"], index.get(prefix, {}),
                                                   epilogue=epilogue)
         else:
             w = tensors[prefix + ".weight"].to(dtype)
