@@ -80,10 +80,10 @@ class ServeConfig:
             if value is not None:
                 if not isinstance(value, Mapping) or set(value) - set(PARALLEL_SIZES):
                     raise ValueError(f"{name} must be a mapping of {', '.join(PARALLEL_SIZES)}, got {value!r}")
-                if ParallelConfig(**value).dp > 1:
-                    raise ValueError(f"{name}: dp {value['dp']} inside one serving replica (DP-attention) is not "
-                                     "supported yet: serve dp replicas instead (llm.num_replicas, or MindIE's dp) "
-                                     "with dp 1 here")
+                if ParallelConfig(**value).dp > 1 and (self.mode == "disaggregated" or name == "prefill_parallel"):
+                    raise ValueError(f"{name}: dp {value['dp']} (DP-attention) is served colocated only: a KV "
+                                     "handoff would need the blocks of one dp group's ranks; use mode colocated, "
+                                     "or dp 1 and more replicas (llm.num_replicas / prefill.num_replicas)")
         if self.moe_combine not in ("reduce", "exact"):
             raise ValueError(f"moe_combine must be 'reduce' or 'exact', got {self.moe_combine!r}")
         for f in ("prefill_timeout_s", "body_timeout_s"):
@@ -122,7 +122,7 @@ class ServeConfig:
         d = to_serve_options(parse_mindie_model_config(block, devices_available, cpu=cpu))
         d["engine"] = {**dataclasses.asdict(DEFAULT_ENGINE), **d["engine"]}
         for key, value in overrides.items():
-            d[key] = {**d[key], **value} if key in ("engine", "llm") and isinstance(value, Mapping) else value
+            d[key] = {**d.get(key, {}), **value} if key in ("engine", "llm") and isinstance(value, Mapping) else value
         return cls.from_dict(d)
 
     @classmethod

@@ -44,13 +44,12 @@ def test_seed_block_parses_with_enough_devices():
     assert (cfg.world_size, cfg.tp, cfg.dp, cfg.moe_ep, cfg.moe_tp, cfg.sp) == (8, 8, 2, 4, 4, 1)
     assert cfg.mtp is True and cfg.enable_nz is True
     assert (cfg.ranks, cfg.nodes) == (16, 2)          # dp x tp = 16 = worldSize 8 x 2 nodes
-    assert len(cfg.warnings) == 1 and "dp 2 runs as 2 replicas of tp 8" in cfg.warnings[0]  # said, not passed over
-    assert "split moe_ep 2 x moe_tp 4 over its 8 ranks instead of moe_ep 4 x moe_tp 4 over all 16" in cfg.warnings[0]
+    assert cfg.warnings == ()                         # honoured as it is: nothing to warn about
     with pytest.raises(AttributeError):
         cfg.tp = 1                                    # frozen
     assert to_serve_options(cfg) == {"model_path": "/models/dsv3-w8a8", "served_model_name": "deepseekr1",
-                                     "engine": {"nz": True, "mtp": True}, "llm": {"num_replicas": 2},
-                                     "parallel": {"tp": 8, "dp": 1, "moe_ep": 2, "moe_tp": 4}}
+                                     "engine": {"nz": True, "mtp": True},
+                                     "parallel": {"tp": 8, "dp": 2, "moe_ep": 4, "moe_tp": 4}}
 
 
 @pytest.mark.parametrize("shape", ["whole", "deploy", "model_config_key", "list", "single"])
@@ -166,7 +165,7 @@ def test_serve_config_from_mindie():
     sc = ServeConfig.from_mindie({"BackendConfig": {"ModelDeployConfig": {"ModelConfig": [SEED]}}}, 16,
                                  port=9001, engine={"num_blocks": 64})
     assert sc.model_path == "/models/dsv3-w8a8" and sc.model_name == "deepseekr1"
-    assert sc.llm.num_replicas == 2 and sc.port == 9001
+    assert sc.llm.num_replicas == 1 and sc.parallel_of("llm").world == 16 and sc.port == 9001
     assert sc.engine.nz is True and sc.engine.mtp is True and sc.engine.num_blocks == 64
     assert sc.engine.block_size == DEFAULT_ENGINE.block_size
     off = ServeConfig.from_mindie(single(models=None, plugin_params=None), 0)

@@ -1,6 +1,7 @@
 """Sharded engine replicas behind the OpenAI server, on the simulated Ray cluster, spoken to with the official
-``openai`` client: a MindIE block of worldSize 2 (tp 2, moe_ep 2) served colocated, and a disaggregated app
-whose prefill replica (tp 2 x moe_tp 2) and decode replica (tp 2 x moe_ep 2) differ in layout. Greedy text
+``openai`` client: a MindIE block of worldSize 2 (tp 2, moe_ep 2) served colocated, a disaggregated app
+whose prefill replica (tp 2 x moe_tp 2) and decode replica (tp 2 x moe_ep 2) differ in layout, and a
+DP-attention replica (dp 2 x moe_ep 2: two groups with their own sequences and caches). Greedy text
 equals the single-rank engine's. A rank killed (SIGKILL) takes its replica down as a unit: the request in
 flight fails with 503, /health says so, Serve replaces the replica and the service answers again."""
 
@@ -59,7 +60,10 @@ def server(ray_cluster, embedded_quantized):
                              parallel={"tp": 2, "moe_ep": 2}, prefill_parallel={"tp": 2, "moe_tp": 2},
                              llm=DeploymentOptions(1, rank), prefill=DeploymentOptions(1, rank),
                              ingress=DeploymentOptions(1, {"num_cpus": 0.1}))
+        dp = ServeConfig(embedded_quantized, "tiny-sharded", EngineConfig(**ENGINE), parallel={"dp": 2, "moe_ep": 2},
+                         llm=DeploymentOptions(1, rank), ingress=DeploymentOptions(1, {"num_cpus": 0.1}))
         serve.run(build_app(colo), name="colo", route_prefix="/")
+        serve.run(build_app(dp), name="dp", route_prefix="/dp")
         serve.run(build_app(disagg), name="disagg", route_prefix="/disagg")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -96,10 +100,23 @@ def ask(server: str, prefix: str = "", stream: bool = False) -> str:
                                      temperature=0).choices[0].message.content
 
 
-@pytest.mark.parametrize("prefix", ["", "/disagg"], ids=["colocated-mindie", "disaggregated-two-layouts"])
+@pytest.mark.parametrize("prefix", ["", "/disagg", "/dp"],
+                         ids=["colocated-mindie", "disaggregated-two-layouts", "dp-attention"])
 def test_sharded_replicas_answer_as_one_rank(server, reference, prefix):
     assert ask(server, prefix) == reference
     assert ask(server, prefix, stream=True) == reference
+
+
+def test_dp_attention_replica_spreads_concurrent_requests_over_its_groups(server, reference):
+    import concurrent.futures
+
+    from ray import serve
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: ask(server, "/dp"), range(4)))
+    assert answers == [reference] * 4
+    stats = serve.get_deployment_handle("LLMServer", app_name="dp").stats.remote().result()
+    assert [r["rank"] for r in stats["ranks"]] == [0, 1] and stats["running"] == 0
 
 
 def _status(url: str) -> int:

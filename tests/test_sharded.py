@@ -262,13 +262,14 @@ def test_generate_job_sharded_gives_the_single_rank_answer(embedded_quantized):
     assert dp == one and "2 rank(s): dp 2 x tp 1" in log
 
 
-def test_serve_config_takes_a_sharded_layout_and_refuses_dp_inside_a_replica():
+def test_serve_config_takes_a_sharded_layout_and_dp_only_colocated():
     from actors.serve_config import ServeConfig
 
     cfg = ServeConfig("q", parallel={"tp": 2, "moe_ep": 2}, prefill_parallel={"tp": 2})
     assert (cfg.parallel_of("llm").moe_tp, cfg.parallel_of("prefill").moe_tp) == (1, 2)
-    with pytest.raises(ValueError, match="dp 2 inside one serving replica"):
-        ServeConfig("q", parallel={"dp": 2, "moe_ep": 2})
+    assert ServeConfig("q", parallel={"dp": 2, "moe_ep": 2}).parallel_of("llm").dp == 2     # colocated: fine
+    with pytest.raises(ValueError, match="dp 2 \\(DP-attention\\) is served colocated only"):
+        ServeConfig("q", parallel={"dp": 2, "moe_ep": 2}, mode="disaggregated")
     with pytest.raises(ValueError, match="parallel must be a mapping of tp, dp, moe_ep, moe_tp, sp"):
         ServeConfig("q", parallel={"pp": 2})
     with pytest.raises(ValueError, match="moe_combine must be"):

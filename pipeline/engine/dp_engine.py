@@ -5,38 +5,88 @@ Each group is an :class:`~pipeline.engine.engine.LLMEngine` of its own (its sequ
 sampling), run phase by phase (``begin_step``, the model, ``sampled``, MTP, ``end_step``): every step,
 the model runs every group's spans in one call (a group without work runs a one-token step in its scratch
 block, so the experts' collectives always have every rank), and each group samples from its own logits.
-A request goes to the group with the fewest sequences. The interface is the subset of LLMEngine's that
-generation uses (``add_request``, ``step``, ``has_work``, ``generate``, ``text``, ``abort``); the serving
-layer does not take DP-attention replicas yet (they are refused there).
+A request goes to the group with the fewest sequences; sequence ids are disjoint over the groups (group
+``g`` numbers ``g, g + dp, ...``), so an id names its group. The interface is what generation and the
+serving loop (engine_loop) use of LLMEngine's: ``add_request``, ``step``, ``has_work``, ``abort``,
+``pop_error``, ``generate``, ``text``, ``kv_layout``, and aggregate views ``scheduler`` (running,
+waiting), ``allocator`` (num_free), ``stats`` and ``config`` (``num_blocks``: the replica's, all
+groups). A KV handoff (disaggregated serving) is not taken: the blocks would live on another group's ranks.
 """
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import replace
 from typing import Sequence
 
 from pipeline.engine.dist_runner import DPRunner
-from pipeline.engine.engine import LLMEngine
+from pipeline.engine.engine import EngineStats, LLMEngine
 from pipeline.engine.sampling import SamplingParams
+
+
+class _Schedulers:
+    def __init__(self, groups):
+        self.groups, self.max_model_len = groups, groups[0].scheduler.max_model_len
+
+    @property
+    def running(self) -> list:
+        return [s for g in self.groups for s in g.scheduler.running]
+
+    @property
+    def waiting(self) -> list:
+        return [s for g in self.groups for s in g.scheduler.waiting]
+
+
+class _Allocators:
+    def __init__(self, groups):
+        self.groups = groups
+
+    @property
+    def num_free(self) -> int:
+        return sum(g.allocator.num_free for g in self.groups)
 
 
 class DPEngine:
     def __init__(self, groups: list[LLMEngine], runner: DPRunner):
         self.groups, self.runner = groups, runner
-        self.config, self.loaded, self.tokenizer = groups[0].config, groups[0].loaded, groups[0].tokenizer
-        self._group_of: dict[int, LLMEngine] = {}
+        self.loaded, self.tokenizer = groups[0].loaded, groups[0].tokenizer
+        self.config = replace(groups[0].config, num_blocks=groups[0].config.num_blocks * len(groups))
+        for g, group in enumerate(groups):
+            group.scheduler._ids = itertools.count(g, len(groups))
+        self.scheduler, self.allocator = _Schedulers(groups), _Allocators(groups)
+        self.steps = 0
+
+    def _group(self, seq) -> LLMEngine:
+        return self.groups[seq.seq_id % len(self.groups)]
 
     @property
     def has_work(self) -> bool:
         return any(g.has_work for g in self.groups)
 
+    @property
+    def stats(self) -> EngineStats:
+        out = EngineStats(steps=self.steps)
+        for g in self.groups:
+            for f in ("prompt_tokens", "generated_tokens", "preemptions", "drafts", "accepted"):
+                setattr(out, f, getattr(out, f) + getattr(g.stats, f))
+        return out
+
+    def kv_layout(self) -> dict:
+        return self.groups[0].kv_layout()
+
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams):
         group = min(self.groups, key=lambda g: len(g.scheduler.running) + len(g.scheduler.waiting))
-        seq = group.add_request(prompt_ids, params)
-        self._group_of[id(seq)] = group
-        return seq
+        return group.add_request(prompt_ids, params)
+
+    def add_prefilled(self, kv, params):
+        raise ValueError("a DP-attention replica does not take KV handoffs (the blocks would belong to one dp "
+                         "group's ranks): serve it colocated, or give the decode deployment dp 1")
 
     def abort(self, seq) -> None:
-        self._group_of.pop(id(seq)).abort(seq)
+        self._group(seq).abort(seq)
+
+    def pop_error(self, seq):
+        return self._group(seq).pop_error(seq)
 
     def step(self) -> list:
         work = [g.begin_step() for g in self.groups]
@@ -51,6 +101,7 @@ class DPEngine:
                         LLMEngine.drafted(d, lg)
         for g, w in zip(self.groups, work):
             events += g.end_step(w) if w.spans else w.events
+        self.steps += 1
         return events
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[int]]:
@@ -59,11 +110,11 @@ class DPEngine:
             self.step()
         for i, s in enumerate(seqs):
             if s.finish_reason == "error":
-                raise RuntimeError(f"prompt {i} failed: {self._group_of[id(s)].pop_error(s)}")
+                raise RuntimeError(f"prompt {i} failed: {self.pop_error(s)}")
         return [s.output for s in seqs]
 
     def text(self, seq) -> str:
-        return self._group_of[id(seq)].text(seq)
+        return self._group(seq).text(seq)
 
     @property
     def acceptance_rate(self) -> float:

@@ -22,9 +22,9 @@ Rules (every refusal is a ``ValueError`` naming the field and what to change):
   With ``devices_available == 0`` only the single-rank layout is accepted; with ``cpu=True`` the job serves
   on CPU with one process per rank and ``devices_available`` counts the CPU slots. ``sp`` other than 1 is
   refused (no sequence parallelism here).
-* A replica is sharded as the block says (tp, moe_ep, moe_tp; :meth:`MindieModelConfig.replica_parallel`);
-  ``dp > 1`` runs as ``dp`` replicas of ``tp`` ranks, each splitting the experts over its own ranks (DP-
-  attention inside one replica is not supported yet), which ``warnings`` says rather than passes over.
+* The serving replica is sharded as the block says (:meth:`MindieModelConfig.replica_parallel`): dp
+  DP-attention groups of tp ranks, the experts over moe_ep x moe_tp of the same ranks (served colocated;
+  the serving config refuses dp > 1 with prefill/decode disaggregation).
 * ``plugin_params`` is a JSON *string* (a mapping is accepted too); ``plugin_type`` ``"mtp"`` turns MTP on
   and needs ``num_speculative_tokens`` exactly 1 (MindIE allows only one; absent counts as 1). Any other
   plugin type is refused (this engine has none).
@@ -35,7 +35,6 @@ Rules (every refusal is a ``ValueError`` naming the field and what to change):
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
@@ -68,13 +67,9 @@ class MindieModelConfig:
         return self.ranks // self.world_size
 
     def replica_parallel(self) -> dict:
-        """One serving replica's layout: the block's dp groups run as ``dp`` replicas of ``tp`` ranks (DP-
-        attention inside one replica is not supported yet), each replica's experts split over its own tp
-        ranks: moe_tp kept when it divides tp, moe_ep = tp / moe_tp (with dp 1: the block's sizes as they are)."""
-        if self.dp == 1:
-            return {"tp": self.tp, "dp": 1, "moe_ep": self.moe_ep, "moe_tp": self.moe_tp}
-        moe_tp = self.moe_tp if self.tp % self.moe_tp == 0 else self.tp
-        return {"tp": self.tp, "dp": 1, "moe_ep": self.tp // moe_tp, "moe_tp": moe_tp}
+        """The serving replica's layout: the block's sizes as they are (dp > 1: DP-attention groups inside
+        the one replica, the experts over all ``dp * tp`` ranks)."""
+        return {"tp": self.tp, "dp": self.dp, "moe_ep": self.moe_ep, "moe_tp": self.moe_tp}
 
 
 def _model_entry(block: Any) -> Mapping[str, Any]:
@@ -218,19 +213,11 @@ def parse_mindie_model_config(block: Any, devices_available: int, gpus_per_node:
         warnings.append("enable_nz is false with an FA3 (int8 latent) cache: MindIE requires enable_nz true "
                         "with FA3; this engine will run the FA3 cache in ND layout (set enable_nz: true to "
                         "match MindIE)")
-    out = MindieModelConfig(name, path, ws, tp, dp, moe_ep, moe_tp, sp, mtp, enable_nz)
-    if dp > 1:
-        r = out.replica_parallel()
-        warnings.append(f"dp {dp} runs as {dp} replicas of tp {tp} (DP-attention inside one replica is not "
-                        f"supported yet): each replica's experts are split moe_ep {r['moe_ep']} x moe_tp "
-                        f"{r['moe_tp']} over its {tp} ranks instead of moe_ep {moe_ep} x moe_tp {moe_tp} over all "
-                        f"{ranks}")
-    return dataclasses.replace(out, warnings=tuple(warnings))
+    return MindieModelConfig(name, path, ws, tp, dp, moe_ep, moe_tp, sp, mtp, enable_nz, tuple(warnings))
 
 
 def to_serve_options(cfg: MindieModelConfig) -> dict:
     """What the serving config (actors.serve_config.ServeConfig.from_dict) takes from the MindIE block:
-    the model, the engine's NZ / MTP switches, and dp replicas of the engine deployment."""
+    the model, the engine's NZ / MTP switches, and the replica's layout."""
     return {"model_path": cfg.model_weight_path, "served_model_name": cfg.model_name,
-            "engine": {"nz": cfg.enable_nz, "mtp": cfg.mtp}, "llm": {"num_replicas": cfg.dp},
-            "parallel": cfg.replica_parallel()}
+            "engine": {"nz": cfg.enable_nz, "mtp": cfg.mtp}, "parallel": cfg.replica_parallel()}
