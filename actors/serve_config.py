@@ -80,10 +80,7 @@ class ServeConfig:
             if value is not None:
                 if not isinstance(value, Mapping) or set(value) - set(PARALLEL_SIZES):
                     raise ValueError(f"{name} must be a mapping of {', '.join(PARALLEL_SIZES)}, got {value!r}")
-                if ParallelConfig(**value).dp > 1 and (self.mode == "disaggregated" or name == "prefill_parallel"):
-                    raise ValueError(f"{name}: dp {value['dp']} (DP-attention) is served colocated only: a KV "
-                                     "handoff would need the blocks of one dp group's ranks; use mode colocated, "
-                                     "or dp 1 and more replicas (llm.num_replicas / prefill.num_replicas)")
+                ParallelConfig(**value)
         if self.moe_combine not in ("reduce", "exact"):
             raise ValueError(f"moe_combine must be 'reduce' or 'exact', got {self.moe_combine!r}")
         for f in ("prefill_timeout_s", "body_timeout_s"):

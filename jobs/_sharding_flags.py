@@ -13,7 +13,7 @@ def add_sharding_flags(ap: argparse.ArgumentParser, default_combine: str | None 
                    help="tensor parallel: attention heads, dense MLP, shared expert, vocab (default: %(default)s)")
     g.add_argument("--dp", type=int, default=1,
                    help="data-parallel attention groups inside the replica, each with its own sequences and cache "
-                        "(default: %(default)s; served colocated only)")
+                        "(default: %(default)s)")
     g.add_argument("--moe-ep", "--moe_ep", dest="moe_ep", type=int, default=1,
                    help="expert parallel: routed experts split over this many groups (default: %(default)s)")
     g.add_argument("--moe-tp", "--moe_tp", dest="moe_tp", type=int, default=0,

@@ -1,7 +1,8 @@
 """Sharded engine replicas behind the OpenAI server, on the simulated Ray cluster, spoken to with the official
-``openai`` client: a MindIE block of worldSize 2 (tp 2, moe_ep 2) served colocated, a disaggregated app
-whose prefill replica (tp 2 x moe_tp 2) and decode replica (tp 2 x moe_ep 2) differ in layout, and a
-DP-attention replica (dp 2 x moe_ep 2: two groups with their own sequences and caches). Greedy text
+``openai`` client: a MindIE block of worldSize 2 (tp 2, moe_ep 2) served colocated, the same block
+disaggregated with a DP-attention prefill replica (dp 2 x moe_ep 2: its groups hand their blocks to the
+tp 2 x moe_ep 2 decode replica), and a colocated DP-attention replica (two groups with their own sequences
+and caches). Greedy text
 equals the single-rank engine's. A rank killed (SIGKILL) takes its replica down as a unit: the request in
 flight fails with 503, /health says so, Serve replaces the replica and the service answers again."""
 
@@ -56,10 +57,10 @@ def server(ray_cluster, embedded_quantized):
                                        llm={"ray_actor_options": rank},
                                        ingress=DeploymentOptions(1, {"num_cpus": 0.1}))
         assert colo.parallel == {"tp": 2, "dp": 1, "moe_ep": 2, "moe_tp": 1} and colo.engine.mtp
-        disagg = ServeConfig(embedded_quantized, "tiny-sharded", EngineConfig(**ENGINE), mode="disaggregated",
-                             parallel={"tp": 2, "moe_ep": 2}, prefill_parallel={"tp": 2, "moe_tp": 2},
-                             llm=DeploymentOptions(1, rank), prefill=DeploymentOptions(1, rank),
-                             ingress=DeploymentOptions(1, {"num_cpus": 0.1}))
+        disagg = ServeConfig.from_mindie(mindie_block(embedded_quantized), 2, cpu=True, engine=ENGINE,
+                                         mode="disaggregated", prefill_parallel={"dp": 2, "moe_ep": 2},
+                                         llm={"ray_actor_options": rank}, prefill=DeploymentOptions(1, rank),
+                                         ingress=DeploymentOptions(1, {"num_cpus": 0.1}))
         dp = ServeConfig(embedded_quantized, "tiny-sharded", EngineConfig(**ENGINE), parallel={"dp": 2, "moe_ep": 2},
                          llm=DeploymentOptions(1, rank), ingress=DeploymentOptions(1, {"num_cpus": 0.1}))
         serve.run(build_app(colo), name="colo", route_prefix="/")
@@ -101,7 +102,7 @@ def ask(server: str, prefix: str = "", stream: bool = False) -> str:
 
 
 @pytest.mark.parametrize("prefix", ["", "/disagg", "/dp"],
-                         ids=["colocated-mindie", "disaggregated-two-layouts", "dp-attention"])
+                         ids=["colocated-mindie", "disaggregated-mindie-dp-prefill", "dp-attention"])
 def test_sharded_replicas_answer_as_one_rank(server, reference, prefix):
     assert ask(server, prefix) == reference
     assert ask(server, prefix, stream=True) == reference

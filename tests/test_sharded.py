@@ -194,6 +194,19 @@ def test_dp_attention_groups_each_give_the_single_rank_logits(ray_cluster, embed
         params = SamplingParams(max_new_tokens=24)
         assert eng.generate(prompts, params) == single.generate(prompts, params)
         assert [len(g.scheduler.running) + len(g.scheduler.waiting) for g in eng.groups] == [0] * p.dp
+        # the KV handoff of disaggregated serving, both ways, into / out of group 1 (group 0 kept busy)
+        want = single.generate(prompts[:1], params)[0]
+        busy = eng.add_request(prompts[1], params)                       # lands in group 0
+        kv = eng.prefill(prompts[0], params)                             # prefilled in group 1
+        seq = single.add_prefilled(kv, params)
+        while single.has_work:
+            single.step()
+        assert seq.output == want and busy.seq_id % p.dp == 0
+        seq = eng.add_prefilled(single.prefill(prompts[0], params), params)   # decoded in group 1
+        assert seq.seq_id % p.dp == 1
+        while eng.has_work:
+            eng.step()
+        assert seq.output == want and busy.status == "finished"
         whole = resident_bytes(single.loaded.model)
         for info in eng.runner.rank_info:   # experts split over all ranks; attention over tp only
             assert info["resident_bytes"] < whole / p.moe_ep + FLOAT_UPCAST * _replicated_bytes(embedded_quantized) \
@@ -262,14 +275,14 @@ def test_generate_job_sharded_gives_the_single_rank_answer(embedded_quantized):
     assert dp == one and "2 rank(s): dp 2 x tp 1" in log
 
 
-def test_serve_config_takes_a_sharded_layout_and_dp_only_colocated():
+def test_serve_config_takes_sharded_layouts():
     from actors.serve_config import ServeConfig
 
     cfg = ServeConfig("q", parallel={"tp": 2, "moe_ep": 2}, prefill_parallel={"tp": 2})
     assert (cfg.parallel_of("llm").moe_tp, cfg.parallel_of("prefill").moe_tp) == (1, 2)
-    assert ServeConfig("q", parallel={"dp": 2, "moe_ep": 2}).parallel_of("llm").dp == 2     # colocated: fine
-    with pytest.raises(ValueError, match="dp 2 \\(DP-attention\\) is served colocated only"):
-        ServeConfig("q", parallel={"dp": 2, "moe_ep": 2}, mode="disaggregated")
+    assert ServeConfig("q", parallel={"dp": 2, "moe_ep": 2}, mode="disaggregated").parallel_of("prefill").dp == 2
+    with pytest.raises(ValueError, match="moe_ep 3 does not divide"):
+        ServeConfig("q", parallel={"tp": 2, "moe_ep": 3})
     with pytest.raises(ValueError, match="parallel must be a mapping of tp, dp, moe_ep, moe_tp, sp"):
         ServeConfig("q", parallel={"pp": 2})
     with pytest.raises(ValueError, match="moe_combine must be"):

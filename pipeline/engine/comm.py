@@ -121,12 +121,12 @@ class Comm:
         dist.all_gather(parts, mine, group=self.dp_group)
         return torch.cat([p[:c] for p, c in zip(parts, counts)]), counts
 
-    def broadcast_object(self, obj: Any = None) -> Any:
-        """Rank 0's ``obj`` on every rank of the world (one pickled broadcast)."""
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank of the world (one pickled broadcast)."""
         if self.parallel.world == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=src)
         return box[0]
 
     def close(self) -> None:

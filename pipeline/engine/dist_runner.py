@@ -110,6 +110,33 @@ class DPRunner(ShardedRunner):
         self._send("mtp_dp", per_group)
         return self._run(dp_mtp, self, self.comm, per_group)
 
+    def read_blocks_dp(self, group: int, blocks) -> dict:
+        self._send("read_blocks_dp", group, list(blocks))
+        return self._run(dp_read_blocks, self, self.comm, group, list(blocks))
+
+    def write_blocks_dp(self, group: int, blocks, data) -> None:
+        self._send("write_blocks_dp", group, list(blocks), data)
+        self._run(dp_write_blocks, self, self.comm, group, list(blocks), data)
+
+    def read_blocks(self, blocks):
+        raise TypeError("a DP-attention replica's blocks live in one group: use read_blocks_dp")
+
+    def write_blocks(self, blocks, data):
+        raise TypeError("a DP-attention replica's blocks live in one group: use write_blocks_dp")
+
+
+def dp_read_blocks(runner: ModelRunner, comm: Comm, group: int, blocks: list) -> dict:
+    """Blocks of dp group ``group``'s cache, from its first rank to every rank (one broadcast)."""
+    src = group * comm.parallel.tp
+    return comm.broadcast_object(ModelRunner.read_blocks(runner, blocks) if comm.rank == src else None, src=src)
+
+
+def dp_write_blocks(runner: ModelRunner, comm: Comm, group: int, blocks: list, data: dict) -> None:
+    """Store handed-over blocks in dp group ``group``'s cache (its ranks only; the data came in rank 0's
+    broadcast of the call)."""
+    if comm.parallel.dp_rank(comm.rank) == group:
+        ModelRunner.write_blocks(runner, blocks, data)
+
 
 def _gather(comm: Comm, logits: torch.Tensor) -> list[torch.Tensor]:
     rows, counts = comm.all_gather_dp(logits)
@@ -167,6 +194,10 @@ def follow(runner: ModelRunner, comm: Comm) -> int:
                     steps += 1
                 elif op == "mtp_dp":
                     dp_mtp(runner, comm, *args)
+                elif op == "read_blocks_dp":
+                    dp_read_blocks(runner, comm, *args)
+                elif op == "write_blocks_dp":
+                    dp_write_blocks(runner, comm, *args)
                 else:
                     raise ValueError(f"unknown op {op!r} from rank 0")
             except (ValueError, TypeError) as e:

@@ -10,7 +10,8 @@ A request goes to the group with the fewest sequences; sequence ids are disjoint
 serving loop (engine_loop) use of LLMEngine's: ``add_request``, ``step``, ``has_work``, ``abort``,
 ``pop_error``, ``generate``, ``text``, ``kv_layout``, and aggregate views ``scheduler`` (running,
 waiting), ``allocator`` (num_free), ``stats`` and ``config`` (``num_blocks``: the replica's, all
-groups). A KV handoff (disaggregated serving) is not taken: the blocks would live on another group's ranks.
+groups), and the KV handoff of disaggregated serving (``prefill``, ``add_prefilled``): the blocks are read
+from, or written to, the ranks of the group that computes or will own the sequence.
 """
 
 from __future__ import annotations
@@ -75,12 +76,24 @@ class DPEngine:
         return self.groups[0].kv_layout()
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams):
-        group = min(self.groups, key=lambda g: len(g.scheduler.running) + len(g.scheduler.waiting))
-        return group.add_request(prompt_ids, params)
+        return self.groups[self._least_loaded()].add_request(prompt_ids, params)
+
+    def _least_loaded(self) -> int:
+        return min(range(len(self.groups)), key=lambda g: len(self.groups[g].scheduler.running)
+                   + len(self.groups[g].scheduler.waiting))
+
+    def prefill(self, prompt_ids: Sequence[int], params: SamplingParams):
+        """LLMEngine.prefill in the least loaded group, every group stepping; the blocks read from that
+        group's ranks (DPRunner.read_blocks_dp)."""
+        g = self._least_loaded()
+        return self.groups[g].prefill(prompt_ids, params, step=self.step,
+                                      read=lambda blocks: self.runner.read_blocks_dp(g, blocks))
 
     def add_prefilled(self, kv, params):
-        raise ValueError("a DP-attention replica does not take KV handoffs (the blocks would belong to one dp "
-                         "group's ranks): serve it colocated, or give the decode deployment dp 1")
+        """LLMEngine.add_prefilled into the least loaded group: the blocks go to that group's ranks."""
+        g = self._least_loaded()
+        return self.groups[g].add_prefilled(kv, params,
+                                            write=lambda blocks, data: self.runner.write_blocks_dp(g, blocks, data))
 
     def abort(self, seq) -> None:
         self._group(seq).abort(seq)

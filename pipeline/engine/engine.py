@@ -159,20 +159,22 @@ class LLMEngine:
                 "layers": {i: {"latent": str(c.latent_dtype), "k_pe": str(c.dtype),
                                "fa_k": None if c.scale is None else float(c.scale)} for i, c in caches.items()}}
 
-    def prefill(self, prompt_ids: Sequence[int], params: SamplingParams) -> KVHandoff:
+    def prefill(self, prompt_ids: Sequence[int], params: SamplingParams, step=None, read=None) -> KVHandoff:
         """Run the prompt (with whatever else is in flight), sample its first token, and hand off its
-        cache blocks; the sequence's blocks are freed here once copied out."""
+        cache blocks; the sequence's blocks are freed here once copied out. ``step`` / ``read``: how to
+        step and read blocks (default this engine's; a DP-attention group steps all groups, dp_engine)."""
+        step, read = step or self.step, read or self.runner.read_blocks
         seq = self.add_request(prompt_ids, replace(params, max_new_tokens=1))
         seq.hold = True
         try:
             while seq.status != FINISHED:
-                self.step()
+                step()
             if seq.finish_reason == "error":
                 raise RuntimeError(f"prefill failed: {self.pop_error(seq)}")
             first = seq.output[0] if seq.output else None
             n = len(seq.prompt)
             blocks = seq.table.blocks[: -(-n // self.config.block_size)]
-            data = self.runner.read_blocks(blocks)
+            data = read(blocks)
             reason = "stop" if first is None else ("length" if params.max_new_tokens <= 1 else None)
             return KVHandoff(list(seq.prompt), first, reason, n, data, seq.draft, self.kv_layout())
         finally:  # done or failed: this prompt leaves nothing behind in the engine
@@ -180,10 +182,10 @@ class LLMEngine:
             self.scheduler.abort(seq)
             seq.table.release(self.allocator)
 
-    def add_prefilled(self, kv: KVHandoff, params: SamplingParams) -> Seq:
+    def add_prefilled(self, kv: KVHandoff, params: SamplingParams, write=None) -> Seq:
         """Continue a request another engine prefilled: its blocks are copied into this engine's cache and
         the sequence decodes from the next step. Raises ValueError when the layouts differ and OutOfBlocks
-        when the cache cannot take the blocks now."""
+        when the cache cannot take the blocks now. ``write``: how blocks are stored (default the runner's)."""
         if kv.layout != self._layout:
             diff = sorted(k for k in set(kv.layout) | set(self._layout) if kv.layout.get(k) != self._layout.get(k))
             raise ValueError(f"KV handoff: the prefill engine's cache layout differs in {diff}")
@@ -191,7 +193,7 @@ class LLMEngine:
             raise ValueError(f"KV handoff: the request already finished at prefill ({kv.finish_reason})")
         seq = self.scheduler.add_running(kv.prompt + [kv.first_token], len(kv.prompt), kv.num_cached, params,
                                          self.eos_id)
-        self.runner.write_blocks(list(seq.table.blocks), kv.blocks)
+        (write or self.runner.write_blocks)(list(seq.table.blocks), kv.blocks)
         seq.draft = kv.draft if params.greedy else None
         self.stats.prompt_tokens += len(kv.prompt)
         return seq

@@ -23,8 +23,7 @@ Rules (every refusal is a ``ValueError`` naming the field and what to change):
   on CPU with one process per rank and ``devices_available`` counts the CPU slots. ``sp`` other than 1 is
   refused (no sequence parallelism here).
 * The serving replica is sharded as the block says (:meth:`MindieModelConfig.replica_parallel`): dp
-  DP-attention groups of tp ranks, the experts over moe_ep x moe_tp of the same ranks (served colocated;
-  the serving config refuses dp > 1 with prefill/decode disaggregation).
+  DP-attention groups of tp ranks, the experts over moe_ep x moe_tp of the same ranks.
 * ``plugin_params`` is a JSON *string* (a mapping is accepted too); ``plugin_type`` ``"mtp"`` turns MTP on
   and needs ``num_speculative_tokens`` exactly 1 (MindIE allows only one; absent counts as 1). Any other
   plugin type is refused (this engine has none).
