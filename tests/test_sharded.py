@@ -207,6 +207,7 @@ def test_dp_attention_groups_each_give_the_single_rank_logits(ray_cluster, embed
         while eng.has_work:
             eng.step()
         assert seq.output == want and busy.status == "finished"
+        assert len({i["node"] for i in eng.runner.rank_info[1:]}) >= (2 if p.world == 4 else 1)   # two nodes
         whole = resident_bytes(single.loaded.model)
         for info in eng.runner.rank_info:   # experts split over all ranks; attention over tp only
             assert info["resident_bytes"] < whole / p.moe_ep + FLOAT_UPCAST * _replicated_bytes(embedded_quantized) \
