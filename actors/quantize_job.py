@@ -16,7 +16,9 @@ quantize and write the shards on the actors, then the index and description last
 3. Calibration (:mod:`actors.calibration`), skipped when ``.dsquant/calibration.parquet`` holds the same
    calibration fingerprint: with smoothing, a smoothing pass, its statistics reduced and folded into
    every stage; then the W8A8/FA3 pass; statistics reduced exactly (min/max) across samples and replicas
-   and saved.
+   and saved. Not run at all for a data-free recipe (``Recipe.needs_calibration``: no static linear, no
+   FA3, no smoothing): no calibration data or tokenizer is read, no stage loads its layers, and the
+   weight phase reads every unit from the source, once.
 4. Weights (:mod:`actors.weights`): every unit whose shards are not committed and verified for the
    current unit fingerprint is quantized and written by a free actor; a commit record per shard.
 5. Finish: every shard checked against its record, stale files removed, then config, copies, manifest
@@ -47,7 +49,9 @@ from pipeline.quant.shard_layout import checkpoint_shards
 from pipeline.quant.smooth import ChannelAbsMax
 from pipeline.quant.stage import SMOOTH, STATS, StageSpec, even_ranges, split_stages
 from pipeline.quant.stats_io import load_calibration, save_calibration
-from pipeline.quant.preflight import check_job
+from pipeline.quant.estimate import announce
+from pipeline.quant.preflight import check_job, data_free_notes
+from pipeline.quant.progress import JobProgress
 
 Log = Callable[[str], None]
 
@@ -148,7 +152,10 @@ def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptio
         return {"status": "up-to-date", "fingerprint": key.job, "total_s": round(time.time() - t0, 3)}
     shards = checkpoint_shards(reader, recipe, opts.shard_bytes)
     units = list(dict.fromkeys(s.unit for s in shards))
-    specs, pl = stage_specs(reader, recipe, dist, max(len(s) for s in samples), len(samples), opts.shard_bytes)
+    data_free = not checked.needs_calibration
+    # a data-free job plans as if for one one-token sample: its actors only ever hold one unit at a time
+    specs, pl = stage_specs(reader, recipe, dist, max((len(s) for s in samples), default=1), len(samples),
+                            opts.shard_bytes)
     final = dst
     # --overwrite of an earlier output: the new one is written beside it and swapped in once complete.
     work = js.staging_dir(final) if opts.overwrite and js.owned_entries(final) else final
@@ -161,7 +168,18 @@ def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptio
         ([f"changed source files: {', '.join(changed)}"] if changed else [])
     log(f"{src} -> {final} ({'; '.join([state, *notes])}): "
         f"{len(specs)} stages x {dist.replicas} replicas [{', '.join(s.label for s in specs)}], "
-        f"{len(samples)} samples, {len(shards)} shards")
+        f"{'no calibration' if data_free else f'{len(samples)} samples'}, {len(shards)} shards")
+    if data_free:
+        for line in data_free_notes(src):
+            log(line)
+    est = announce(reader, recipe, samples, "cuda" if dist.gpus_per_actor > 0 else "cpu", log,
+                   actors=len(specs) * dist.replicas, dst=work) if opts.estimate else None
+    bars = JobProgress(opts.progress, samples, len(specs))
+
+    def event(kind: str, info: dict) -> None:
+        bars.event(kind, info)
+        if on_event is not None:
+            on_event(kind, info)
 
     t = time.time()
     started = connect(dist, len(specs) * dist.replicas)
@@ -170,7 +188,10 @@ def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptio
         check_resources(pl, cluster_resources())
         actors = make_actors(src, specs, recipe, dist)
         phases["ray_start_s"] = round(time.time() - t, 3)
-        stats, smooth = _calibrate(actors, samples, recipe, opts, dist, key, work, log, on_event, phases)
+        if data_free:  # no stage loads its layers: the weight phase reads every unit from the source, once
+            stats, smooth = Stats({}), None
+        else:
+            stats, smooth = _calibrate(actors, samples, recipe, opts, dist, key, work, log, event, phases)
 
         t = time.time()
         unit_fp = {u: key.unit(reader, u, stats, smooth) for u in units}
@@ -186,14 +207,16 @@ def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptio
                 js.save_commit(work, c)
                 commits[sh.name] = c
 
+        bars.start_weights({u: sum(s.nbytes for s in shards if s.unit == u) for u in todo})
         held = [(sp, (*sp.layers, *(sp.mtp if recipe.quantize_mtp else ()))) for sp in specs]  # as Stage loads
         owner = {str(i): sp.index for sp, ids in held for i in ids}
         weights = run_weights([(sp.index, a) for sp, row in zip(specs, actors) for a in row], owner, todo, shards,
                               work, ray.put(stats), ray.put(smooth), opts.smooth_alpha,
-                              key.calibration if smooth else None, dist, on_unit, log, on_event)
+                              key.calibration if smooth else None, dist, on_unit, log, event)
         phases["weights_s"] = round(time.time() - t, 3)
         actor_info = _actor_info(actors, specs)
     finally:
+        bars.close()
         for a in (a for row in actors for a in row):  # their CPUs and memory back to the cluster now
             ray.kill(a, no_restart=True)
         if started:
@@ -211,9 +234,10 @@ def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptio
         "status": "done", "fingerprint": key.job, "source": src, "recipe": recipe.to_dict(), "resumed": state == "resume",
         "changed_files": changed or [],
         "stages": [s.label for s in specs], "replicas": dist.replicas, "samples": len(samples),
+        "calibration": "none (data-free recipe)" if data_free else "calibrated",
         "units_written": len(todo), "units_kept": len(units) - len(todo), "bytes_written": written,
         "write_mib_s": round(written / 2**20 / max(phases.get("weights_s", 0), 1e-9), 2),
-        "phases": phases, "actors": actor_info, "weights": weights}
+        "phases": phases, "actors": actor_info, "weights": weights, **({"estimate": est.to_dict()} if est else {})}
     types = {n: y for s in shards for n, y in commits[s.name].types.items()}
     finalize(work, recipe.dialect, [commits[s.name].record for s in shards], types, raw_config, src,
              mindie_format=opts.mindie_format, job={"fingerprint": key.job, "source": src, "recipe": recipe.to_dict()})

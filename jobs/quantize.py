@@ -10,6 +10,11 @@ With ``--stages N`` the job runs distributed on Ray (actors.quantize_job): N pip
 ``--replicas``), on the cluster of ``--ray-address`` / RAY_ADDRESS (``ray job submit`` sets it), or on a
 local Ray started for the job. That form is resumable: a rerun skips what is committed and verified, and
 a rerun of a finished job with the same source, recipe and data does nothing. Same files either way.
+
+With ``--dynamic --no-fa-quant`` (and no ``--smooth``) no output depends on an activation: either form
+runs no calibration (data-free: no calibration data or tokenizer read, the source read once). Before
+it starts, the job prints what it will read, compute and write and roughly how long here
+(``--no-estimate``: not), then a progress bar per phase with its rate (``--no-progress``: none).
 """
 
 from __future__ import annotations
@@ -68,7 +73,9 @@ def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -
     _flag(ap, "--overwrite", action="store_true",
           help="replace an existing output in --save-path (kept until the new one is complete)")
     _flag(ap, "--device", default=None, help="cpu or cuda; None: cuda when present")
-    _flag(ap, "--no-progress", action="store_true", help="no progress bars")
+    _flag(ap, "--no-progress", action="store_true", help="no progress bars (one per phase, with its rate)")
+    _flag(ap, "--no-estimate", action="store_true",
+          help="no up-front estimate (what the job reads, computes and writes, and roughly how long here)")
     _flag(ap, "--s3-endpoint", default=None, help="S3 endpoint URL for s3:// paths (credentials: the usual AWS_* "
           "environment); None: AWS_ENDPOINT_URL or AWS's")
     d = ap.add_argument_group("distributed (Ray)")
@@ -129,7 +136,8 @@ def make_job(args: argparse.Namespace):
                            truncate=args.truncate, smooth_alpha=args.smooth_alpha,
                            mindie_format=args.mindie_format, overwrite=args.overwrite,
                            shard_bytes=int(args.shard_size_gb * 1024 ** 3),
-                           device=args.device or default_device(), progress=not args.no_progress)
+                           device=args.device or default_device(), progress=not args.no_progress,
+                           estimate=not args.no_estimate)
     dist = None
     if args.stages:
         from actors.ray_session import DistOptions

@@ -133,7 +133,7 @@ def collect_stats(model: DeepseekV3ForCausalLM, samples: Sequence[Sequence[int]]
                   layers: Optional[Iterable[int]] = None, progress: bool = False) -> Stats:
     """Statistics of every W8A8-static linear input and FA3 attention of ``layers`` (default: all main
     layers, plus the MTP layer(s) when ``recipe.quantize_mtp``), each sample run alone. ``progress``
-    shows a progress bar over the samples."""
+    shows a progress bar over the samples' tokens (tokens/s)."""
     cfg = model.config
     recipe.check_config(cfg)
     layer_ids = stats_layers(cfg, recipe, layers, have_mtp=len(model.mtp_layers) > 0)
@@ -149,8 +149,6 @@ def collect_stats(model: DeepseekV3ForCausalLM, samples: Sequence[Sequence[int]]
 
 
 def _maybe_progress(samples: Sequence[Sequence[int]], enabled: bool):
-    if not enabled:
-        return samples
-    from tqdm import tqdm
+    from pipeline.quant.progress import over_samples
 
-    return tqdm(samples, desc="calibrate", unit="sample")
+    return over_samples(samples, enabled) if enabled else samples

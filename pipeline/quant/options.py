@@ -25,6 +25,7 @@ class QuantizeOptions:
     device: Optional[str] = None
     progress: bool = False
     prefetch: bool = True                   # read layer i+1 while layer i is quantized: one more layer in memory
+    estimate: bool = False                  # log the up-front estimate first (pipeline.quant.estimate); the CLI's default
 
 
 def calibration_samples(src: str, opts: QuantizeOptions, max_positions: int) -> list[list[int]]:

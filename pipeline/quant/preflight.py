@@ -32,6 +32,7 @@ class CheckedJob:
     model_dtype: torch.dtype
     samples: list             # the calibration samples' token ids
     output_bytes: int         # the output's tensor data
+    needs_calibration: bool   # the recipe reads activation statistics (else: data-free, ``samples`` empty)
 
 
 def check_source_dtypes(reader: CheckpointReader) -> None:
@@ -65,8 +66,18 @@ def check_job(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions, *, resu
     check_finish_args(dst, raw_config, src, md)
     nbytes = sum(s.nbytes for _, specs in output_units(reader, recipe) for s in specs)
     storage.check_room(dst, nbytes)
-    # data-free recipes (no static linear, no FA3, no smoothing) read no calibration data, nor a tokenizer;
-    # the distributed job calibrates whatever the recipe (its stages load their layers in that pass)
-    needs = resumable or recipe.needs_calibration(cfg)
+    # data-free recipes (no static linear, no FA3, no smoothing) read no calibration data, nor a tokenizer,
+    # in either job (the distributed one then starts its actors for the weight phase only)
+    needs = recipe.needs_calibration(cfg)
     samples = calibration_samples(src, opts, cfg.max_position_embeddings) if needs else []
-    return CheckedJob(reader, raw_config, md, samples, nbytes)
+    return CheckedJob(reader, raw_config, md, samples, nbytes, needs)
+
+
+def data_free_notes(src: str) -> list[str]:
+    """The log lines of a job whose recipe reads no statistic: that it runs no calibration, and a warning
+    when the source has no tokenizer (the output then has none either)."""
+    lines = ["data-free: the recipe reads no activation statistic (no static linear, no FA3, no smoothing): "
+             f"no calibration, {src} is read once, for its weights"]
+    if not storage.exists(storage.join(src, "tokenizer.json")):
+        lines.append(f"warning: {src} has no tokenizer.json; the output will have none either")
+    return lines

@@ -27,13 +27,14 @@ import torch
 
 from pipeline import layout
 from pipeline.quant import native
-from pipeline.io import storage
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.model.loading import load_model
 from pipeline.quant.calibrate import collect_stats
 from pipeline.quant.observers import Stats
 from pipeline.quant.options import SHARD_BYTES, QuantizeOptions, calibration_samples  # noqa: F401 (re-exported)
-from pipeline.quant.preflight import check_job
+from pipeline.quant.estimate import announce
+from pipeline.quant.preflight import check_job, data_free_notes
+from pipeline.quant.progress import weights_bar
 from pipeline.config import model_dtype
 from pipeline.quant.quantize_layer import quantize_globals, quantize_layer_pieces
 from pipeline.quant.recipe import Recipe
@@ -64,7 +65,7 @@ def calibrate(src: str, recipe: Recipe, opts: QuantizeOptions, samples: Optional
         samples = calibration_samples(src, opts, CheckpointReader(src).config.max_position_embeddings)
     model, smooth_stats = prepare_float_model(src, recipe, samples, opts)
     with torch.inference_mode():
-        stats = collect_stats(model, samples, recipe, progress=opts.progress)
+        stats = collect_stats(model, samples, recipe, progress=opts.progress)  # a bar in tokens/s
     return stats, smooth_stats
 
 
@@ -77,18 +78,17 @@ def quantize_checkpoint(src: str, dst: str, recipe: Recipe, opts: QuantizeOption
     t0 = time.time()
     job = check_job(src, dst, recipe, opts)
     reader, cfg, md = job.reader, job.reader.config, job.model_dtype
-    if recipe.needs_calibration(cfg):
+    est = announce(reader, recipe, job.samples, opts.device, log, dst=dst) if opts.estimate else None
+    if job.needs_calibration:
         log(f"calibrating {src} ({cfg.num_hidden_layers} layers + {len(cfg.mtp_layer_ids)} MTP, {md})")
         stats, smooth_stats = calibrate(src, recipe, opts, job.samples)
     else:
-        log(f"data-free: the recipe reads no activation statistic (no static linear, no FA3, no smoothing): "
-            f"no calibration, {src} is read once, for its weights")
-        if not storage.exists(storage.join(src, "tokenizer.json")):
-            log(f"warning: {src} has no tokenizer.json; the output will have none either")
+        for line in data_free_notes(src):
+            log(line)
         stats, smooth_stats = Stats(), None
     t1 = time.time()
     summary = {"source": src, "recipe": recipe.to_dict(), "calibration_s": round(t1 - t0, 3),
-               "weight_kernel": native.status()}
+               "weight_kernel": native.status(), **({"estimate": est.to_dict()} if est else {})}
     with QuantizedWriter(dst, recipe.dialect, model_dtype=md, shard_bytes=opts.shard_bytes,
                          overwrite=opts.overwrite, src=src) as writer:
         quantize_weights(reader, writer, stats, recipe, smooth_stats, opts.smooth_alpha, prefetch=opts.prefetch,
@@ -96,8 +96,8 @@ def quantize_checkpoint(src: str, dst: str, recipe: Recipe, opts: QuantizeOption
         summary["quantize_write_s"] = round(time.time() - t1, 3)
         writer.finish(job.raw_config, src_dir=src, mindie_format=opts.mindie_format, job=summary)
     summary["total_s"] = round(time.time() - t0, 3)
-    log(f"wrote {dst} in {summary['total_s']:.1f}s (calibration {summary['calibration_s']:.1f}s; "
-        f"weights with {summary['weight_kernel'].split(' (')[0]})")
+    calib = f"calibration {summary['calibration_s']:.1f}s" if job.needs_calibration else "no calibration"
+    log(f"wrote {dst} in {summary['total_s']:.1f}s ({calib}; weights with {summary['weight_kernel'].split(' (')[0]})")
     return summary
 
 
@@ -114,18 +114,30 @@ def quantize_weights(reader: CheckpointReader, writer: QuantizedWriter, stats: S
     tensor first, so it writes each one as it comes. With ``prefetch``, layer i+1 is read and
     dequantized in a background thread while layer i is quantized and written (module doc)."""
     cfg = reader.config
-    writer.plan([specs for _, specs in output_units(reader, recipe)])
+    units = output_units(reader, recipe)
+    writer.plan([specs for _, specs in units])
+    bar = weights_bar(progress, sum(s.nbytes for _, specs in units for s in specs), len(units))
     writer.add(*quantize_globals(cfg, reader.read_globals(), recipe))
+    _advance(bar, units[0][1], 1, len(units))
 
     def load(i: int) -> dict:
         return read_layer(reader, i, recipe, smooth_stats, smooth_alpha)
 
     layer_ids = layout.all_layer_ids(cfg)
-    with closing(_prefetched(layer_ids, load, prefetch)) as layers:
-        for i, tensors in _progress(layers, progress, len(layer_ids)):
-            for piece in quantize_layer_pieces(cfg, i, tensors, stats, recipe):
-                writer.add(*piece)  # written on the writer's thread while the next piece is computed
-            del tensors  # before the next layer arrives
+    try:
+        with closing(_prefetched(layer_ids, load, prefetch)) as layers:
+            for k, (i, tensors) in enumerate(layers, start=2):
+                for piece in quantize_layer_pieces(cfg, i, tensors, stats, recipe):
+                    writer.add(*piece)  # written on the writer's thread while the next piece is computed
+                del tensors  # before the next layer arrives
+                _advance(bar, units[k - 1][1], k, len(units))
+    finally:
+        bar.close()
+
+
+def _advance(bar, specs: list[TensorSpec], done: int, total: int) -> None:
+    bar.update(sum(s.nbytes for s in specs))
+    bar.set_postfix_str(f"{done}/{total} units")
 
 
 def _prefetched(ids: list[int], load: Callable[[int], dict], enabled: bool) -> Iterator[tuple[int, dict]]:
@@ -145,11 +157,3 @@ def _prefetched(ids: list[int], load: Callable[[int], dict], enabled: bool) -> I
         finally:
             if nxt is not None:
                 nxt.cancel()
-
-
-def _progress(items: Iterable, enabled: bool, total: int):
-    if not enabled:
-        return items
-    from tqdm import tqdm
-
-    return tqdm(items, desc="quantize layers", unit="layer", total=total)

@@ -1,0 +1,104 @@
+"""The up-front estimate (pipeline.quant.estimate) and the per-phase progress bars (pipeline.quant.progress):
+the CLI prints the estimate before the job starts, its byte counts are the job's own (read: every stored
+byte once per phase; written: the output's tensor bytes exactly), its arithmetic is the documented
+formula, and the bars count tokens and bytes with a rate, a redone sample once."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from pipeline.assets import EMBEDDED_MODEL_DIR
+from pipeline.format.description import MANIFEST_NAME
+from pipeline.io.checkpoint import CheckpointReader
+from pipeline.plan.costs import unit_costs
+from pipeline.quant.estimate import FORWARD_EFFICIENCY, GB, Probe, estimate_job, probe
+from pipeline.quant.progress import JobProgress, over_samples
+from pipeline.quant.recipe import Recipe
+from pipeline.quant.run import output_specs
+from tiny import TINY_FIXTURE
+
+REL = 1e-9  # the estimate's arithmetic against the formula: equal up to float rounding
+PROBE = Probe(read_gbps=0.5, write_gbps=0.25, quantize_gbps=2.0, matmul_tflops=0.1, seconds=0.0)
+
+
+def test_estimate_is_the_documented_formula():
+    reader = CheckpointReader(str(TINY_FIXTURE))
+    recipe = Recipe()
+    samples = [[1] * 30, [2] * 50]
+    est = estimate_job(reader, recipe, samples, PROBE)
+    units, _ = unit_costs(reader, recipe, 40)  # the samples' mean length
+    stored = sum(u.stored_bytes for u in units)
+    assert est.read_bytes == 2 * stored                       # the float model, then the weight phase
+    assert est.write_bytes == sum(s.nbytes for s in output_specs(reader, recipe))
+    assert est.calib_tokens == 80 and est.calib_samples == 2
+    assert est.calib_flops == pytest.approx(sum(u.flops_per_token for u in units) * 80, rel=REL)
+    assert est.calibration_compute_s == pytest.approx(
+        est.calib_flops / (0.1e12 * FORWARD_EFFICIENCY), rel=1e-2, abs=0.01)
+    assert est.weights_s == pytest.approx(max(stored / (0.5 * GB) + est.write_bytes / (0.25 * GB),
+                                              est.float_bytes / (2.0 * GB)), rel=1e-2, abs=0.01)
+    smooth = estimate_job(reader, Recipe(smooth=True), samples, PROBE)
+    assert smooth.calib_flops == pytest.approx(2 * est.calib_flops, rel=REL)  # two passes
+
+    free = estimate_job(reader, Recipe(dynamic=True, fa_quant=False), [], PROBE)
+    assert free.read_bytes == stored and free.calibration_read_s == 0 and free.calibration_compute_s == 0
+    assert "calibration: none (data-free recipe)" in "\n".join(free.to_text())
+
+    dist = estimate_job(reader, recipe, samples, PROBE, actors=2)  # compute shared by the actors, I/O not
+    assert dist.calibration_compute_s == pytest.approx(est.calibration_compute_s / 2, rel=1e-2, abs=0.01)
+    assert dist.calibration_read_s == est.calibration_read_s and dist.ray_s > 0
+
+
+def test_probe_measures_this_machine_quickly(tmp_path):
+    dst = tmp_path / "not-yet" / "q"  # probed in the nearest existing directory, nothing left there
+    p = probe(CheckpointReader(EMBEDDED_MODEL_DIR), "cpu", 64, str(dst))
+    assert p.read_gbps > 0 and p.write_gbps > 0 and p.quantize_gbps > 0 and p.matmul_tflops > 0
+    assert p.seconds < 10, p  # "about a second" on an idle machine; a loaded 2-CPU one is slower
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_prints_the_estimate_first_and_records_it(tmp_path, capsys):
+    from jobs import quantize
+
+    calib = tmp_path / "calib.json"
+    calib.write_text(json.dumps(["def f(x):\n    return x + 1\n", "import os\nprint(os.getcwd())\n"]))
+    dst = tmp_path / "q"
+    assert quantize.main(["--save-path", str(dst), "--calib-data", str(calib), "--dynamic", "--no-progress"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    first = next(k for k, m in enumerate(out) if m.startswith("estimate (one process; probe "))
+    assert first < next(k for k, m in enumerate(out) if m.startswith("calibrating "))
+    block = "\n".join(out[first:first + 4])
+    assert "calibration: read" in block and "2 samples" in block and "weights: read" in block and "total: ~" in block
+
+    est = json.loads((dst / MANIFEST_NAME).read_text())["job"]["estimate"]
+    reader = CheckpointReader(EMBEDDED_MODEL_DIR)
+    stored = sum(math.prod(reader.header(n)[1]) * {"BF16": 2, "F32": 4}[reader.header(n)[0]]
+                 for n in reader.tensor_names())
+    assert est["read_bytes"] == 2 * stored
+    written = sum(s.nbytes for s in output_specs(reader, Recipe(dynamic=True)))
+    assert est["write_bytes"] == written
+
+    assert quantize.main(["--save-path", str(tmp_path / "free"), "--dynamic", "--no-fa-quant", "--no-progress",
+                          "--no-estimate"]) == 0
+    assert not any(m.startswith("estimate") for m in capsys.readouterr().out.splitlines())
+
+
+def test_bars_have_rates_and_count_a_redone_sample_once(capsys):
+    samples = [[0] * 5, [0] * 7, [0] * 11]
+    assert list(over_samples(samples, True)) == samples
+    err = capsys.readouterr().err
+    assert "tok/s" in err and "3/3 samples" in err
+
+    jp = JobProgress(True, samples, n_stages=2)
+    for j, k in [(0, 0), (1, 0), (0, 1), (2, 0), (1, 0), (1, 1), (2, 1)]:  # sample 1 redone after stage 0
+        jp.event("sample", {"pass": "stats", "sample": j, "stage": k})
+    assert jp.calib["stats"].n == 23 and jp.done["stats"] == 3
+    jp.start_weights({"globals": 1000, "0": 3000})
+    jp.event("unit", {"unit": "0", "shards": []})
+    jp.event("unit", {"unit": "globals", "shards": []})
+    assert jp.weights.n == 4000 and jp.units_done == 2
+    jp.close()
+    err = capsys.readouterr().err
+    assert "B/s" in err and "2/2 units" in err and "3/3 samples" in err
