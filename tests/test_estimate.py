@@ -102,3 +102,18 @@ def test_bars_have_rates_and_count_a_redone_sample_once(capsys):
     jp.close()
     err = capsys.readouterr().err
     assert "B/s" in err and "2/2 units" in err and "3/3 samples" in err
+
+
+def test_progress_is_whole_lines_when_stderr_is_not_a_terminal(capsys):
+    """No carriage-return redraws in a log: a bar off a terminal prints a line per interval and one at the end."""
+    from pipeline.quant.progress import LineBar, bar
+
+    b = bar(True, "weights", 1000, "B")
+    assert isinstance(b, LineBar)
+    for _ in range(100):
+        b.update(10)
+    b.set_postfix_str("5/5 units")
+    b.close()
+    err = capsys.readouterr().err
+    assert "\r" not in err and err.count("\n") <= 2
+    assert err.splitlines()[-1].startswith("weights: 100% (1k/1k B") and err.rstrip().endswith("5/5 units)")

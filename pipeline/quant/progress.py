@@ -4,6 +4,8 @@ Disabled, every bar is a no-op object with the same methods, so callers never br
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Any, Iterator, Sequence
 
 
@@ -20,10 +22,50 @@ class NoBar:
         pass
 
 
+class LineBar(NoBar):
+    """Progress as whole lines on stderr, at most one per ``every`` seconds and one at the end: what a
+    bar becomes when stderr is not a terminal (a log file, ``ray job submit``, a collector), where tqdm's
+    carriage-return redraws would pile up as thousands of fragments."""
+
+    def __init__(self, desc: str, total: float, unit: str, every: float = 10.0):
+        self.desc, self.total, self.unit, self.every = desc, total, unit, every
+        self.t0 = self.last = time.monotonic()
+        self.postfix = ""
+
+    def _line(self) -> None:
+        dt = max(time.monotonic() - self.t0, 1e-9)
+        pct = 100.0 * self.n / self.total if self.total else 100.0
+        extra = f", {self.postfix}" if self.postfix else ""
+        print(f"{self.desc}: {pct:.0f}% ({_si(self.n)}/{_si(self.total)} {self.unit}, "
+              f"{_si(self.n / dt)} {self.unit}/s{extra})", file=sys.stderr, flush=True)
+
+    def update(self, n: float = 1) -> None:
+        self.n += n
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self.last = now
+            self._line()
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        self.postfix = s
+
+    def close(self) -> None:
+        self._line()
+
+
+def _si(x: float) -> str:
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{suffix}"
+    return f"{x:.3g}"
+
+
 def bar(enabled: bool, desc: str, total: float, unit: str, unit_scale: bool = False) -> Any:
-    """A tqdm bar (or a NoBar when not ``enabled``)."""
+    """A tqdm bar on a terminal, whole lines (LineBar) elsewhere, a NoBar when not ``enabled``."""
     if not enabled:
         return NoBar()
+    if not sys.stderr.isatty():
+        return LineBar(desc, total, unit)
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, dynamic_ncols=True, leave=True)
