@@ -258,3 +258,15 @@ def test_cli_prints_the_plan_and_exits_2_when_refused(v3, capsys):
                              cwd=REPO, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "refused: stage 0" in refused.stderr and "use at least 6 stages" in refused.stderr
     assert "embed+0-16" in refused.stdout  # the plan is printed before the refusal
+
+
+def test_a_data_free_recipe_plans_no_calibration(v3_reader):
+    """--dynamic --no-fa-quant runs no forward: the plan holds no calibration memory or compute for it, so
+    its resource check sizes only the weight phase (it refused small clusters for a pass that never ran)."""
+    from pipeline.quant.recipe import Recipe
+
+    free = plan(v3_reader, 4, recipe=Recipe(dynamic=True, fa_quant=False))
+    calibrated = plan(v3_reader, 4, recipe=Recipe(dynamic=True))
+    assert all(s.calib_memory == 0 for s in free.stages) and not any(u.forward for u in free.units)
+    assert all(s.calib_memory > 0 for s in calibrated.stages)
+    assert all(f.peak_memory < c.peak_memory for f, c in zip(free.stages, calibrated.stages))

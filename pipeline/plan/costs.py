@@ -129,8 +129,12 @@ def _mlp(cfg: DeepseekV3Config, lid: int, S: int) -> tuple[float, int]:
     return 2.0 * macs, act
 
 
-def _compute(cfg: DeepseekV3Config, unit: str, recipe: Recipe, S: int) -> tuple[float, int, bool]:
-    """(FLOPs per token, activation bytes of a micro-batch, run by the calibration forward)."""
+def _compute(cfg: DeepseekV3Config, unit: str, recipe: Recipe, S: int, calibrates: bool = True
+             ) -> tuple[float, int, bool]:
+    """(FLOPs per token, activation bytes of a micro-batch, run by the calibration forward). A data-free
+    recipe (``calibrates`` False: Recipe.needs_calibration) runs no forward: nothing to compute or hold."""
+    if not calibrates:
+        return 0.0, 0, False
     h, V = cfg.hidden_size, cfg.vocab_size
     mdb = itemsize(MD_NAMES[cfg.torch_dtype])
     hidden = 2 * S * h * mdb  # the unit's input and output
@@ -172,6 +176,7 @@ def unit_costs(reader: CheckpointReader, recipe: Recipe, seq_len: int
         stored[u][name] = (dt, tuple(shape), math.prod(shape) * itemsize(dt))
         files[u].add(reader.file_of(name))
     costs, outputs = [], {}
+    calibrates = recipe.needs_calibration(cfg)
     expected_of = {u: _expected(cfg, u) for u in units}
     for u in units:
         expected = expected_of[u]
@@ -184,7 +189,7 @@ def unit_costs(reader: CheckpointReader, recipe: Recipe, seq_len: int
         float_bytes = sum(math.prod(s) * itemsize(md if stored[u][n][0] == "F8_E4M3" else stored[u][n][0])
                           for n, s in expected.items())
         outs = unit_outputs(cfg, u, {n: v[0] for n, v in stored[u].items()}, recipe)
-        flops, act, fwd = _compute(cfg, u, recipe, seq_len)
+        flops, act, fwd = _compute(cfg, u, recipe, seq_len, calibrates)
         outputs[u] = outs
         costs.append(LayerCost(
             unit=u, layer_id=None if u in (EMBED, HEAD) else int(u),
