@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import asdict
-from typing import Any, Optional
+from typing import Optional
 
 import ray
 import torch
@@ -130,8 +130,3 @@ def build_sharded_engine(path: str, parallel: ParallelConfig, config: EngineConf
         return DPEngine([LLMEngine(loaded, config, tokenizer, runner=runner) for _ in range(parallel.dp)], runner)
     return LLMEngine(loaded, config, tokenizer, runner=runner)
 
-
-def parallel_from_args(args: Any) -> Optional[ParallelConfig]:
-    """The ParallelConfig of a job's --tp/--dp/--moe-ep/--moe-tp flags; None for one rank."""
-    p = ParallelConfig(tp=args.tp, dp=args.dp, moe_ep=args.moe_ep, moe_tp=args.moe_tp)
-    return None if p.single else p

@@ -83,8 +83,7 @@ def main(argv=None) -> int:
                 eng = LLMEngine.from_dir(path, tokenizer=tok, nz=True, device=args.device or "cpu")
                 eng = LLMEngine(eng.loaded, replace(eng.config, mtp=bool(eng.loaded.model.mtp_layers)), tok)
             else:
-                eng = _sharded_engine(path, parallel, args, tok)
-                stack.callback(eng.runner.close)
+                eng = _sharded_engine(path, parallel, args, tok, stack)
             t1 = time.time()
             ids = tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user", "content": args.prompt}])
             seq = eng.add_request(ids, params)
@@ -113,9 +112,10 @@ def _parallel(args):
     return None if p.single else p
 
 
-def _sharded_engine(path, parallel, args, tok):
+def _sharded_engine(path, parallel, args, tok, stack: contextlib.ExitStack):
     """The engine over ``parallel.world`` ranks: this process is rank 0, the others Ray actors (a private
-    Ray, stopped when the engine is, unless --ray-address / RAY_ADDRESS names a cluster)."""
+    Ray unless --ray-address / RAY_ADDRESS names a cluster). ``stack`` closes the engine's ranks, then
+    stops the private Ray."""
     from dataclasses import replace
 
     import ray
@@ -127,29 +127,18 @@ def _sharded_engine(path, parallel, args, tok):
 
     src = QuantizedSource(path)
     cfg = src.config
-    parallel.check_model(cfg.num_attention_heads, cfg.n_routed_experts, cfg.moe_intermediate_size,
-                         cfg.intermediate_size, cfg.vocab_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+    parallel.check_config(cfg)
     started = init_ray(args.ray_address, num_cpus=max(parallel.world, 2), object_store_memory=256 * 2**20,
                        flag="--ray-address", log=lambda m: print(m, file=sys.stderr))
-    if started:   # the ranks share this machine's cores: one thread each when they are few
+    if started:
+        stack.callback(ray.shutdown)   # the ranks share this machine's cores: one thread each when they are few
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.world))
     config = replace(EngineConfig(nz=True, device=args.device or "cpu"), mtp=bool(cfg.mtp_layer_ids))
-    try:
-        eng = build_sharded_engine(path, parallel, config, tok, combine=args.moe_combine,
-                                   log=lambda m: print(m, file=sys.stderr))
-    except BaseException:
-        if started:
-            ray.shutdown()
-        raise
-    if started:
-        close = eng.runner.close
-
-        def close_and_stop():
-            close()
-            ray.shutdown()
-        eng.runner.close = close_and_stop
+    eng = build_sharded_engine(path, parallel, config, tok, combine=args.moe_combine,
+                               log=lambda m: print(m, file=sys.stderr))
+    stack.callback(eng.runner.close)   # runs before ray.shutdown (an ExitStack unwinds last-in first)
     return eng
 
 

@@ -96,6 +96,11 @@ class ParallelConfig:
                 raise ValueError(f"parallel config: {name} {size} does not divide the model's {dim} {what}; "
                                  f"choose {name} among the divisors of {dim}")
 
+    def check_config(self, cfg) -> None:
+        """:meth:`check_model` with a DeepseekV3Config's sizes."""
+        self.check_model(cfg.num_attention_heads, cfg.n_routed_experts, cfg.moe_intermediate_size,
+                         cfg.intermediate_size, cfg.vocab_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in SIZES}
 

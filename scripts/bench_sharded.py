@@ -30,8 +30,6 @@ QUESTIONS = ["What's deep learning?", "How do I open a file?", "Explain list com
 
 
 def run(eng, prompts, params) -> dict:
-    from pipeline.engine.sampling import SamplingParams  # noqa: F401
-
     comm = getattr(eng.runner, "comm", None)
     sent0 = comm.bytes_sent if comm else 0
     steps0 = eng.stats.steps

@@ -154,11 +154,11 @@ def test_exact_combine_is_bit_identical_to_one_rank(ray_cluster, embedded_quanti
         prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
         params = SamplingParams(max_new_tokens=24)
         assert eng.generate(prompts, params) == single.generate(prompts, params)
-        whole = resident_bytes(single.loaded.model)
+        whole, replicated = resident_bytes(single.loaded.model), _replicated_bytes(embedded_quantized)
         nodes = {i.get("node") for i in eng.runner.rank_info[1:]}
         assert len(nodes) >= (2 if p.world == 4 else 1)
         for info in eng.runner.rank_info:
-            assert info["resident_bytes"] < whole / p.world + FLOAT_UPCAST * _replicated_bytes(embedded_quantized)
+            assert info["resident_bytes"] < whole / p.world + FLOAT_UPCAST * replicated
     finally:
         eng.runner.close()
 
@@ -208,10 +208,9 @@ def test_dp_attention_groups_each_give_the_single_rank_logits(ray_cluster, embed
             eng.step()
         assert seq.output == want and busy.status == "finished"
         assert len({i["node"] for i in eng.runner.rank_info[1:]}) >= (2 if p.world == 4 else 1)   # two nodes
-        whole = resident_bytes(single.loaded.model)
+        whole, replicated = resident_bytes(single.loaded.model), _replicated_bytes(embedded_quantized)
         for info in eng.runner.rank_info:   # experts split over all ranks; attention over tp only
-            assert info["resident_bytes"] < whole / p.moe_ep + FLOAT_UPCAST * _replicated_bytes(embedded_quantized) \
-                + whole / p.tp
+            assert info["resident_bytes"] < whole / p.moe_ep + FLOAT_UPCAST * replicated + whole / p.tp
     finally:
         eng.runner.close()
 

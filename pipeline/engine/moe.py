@@ -45,16 +45,19 @@ class Int8Expert(nn.Module):
         return self.down_proj(h)
 
 
-def _int8_mlp(mlp: Optional[nn.Module]) -> bool:
+def is_int8_mlp(mlp: Optional[nn.Module]) -> bool:
+    """An MLP whose three linears are W8A8_DYNAMIC without bias (a wrapped one, e.g. a sharded replica's
+    row-parallel ``down_proj``, by its ``inner`` linear)."""
     return isinstance(mlp, MLP) and all(
-        isinstance(m, W8A8DynamicLinear) and m.bias is None for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        isinstance(lin, W8A8DynamicLinear) and lin.bias is None
+        for lin in (getattr(m, "inner", m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)))
 
 
 def can_fuse(moe: nn.Module) -> bool:
     """A MoE whose every expert (and shared expert) is W8A8_DYNAMIC without bias, with one epilogue."""
-    if not isinstance(moe, MoE) or not all(_int8_mlp(e) for e in moe.experts):
+    if not isinstance(moe, MoE) or not all(is_int8_mlp(e) for e in moe.experts):
         return False
-    if moe.shared_experts is not None and not _int8_mlp(moe.shared_experts):
+    if moe.shared_experts is not None and not is_int8_mlp(moe.shared_experts):
         return False
     linears = [m for m in moe.modules() if isinstance(m, W8A8DynamicLinear)]
     return len({(m.epilogue, m.kernel) for m in linears}) == 1

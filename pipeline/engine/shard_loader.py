@@ -14,14 +14,14 @@ from torch import nn
 from pipeline import layout
 from pipeline.engine.comm import Comm
 from pipeline.engine.loader import LoadedModel
-from pipeline.engine.moe import Int8Expert
-from pipeline.engine.qlinear import EXACT, W8A8DynamicLinear, build_int8_linear, by_linear
-from pipeline.engine.shard_spec import COL, REPLICATED, ROW, VOCAB, expert_range, linear_role, part, tensor_slice
+from pipeline.engine.moe import Int8Expert, is_int8_mlp
+from pipeline.engine.qlinear import EXACT, build_int8_linear, by_linear
+from pipeline.engine.shard_spec import REPLICATED, ROW, VOCAB, expert_range, linear_role, part, tensor_slice
 from pipeline.engine.sharded import REDUCE, RowParallel, ShardedMoE, VocabEmbedding, VocabHead
 from pipeline.format.description import FLOAT, QUANT_KINDS
 from pipeline.format.reader import QuantizedSource, fa_scales
 from pipeline.model import build_model
-from pipeline.model.ffn import MLP, MoE
+from pipeline.model.ffn import MoE
 
 
 def _prefix(name: str) -> str:
@@ -44,8 +44,7 @@ def load_sharded(path: str, comm: Comm, dtype: torch.dtype = torch.float32, devi
                  with_mtp: bool = True, epilogue: str = EXACT, combine: str = REDUCE) -> LoadedModel:
     src = QuantizedSource(path)
     cfg, types, p, rank = src.config, src.types, comm.parallel, comm.rank
-    p.check_model(cfg.num_attention_heads, cfg.n_routed_experts, cfg.moe_intermediate_size,
-                  cfg.intermediate_size, cfg.vocab_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+    p.check_config(cfg)
     tensors = {n: t.to(device) for n, t in src.read(held_parts(src, comm, with_mtp)).items()}
     quant = {_prefix(n) for n, t in types.items() if n.endswith(".weight") and t in QUANT_KINDS and n in tensors}
     split = {_prefix(n) for n in tensors if n.endswith(".weight") and _prefix(n) not in quant
@@ -86,15 +85,8 @@ def load_sharded(path: str, comm: Comm, dtype: torch.dtype = torch.float32, devi
     return LoadedModel(model.eval(), cfg, dict(types), fa_k, path)
 
 
-def _int8(mlp: nn.Module) -> bool:
-    def dyn(m):
-        return isinstance(m.inner if isinstance(m, RowParallel) else m, W8A8DynamicLinear) and \
-            getattr(m.inner if isinstance(m, RowParallel) else m, "bias", None) is None
-    return isinstance(mlp, MLP) and all(dyn(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-
-
 def _expert(mlp: nn.Module) -> nn.Module:
-    return Int8Expert(mlp) if _int8(mlp) else mlp
+    return Int8Expert(mlp) if is_int8_mlp(mlp) else mlp
 
 
 def _sharded_moe(moe: MoE, cfg, comm: Comm, combine: str) -> ShardedMoE:

@@ -18,7 +18,7 @@ into what the rank reads: ``None`` (not held: another rank's expert), ``FULL``, 
 from __future__ import annotations
 
 import re
-from typing import Optional, Union
+from typing import Union
 
 from pipeline.config import DeepseekV3Config
 from pipeline.parallel import ParallelConfig

@@ -32,8 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.engine.comm import Comm
-from pipeline.engine.qlinear import Int8Linear, W8A8DynamicLinear, W8A8StaticLinear, quantize_per_token, \
+from pipeline.engine.qlinear import W8A8DynamicLinear, W8A8StaticLinear, quantize_per_token, \
     quantize_with_absmax
+from pipeline.model.ffn import expert_slots
 
 REDUCE, EXACT_COMBINE = "reduce", "exact"
 COMBINES = (REDUCE, EXACT_COMBINE)
@@ -136,24 +137,20 @@ class ShardedMoE(nn.Module):
         weights, idx = self.gate(flat)
         x_q, s_tok = quantize_per_token(flat) if self.quantized or self._quantized_shared() else (None, None)
         N, k = idx.shape
-        load = torch.bincount(idx.flatten(), minlength=self.n_experts)
-        order = idx.flatten().argsort(stable=True)
-        tokens, slot_w = order // k, weights.flatten()[order]
+        load, groups = expert_slots(weights, idx, self.n_experts)
         contributes = comm.moe_tp_rank == 0        # a moe_tp group computes each output once
         exact = self.combine == EXACT_COMBINE
         out = torch.zeros((N * k if exact else N, shape[-1]), dtype=torch.float32, device=flat.device)
-        start = 0
-        for e, n in enumerate(load.tolist()):
-            if n and e in self._run:
-                t = tokens[start:start + n]
-                y = self._run[e](flat[t], None if x_q is None else x_q[t], None if s_tok is None else s_tok[t],
-                                 dtype).float() * slot_w[start:start + n, None]
-                if contributes:
-                    if exact:
-                        out[order[start:start + n]] = y
-                    else:
-                        out.index_add_(0, t, y)
-            start += n
+        for e, slots, t, w in groups:
+            if e not in self._run:
+                continue
+            y = self._run[e](flat[t], None if x_q is None else x_q[t], None if s_tok is None else s_tok[t],
+                             dtype).float() * w
+            if contributes:
+                if exact:
+                    out[slots] = y
+                else:
+                    out.index_add_(0, t, y)
         comm.all_reduce(out, "world")
         if exact:                                   # each token's slots added in expert order, from zero
             slots = out.view(N, k, -1).gather(1, idx.argsort(dim=1).unsqueeze(-1).expand(N, k, shape[-1]))

@@ -74,18 +74,26 @@ def combine_experts(flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
     indices into ``flat``) and its results added back in that order. Returns (out float32 [N, h], tokens
     per expert int64 [E])."""
     out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+    load, groups = expert_slots(weights, idx, n_experts)
+    for e, _, t, w in groups:
+        out.index_add_(0, t, run_expert(e, t).float() * w)
+    return out, load
+
+
+def expert_slots(weights: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, list]:
+    """The token slots (token, k) grouped by expert in one stable sort: (tokens per expert int64 [E],
+    ``[(e, slot indices into the flat [N * k] slots, token indices, slot weights [n, 1])]`` for every
+    expert that has tokens, in expert order)."""
     load = torch.bincount(idx.flatten(), minlength=n_experts)
-    order = idx.flatten().argsort(stable=True)        # token slots grouped by expert
+    order = idx.flatten().argsort(stable=True)
     tokens = order // idx.shape[1]
     slot_w = weights.flatten()[order]
-    start = 0
+    groups, start = [], 0
     for e, n in enumerate(load.tolist()):
-        if n == 0:
-            continue
-        t = tokens[start:start + n]
-        out.index_add_(0, t, run_expert(e, t).float() * slot_w[start:start + n, None])
+        if n:
+            groups.append((e, order[start:start + n], tokens[start:start + n], slot_w[start:start + n, None]))
         start += n
-    return out, load
+    return load, groups
 
 
 class MoE(nn.Module):

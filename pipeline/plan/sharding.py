@@ -219,8 +219,7 @@ def _sections(mtp: bool) -> tuple[str, ...]:
 def check_splits(cfg: DeepseekV3Config, parallel: ParallelConfig, recipe: Optional[Recipe] = None,
                  mtp: bool = True) -> None:
     """The model's shapes must split evenly under ``parallel``; ValueError naming the size and the fix."""
-    parallel.check_model(cfg.num_attention_heads, cfg.n_routed_experts, cfg.moe_intermediate_size,
-                         cfg.intermediate_size, cfg.vocab_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+    parallel.check_config(cfg)
     for b in model_buckets(cfg, recipe):
         if b.placement.section not in _sections(mtp) or b.placement.split_dim is None:
             continue
@@ -439,9 +438,7 @@ def _candidates(cfg: DeepseekV3Config, world: int, max_tp: int) -> list[Parallel
         for moe_ep in sorted((d for d in range(1, world + 1) if world % d == 0), reverse=True):
             try:
                 p = ParallelConfig(tp=tp, dp=world // tp, moe_ep=moe_ep)
-                p.check_model(cfg.num_attention_heads, cfg.n_routed_experts, cfg.moe_intermediate_size,
-                              cfg.intermediate_size, cfg.vocab_size,
-                              cfg.moe_intermediate_size * cfg.n_shared_experts)
+                p.check_config(cfg)
             except ValueError:
                 continue
             out.append(p)
