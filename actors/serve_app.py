@@ -1,7 +1,9 @@
 """The colocated serving application on Ray Serve: an OpenAI-compatible ingress and an engine deployment.
 
-- :class:`LLMServer` owns one :class:`~pipeline.engine.engine.LLMEngine` and runs its step loop on a
-  background thread (:class:`EngineLoop`). Its one generation method, :meth:`LLMServer.generate`, takes a
+- :class:`LLMServer` owns one :class:`~pipeline.engine.engine.LLMEngine`: by default the engine steps in a
+  child process of its own (:class:`~pipeline.engine.core_process.EngineCoreClient`, vLLM v1's EngineCore
+  split: no interpreter lock shared with HTTP and streaming, one message per step), a sharded replica (or
+  ``engine_process: false``) on a background thread of the replica (:class:`EngineLoop`). Its one generation method, :meth:`LLMServer.generate`, takes a
   validated :class:`~pipeline.serving.openai_api.GenerateRequest` and is an async generator of
   :class:`~pipeline.serving.openai_api.TokenEvent` (call it through ``handle.options(stream=True)``); when the
   caller stops consuming it (a client went away: the generator is cancelled or closed) the sequence is
@@ -19,6 +21,7 @@ answered its stats call; with one replica of each (the default) that is everythi
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from typing import Any, AsyncIterator, Mapping, Optional, Union
 
 from ray import serve
@@ -37,6 +40,22 @@ PREFILL_FAILURES_UNHEALTHY = 3  # prefills failed in a row (disaggregated): /hea
 
 # ----- the engine deployment ---------------------------------------------------------------------------
 
+def build_engine(config: ServeConfig, deployment: str):
+    """The engine of one replica of ``deployment``, built where it will step (this process or the engine
+    core's child process: module level, so it pickles)."""
+    import torch
+
+    from pipeline.text.tokenizer import Tokenizer
+
+    torch.set_num_threads(config.torch_threads)
+    return make_engine(config, deployment, Tokenizer.from_dir(config.model_path))
+
+
+def engine_info(engine) -> dict:
+    """What the replica needs to know about its engine, wherever the engine runs."""
+    return {"max_model_len": engine.scheduler.max_model_len, "layout": engine.kv_layout()}
+
+
 @serve.deployment(name="LLMServer")
 class LLMServer:
     """One engine replica. Interface (all async, through a DeploymentHandle):
@@ -44,20 +63,20 @@ class LLMServer:
     ``num_blocks``, ``block_size``, ``model``; ``stats()`` -> the loop's snapshot; ``check_health()``."""
 
     def __init__(self, config: ServeConfig, prefill: Optional[DeploymentHandle] = None):
-        import torch
-
-        from pipeline.text.tokenizer import Tokenizer
-
-        torch.set_num_threads(config.torch_threads)
         self.config, self.prefill = config, prefill
-        tok = Tokenizer.from_dir(config.model_path)
-        engine = make_engine(config, "llm", tok)
-        self.max_model_len = engine.scheduler.max_model_len
-        self.layout = engine.kv_layout()
         self.handoffs, self.handoff_bytes, self.prefill_failures = 0, 0, 0
         self.prefill_failing: Optional[str] = None  # the last error, once PREFILL_FAILURES_UNHEALTHY in a row
         self._failures_in_row = 0
-        self.loop = EngineLoop(engine)
+        if config.engine_process and config.parallel_of("llm").single:
+            from pipeline.engine.core_process import EngineCoreClient
+
+            self.loop = EngineCoreClient(partial(build_engine, config, "llm"), engine_info)
+            info = self.loop.ready
+        else:
+            engine = build_engine(config, "llm")
+            info = engine_info(engine)
+            self.loop = EngineLoop(engine)
+        self.max_model_len, self.layout = info["max_model_len"], info["layout"]
 
     async def _prefilled(self, request: GenerateRequest):
         """Ask the prefill deployment for the prompt's first token and cache blocks (disaggregated mode)."""
@@ -99,7 +118,8 @@ class LLMServer:
             key = self.loop.submit(request.prompt_ids, request.params, sink)
         else:
             kv = await self._prefilled(request)
-            yield TokenEvent(() if kv.first_token is None else (kv.first_token,), kv.finish_reason)
+            yield TokenEvent(() if kv.first_token is None else (kv.first_token,), kv.finish_reason,
+                             kv.first_logprobs)
             if kv.finish_reason is not None:
                 return
             key = self.loop.submit_prefilled(kv, request.params, sink)
@@ -126,7 +146,8 @@ class LLMServer:
 
     async def stats(self) -> dict:
         out = dict(self.loop.snapshot)
-        ranks = getattr(self.loop.engine.runner, "rank_info", None)
+        engine = getattr(self.loop, "engine", None)     # None: the engine steps in its own process
+        ranks = getattr(engine.runner, "rank_info", None) if engine is not None else None
         if ranks:
             out.update(ranks=[{k: r[k] for k in ("rank", "pid") if k in r} for r in ranks],
                        rank_bytes_sent=self.loop.engine.runner.comm.bytes_sent)
@@ -143,7 +164,8 @@ class LLMServer:
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop(timeout=1.0)
-            close = getattr(loop.engine.runner, "close", None)
+            engine = getattr(loop, "engine", None)
+            close = getattr(engine.runner, "close", None) if engine is not None else None
             if close is not None:   # a sharded replica: stop its other ranks
                 close()
 

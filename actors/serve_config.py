@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from pipeline.engine.engine import EngineConfig
+from pipeline.engine.loader import DTYPES
 from pipeline.parallel import SIZES as PARALLEL_SIZES, ParallelConfig
 from pipeline.strict import check_keys
 
@@ -30,9 +31,12 @@ DEFAULT_ENGINE = EngineConfig(num_blocks=256, block_size=16, max_num_seqs=16, ma
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """Everything the application needs. ``model_path``: a quantized directory (every replica reads it;
-    use an absolute or shared path). ``served_model_name``: the OpenAI model id (default: the directory's
-    name). ``engine``: the engine's options. ``api_key``: required bearer token on ``/v1`` (None: open).
+    """Everything the application needs. ``model_path``: a quantized directory or a float checkpoint
+    (pipeline.engine.loader.load_model tells them apart; every replica reads it: use an absolute or shared
+    path). ``served_model_name``: the OpenAI model id (default: the directory's name). ``dtype``: a float
+    checkpoint's compute dtype, or a quantized directory's float parts' (float32, bfloat16, float16; None
+    or "auto": the loader's default). ``engine``: the engine's options. ``api_key``: required bearer
+    token on ``/v1`` (None: open).
     ``max_in_flight``: generation requests per ingress replica before 429. ``torch_threads``: per engine
     replica. ``mode``: "colocated" (one engine deployment does prefill and decode) or "disaggregated" (a
     prefill deployment, ``prefill`` replicas, computes each prompt's cache and hands the blocks to the
@@ -59,10 +63,15 @@ class ServeConfig:
     parallel: Mapping[str, int] = field(default_factory=dict)  # tp/dp/moe_ep/moe_tp of each engine replica
     prefill_parallel: Optional[Mapping[str, int]] = None       # the prefill replicas' (default: parallel's)
     moe_combine: str = "reduce"     # MoE combine over ranks: "reduce" or "exact" (pipeline.engine.sharded)
+    # the engine of a single-process replica steps in a child process of its own (pipeline.engine.core_process:
+    # no interpreter lock shared with HTTP and streaming); False: on a thread of the replica (a sharded
+    # replica always does: its ranks are Ray actors of the replica)
+    engine_process: bool = True
     host: str = "127.0.0.1"
     port: int = 8000
     app_name: str = "dsquant"
     route_prefix: str = "/"
+    dtype: Optional[str] = None     # float compute dtype (pipeline.engine.loader.DTYPES); None: the loader's
 
     def __post_init__(self):
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -81,8 +90,12 @@ class ServeConfig:
                 if not isinstance(value, Mapping) or set(value) - set(PARALLEL_SIZES):
                     raise ValueError(f"{name} must be a mapping of {', '.join(PARALLEL_SIZES)}, got {value!r}")
                 ParallelConfig(**value)
+        if self.dtype not in (None, "auto", *DTYPES):
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, 'auto' or null, got {self.dtype!r}")
         if self.moe_combine not in ("reduce", "exact"):
             raise ValueError(f"moe_combine must be 'reduce' or 'exact', got {self.moe_combine!r}")
+        if not isinstance(self.engine_process, bool):
+            raise ValueError(f"engine_process must be true or false, got {self.engine_process!r}")
         for f in ("prefill_timeout_s", "body_timeout_s"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"{f} must be > 0, got {getattr(self, f)!r}")
@@ -151,6 +164,21 @@ class ServeConfig:
         if self.mode == "disaggregated":
             out["prefill"] = self.prefill
         return out
+
+
+def check_model_dir(config: ServeConfig) -> str:
+    """The kind of ``config.model_path`` (pipeline.engine.loader.dir_kind: "quantized" or "float"),
+    refusing (ValueError naming the directory) one that is neither, and a float checkpoint with a sharded
+    llm or prefill layout (its engine runs in one process: the shard loader reads quantized directories)."""
+    from pipeline.engine.loader import FLOAT_CHECKPOINT, dir_kind
+
+    kind = dir_kind(config.model_path)
+    if kind == FLOAT_CHECKPOINT:
+        for name in config.deployments():
+            if name != "ingress" and not config.parallel_of(name).single:
+                raise ValueError(f"{config.model_path}: a float checkpoint is served by one process per replica; "
+                                 f"drop the {name} sharding ({config.parallel_of(name).describe()})")
+    return kind
 
 
 def check_fits(config: ServeConfig, total_cpus: float, node_cpus: list[float]) -> None:

@@ -1,18 +1,22 @@
 """The OpenAI-compatible HTTP front of the serving application (FastAPI through ``@serve.ingress``):
 ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` true:
-``text/event-stream``), ``GET /health``, ``GET /metrics`` (Prometheus text), and the API's own
-description (``/openapi.json``, ``/docs``, ``/redoc``). Every request is validated here
-(:mod:`pipeline.serving.openai_api`); a bad one never reaches the engine. With ``api_key`` set, the ``/v1``
+``text/event-stream``), vLLM's ``POST /tokenize`` and ``POST /detokenize``
+(:mod:`pipeline.serving.tokenize_api`), ``GET /health``, ``GET /metrics`` (Prometheus text), and the
+API's own description (``/openapi.json``, ``/docs``, ``/redoc``). Every request is validated here
+(:mod:`pipeline.serving.openai_api`); a bad one never reaches the engine. A request for ``n`` choices is
+``n`` engine requests (choice i seeded ``seed + i``), their event streams merged
+(:mod:`actors.serve_streams`), each choice's events turned into its text, logprobs and chunks by
+:class:`~pipeline.serving.choices.ChoiceState`. With ``api_key`` set, the ``/v1`` routes, the tokenizer
 routes and the API description need ``Authorization: Bearer <key>`` (401 otherwise); ``/health`` and
 ``/metrics`` stay open, as in vLLM, for load balancers and Prometheus scrapers that hold no key (they tell
 nothing but liveness and counts). A request body larger than ``max_body_bytes`` is refused with 413 (at
 once when its Content-Length says so), one that takes longer than ``body_timeout_s`` to arrive with 408;
 the body is parsed and tokenized on a worker thread, never on the event loop. :meth:`OpenAIIngress.drain`
 (called at shutdown) ends every open stream with an OpenAI-style error event and ``data: [DONE]``, and
-refuses new requests with 503. At most ``max_in_flight`` generation requests
+refuses new requests with 503. At most ``max_in_flight`` generations (a request counts its ``n`` choices)
 run per ingress replica; one more is refused at once with 429 (and Serve's own queue in front of the
-ingress is bounded too): there is no unbounded queue. :func:`actors.serve_app.build_app` binds it to the
-engine deployment.
+ingress is bounded too): there is no unbounded queue; ``n`` above ``max_in_flight`` is a 400.
+:func:`actors.serve_app.build_app` binds it to the engine deployment.
 """
 
 # No ``from __future__ import annotations`` here: Serve rebuilds the route signatures of the class-based
@@ -30,12 +34,14 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from actors.ray_errors import app_error
-from pipeline.engine.engine_loop import EngineDead, PrefillFailed
 from actors.serve_config import ServeConfig
 from actors.serve_metrics import ServeMetrics
+from actors.serve_streams import ShuttingDown, engine_failed, first_error, first_event, merge_events, shutdown_error
 from pipeline.serving import openai_api as api
 from pipeline.serving import openai_responses as resp
-from pipeline.engine.engine_loop import TokenEvent
+from pipeline.serving import tokenize_api
+from pipeline.serving.choices import ChoiceState
+from pipeline.serving.logprobs import TokenStrings
 from pipeline.serving.openai_api import ApiError, GenerateRequest
 
 STATS_TIMEOUT_S = 5.0
@@ -47,24 +53,13 @@ STATS_TIMEOUT_S = 5.0
 openai_app = FastAPI(title="dsquant OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
 
 
-class ShuttingDown(Exception):
-    """The ingress is draining for shutdown: open streams end, new requests are refused."""
-
-
-def engine_failed(cause: BaseException) -> ApiError:
-    """A request the engine failed: 503 when the engine replica itself is down (its loop stopped, e.g. a
-    rank of a sharded replica died: Serve replaces it, a retry can succeed), else 500."""
-    status = 503 if isinstance(cause, EngineDead) else 500
-    return ApiError(status, f"the engine failed: {type(cause).__name__}: {cause}", "server_error")
-
-
-def shutdown_error() -> ApiError:
-    return ApiError(503, "the server is shutting down; retry the request", "server_error", None,
-                    "server_shutting_down")
-
-
 def _error(err: ApiError, headers: Optional[dict] = None) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def _cancel(gens) -> None:
+    for g in gens:
+        g.cancel()
 
 
 async def _prepend(head: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -89,6 +84,7 @@ class OpenAIIngress:
         self.llm, self.config = llm, config
         self.model = config.model_name
         self.tokenizer = Tokenizer.from_dir(config.model_path)
+        self.strings = TokenStrings(self.tokenizer)     # token strings and bytes, for logprobs (cached)
         self.metrics = ServeMetrics()
         self.in_flight = 0
         self._draining = asyncio.Event()
@@ -155,19 +151,6 @@ class OpenAIIngress:
     async def __del__(self):
         """Serve calls this when it stops the replica: whatever is still open ends cleanly."""
         self._draining.set()
-
-    async def _next_event(self, it: AsyncIterator[TokenEvent]) -> TokenEvent:
-        """The next event of ``it``, or ShuttingDown as soon as :meth:`drain` is called."""
-        nxt = asyncio.ensure_future(it.__anext__())
-        drain = asyncio.ensure_future(self._draining.wait())
-        try:
-            done, _ = await asyncio.wait({nxt, drain}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            drain.cancel()
-        if nxt in done:
-            return nxt.result()
-        nxt.cancel()
-        raise ShuttingDown()
 
     def _done(self, route: str, status: int) -> None:
         self.metrics.requests.labels(route=route, status=str(status)).inc()
@@ -241,6 +224,36 @@ class OpenAIIngress:
     async def chat_completions(self, request: Request):
         return await self._generate(request, "chat", api.parse_chat)
 
+    @openai_app.post("/tokenize")
+    async def tokenize(self, request: Request):
+        return await self._tokenizer_route(request, "tokenize")
+
+    @openai_app.post("/detokenize")
+    async def detokenize(self, request: Request):
+        return await self._tokenizer_route(request, "detokenize")
+
+    def _tokenization(self, raw: bytes, route: str, max_model_len: int) -> dict:
+        """A /tokenize or /detokenize answer (on a worker thread: a long text takes a while)."""
+        body = api.parse_json_body(raw)
+        if route == "tokenize":
+            ids, strs = tokenize_api.parse_tokenize(body, self.tokenizer, self.model)
+            return tokenize_api.tokenize_response(ids, max_model_len, self.strings if strs else None)
+        return tokenize_api.detokenize_response(self.tokenizer,
+                                                tokenize_api.parse_detokenize(body, self.tokenizer, self.model))
+
+    async def _tokenizer_route(self, request: Request, route: str):
+        err = self._auth(request)
+        if err is not None:
+            return self._reply(route, err)
+        try:
+            raw = await self._read_body(request)
+            max_len = (await self._engine_info())["max_model_len"] if route == "tokenize" else 0
+            out = await asyncio.to_thread(self._tokenization, raw, route, max_len)
+        except ApiError as e:
+            return self._reply(route, e)
+        self._done(route, 200)
+        return out
+
     # -- generation ------------------------------------------------------------------------------------
     async def _generate(self, request: Request, route: str, parse):
         t0 = time.perf_counter()
@@ -255,45 +268,47 @@ class OpenAIIngress:
             req = await asyncio.to_thread(self._parse, raw, parse, info["max_model_len"])
         except ApiError as e:
             return self._reply(route, e)
-        if self.in_flight >= self.config.max_in_flight:
+        limit, n = self.config.max_in_flight, req.n
+        if n > limit:
+            return self._reply(route, api.invalid(f"n is {n} but this server runs at most {limit} generations at "
+                                                  "once (each choice is one)", "n"))
+        if self.in_flight + n > limit:
             return self._reply(route, ApiError(
-                429, f"the server is at its limit of {self.config.max_in_flight} requests in flight; retry later",
+                429, f"the server is at its limit of {limit} requests in flight; retry later",
                 "rate_limit_error", None, "too_many_requests_in_flight"))
-        self.in_flight += 1
-        self.metrics.in_flight.set(self.in_flight)
+        self._acquire(n)
         self.metrics.prompt_tokens.inc(req.num_prompt_tokens)
-        gen = self.llm.options(stream=True).generate.remote(req)
+        gens = [self.llm.options(stream=True).generate.remote(req.choice(i)) for i in range(n)]
         handed_over = False
         try:
-            try:
-                first = await gen.__anext__()  # before any header goes out: a refusal can still be a 400
-            except StopAsyncIteration:
-                return self._reply(route, ApiError(500, "the engine's event stream ended without a token or a finish "
-                                                        "reason", "server_error"))
-            except Exception as e:  # noqa: BLE001
-                cause = app_error(e)
-                if isinstance(cause, ValueError):
-                    return self._reply(route, api.invalid(str(cause)))
-                if isinstance(cause, PrefillFailed):
-                    return self._reply(route, ApiError(503, str(cause), "server_error", None, "prefill_unavailable"))
-                return self._reply(route, engine_failed(cause))
+            # before any header goes out: a refusal can still be a 400
+            firsts = await asyncio.gather(*(first_event(g) for g in gens), return_exceptions=True)
+            for f in firsts:
+                if isinstance(f, asyncio.CancelledError):
+                    raise f
+                if isinstance(f, BaseException):
+                    return self._reply(route, first_error(f))
             if req.stream:
                 # From here the stream generator owns the cleanup (abort, in-flight count). It is started
                 # (primed) before it is handed over, so its ``finally`` runs however it ends: finished,
                 # closed by Starlette, cancelled, or collected when the response never started.
                 handed_over = True
-                stream = self._stream(req, gen, first, t0, route)
+                stream = self._stream(req, gens, firsts, t0, route)
                 head = await stream.__anext__()
                 return StreamingResponse(_prepend(head, stream), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
-            return await self._collect(req, gen, first, t0, route)
+            return await self._collect(req, gens, firsts, t0, route)
         finally:
             if not handed_over:
-                gen.cancel()  # no-op when it finished; aborts the sequence when this request was cancelled
-                self._release()
+                _cancel(gens)  # no-op for the finished; aborts the sequences when this request was cancelled
+                self._release(n)
 
-    def _release(self) -> None:
-        self.in_flight -= 1
+    def _acquire(self, n: int) -> None:
+        self.in_flight += n
+        self.metrics.in_flight.set(self.in_flight)
+
+    def _release(self, n: int) -> None:
+        self.in_flight -= n
         self.metrics.in_flight.set(self.in_flight)
 
     def _observe(self, t0: float, last: Optional[float], now: float) -> float:
@@ -303,79 +318,65 @@ class OpenAIIngress:
             self.metrics.itl.observe(now - last)
         return now
 
-    async def _events(self, gen, first: TokenEvent) -> AsyncIterator[TokenEvent]:
-        yield first
-        if first.finish_reason is not None:
-            return
-        while True:
-            try:
-                ev = await self._next_event(gen)
-            except StopAsyncIteration:
-                raise EngineDead("the engine's event stream ended without a finish reason") from None
-            yield ev
-            if ev.finish_reason is not None:
-                return
+    def _choices(self, req: GenerateRequest) -> list[ChoiceState]:
+        return [ChoiceState(req, i, self.tokenizer, self.strings) for i in range(req.n)]
 
-    async def _collect(self, req: GenerateRequest, gen, first: TokenEvent, t0: float, route: str):
-        detok = resp.IncrementalDetokenizer(self.tokenizer, req.params.stop)
-        last, n, reason = None, 0, None
+    async def _collect(self, req: GenerateRequest, gens, firsts, t0: float, route: str):
+        choices, last = self._choices(req), [None] * req.n
         try:
-            async for ev in self._events(gen, first):
+            async for i, ev in merge_events(gens, firsts, self._draining):
                 if ev.token_ids:
-                    last = self._observe(t0, last, time.perf_counter())
-                    n += len(ev.token_ids)
-                    detok.add(ev.token_ids)
-                reason = ev.finish_reason
-        except asyncio.CancelledError:  # the client went away; the caller's finally aborts the sequence
-            self.metrics.finished.labels(reason="abort").inc()
+                    last[i] = self._observe(t0, last[i], time.perf_counter())
+                choices[i].add(ev)
+        except asyncio.CancelledError:  # the client went away; the caller's finally aborts the sequences
+            self.metrics.finished.labels(reason="abort").inc(sum(not c.done for c in choices))
             raise
         except ShuttingDown:
             return self._reply(route, shutdown_error())
         except Exception as e:  # noqa: BLE001
-            cause = app_error(e)
-            return self._reply(route, engine_failed(cause))
+            return self._reply(route, engine_failed(app_error(e)))
+        tokens = sum(c.tokens for c in choices)
         self.metrics.e2e.observe(time.perf_counter() - t0)
-        self.metrics.generation_tokens.inc(n)
-        self.metrics.finished.labels(reason=reason).inc()
+        self.metrics.generation_tokens.inc(tokens)
+        for c in choices:
+            self.metrics.finished.labels(reason=c.finish_reason).inc()
         self._done(route, 200)
-        return resp.response(req, detok.text, reason, n)
+        return resp.choices_response(req, [c.result() for c in choices], tokens)
 
-    async def _stream(self, req: GenerateRequest, gen, first: TokenEvent, t0: float, route: str) -> AsyncIterator[str]:
-        detok = resp.IncrementalDetokenizer(self.tokenizer, req.params.stop)
+    async def _stream(self, req: GenerateRequest, gens, firsts, t0: float, route: str) -> AsyncIterator[str]:
+        choices, last = self._choices(req), [None] * req.n
         created = int(time.time())
-        last, n, complete = None, 0, False
+        tokens, complete = 0, False
         try:
-            if req.kind == api.CHAT:
-                yield resp.sse(resp.stream_chunk(req, created, "", first=True))
+            for c in choices:  # the chat role, or a completion's echo
+                head = c.opening(created)
+                if head is not None:
+                    yield resp.sse(head)
             try:
-                async for ev in self._events(gen, first):
+                async for i, ev in merge_events(gens, firsts, self._draining):
                     if ev.token_ids:
-                        last = self._observe(t0, last, time.perf_counter())
-                        n += len(ev.token_ids)
+                        last[i] = self._observe(t0, last[i], time.perf_counter())
+                        tokens += len(ev.token_ids)
                         self.metrics.generation_tokens.inc(len(ev.token_ids))
-                        text = detok.add(ev.token_ids)
-                        if text:
-                            yield resp.sse(resp.stream_chunk(req, created, text))
+                    chunk = choices[i].chunk(ev, created, tokens)  # the finish reason rides on the last text
+                    if chunk is not None:
+                        yield resp.sse(chunk)
                     if ev.finish_reason is not None:
-                        tail = detok.finish()
-                        if tail:
-                            yield resp.sse(resp.stream_chunk(req, created, tail))
-                        yield resp.sse(resp.stream_chunk(req, created, None, ev.finish_reason))
-                        if req.include_usage:
-                            yield resp.sse(resp.usage_chunk(req, created, n))
                         self.metrics.finished.labels(reason=ev.finish_reason).inc()
-                        self.metrics.e2e.observe(time.perf_counter() - t0)
+                if req.include_usage:
+                    yield resp.sse(resp.usage_chunk(req, created, tokens))
+                self.metrics.e2e.observe(time.perf_counter() - t0)
             except ShuttingDown:  # headers are out: say so in the stream, and stop generating for it
-                gen.cancel()
+                _cancel(gens)
                 yield resp.sse(shutdown_error().body())
             except Exception as e:  # noqa: BLE001 - headers are out: report in the stream
-                cause = app_error(e)
-                yield resp.sse(engine_failed(cause).body())
+                _cancel(gens)
+                yield resp.sse(engine_failed(app_error(e)).body())
             yield resp.DONE_LINE
             complete = True
         finally:
             if not complete:  # the client went away: stop generating for it
-                gen.cancel()
-                self.metrics.finished.labels(reason="abort").inc()
+                _cancel(gens)
+                self.metrics.finished.labels(reason="abort").inc(sum(not c.done for c in choices))
             self._done(route, 200)
-            self._release()
+            self._release(req.n)

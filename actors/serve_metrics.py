@@ -50,6 +50,12 @@ class _EngineCollector:
                 "kv_handoffs": "prompts prefilled by the prefill deployment and decoded here",
                 "kv_handoff_bytes": "bytes of KV cache blocks received from prefill",
                 "prefill_failures": "requests failed at prefill (unavailable, timed out)"}
+    # prefix caching: dsquant_prefix_cache_<key>, <key> of the snapshot's prefix_cache_<key>
+    PREFIX_GAUGES = {"hit_rate": "prompt tokens found in the prefix cache / prompt tokens looked up",
+                     "blocks": "KV cache blocks holding a prefix-cache entry (in use or evictable)"}
+    PREFIX_COUNTERS = {"queries": "prompt tokens looked up in the prefix cache at admission",
+                       "hits": "prompt tokens found in the prefix cache (their prefill skipped)",
+                       "recompute_hits": "tokens a preempted sequence found in the prefix cache when recomputed"}
 
     def __init__(self, metrics: ServeMetrics):
         self.metrics = metrics
@@ -66,6 +72,10 @@ class _EngineCollector:
         for k, doc in self.COUNTERS.items():
             if k in s:
                 yield CounterMetricFamily(f"dsquant_engine_{k}", doc, value=float(s[k]))
+        for kinds, family in ((self.PREFIX_GAUGES, GaugeMetricFamily), (self.PREFIX_COUNTERS, CounterMetricFamily)):
+            for k, doc in kinds.items():
+                if f"prefix_cache_{k}" in s:
+                    yield family(f"dsquant_prefix_cache_{k}", doc, value=float(s[f"prefix_cache_{k}"]))
         if s.get("kernels"):
             info = GaugeMetricFamily("dsquant_engine_kernels", "1 per device: which kernels the engine runs there "
                                      "(triton on CUDA, torch elsewhere)", labels=["device", "backend"])

@@ -2,8 +2,11 @@
 
 With no --model-path it runs the embedded default model (float). A quantized directory (one with
 quant_model_description.json, ours or msModelSlim's) runs in the inference engine: int8 linears, the
-int8 latent cache (NZ), MTP speculative decoding when the model has the layer. Greedy by default;
---temperature/--top-p/--top-k/--seed sample.
+int8 latent cache (NZ), MTP speculative decoding when the model has the layer. A float checkpoint
+(config.json + safetensors) runs on the float model's own generator, or with --engine in the same
+inference engine (float linears, the latent cached in the model's dtype, NZ, MTP when present).
+A directory that is neither is refused, naming it. Greedy by default; --temperature/--top-p/--top-k/--seed
+sample.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="auto",
                     help="float32, bfloat16, float16 or auto, for a float model (default: %(default)s)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    ap.add_argument("--engine", action="store_true",
+                    help="run a float checkpoint in the inference engine, as jobs.serve does (default: off, the "
+                         "float model's own generator; a quantized directory always runs in the engine)")
     add_parallel_args(ap)
     return ap
 
@@ -60,7 +66,7 @@ def main(argv=None) -> int:
 
     from pipeline.io import storage
     from pipeline.assets import EMBEDDED_MODEL_DIR
-    from pipeline.format.description import DESCRIPTION_NAME
+    from pipeline.engine.loader import QUANTIZED, dir_kind
     from pipeline.engine.reference import generate_text
     from pipeline.model.loading import load_model
     from pipeline.engine.sampling import SamplingParams
@@ -74,14 +80,17 @@ def main(argv=None) -> int:
         t0 = time.time()
         if not storage.isdir(path):
             raise FileNotFoundError(f"{path}: not a checkpoint directory")
+        kind = dir_kind(path)
         tok = Tokenizer.from_dir(path)
-        if storage.exists(storage.join(path, DESCRIPTION_NAME)):
+        if kind == QUANTIZED or args.engine:
             from pipeline.engine.engine import LLMEngine
 
             parallel = _parallel(args)
             if parallel is None:
-                eng = LLMEngine.from_dir(path, tokenizer=tok, nz=True, device=args.device or "cpu")
+                eng = LLMEngine.from_dir(path, tokenizer=tok, dtype=args.dtype, nz=True, device=args.device or "cpu")
                 eng = LLMEngine(eng.loaded, replace(eng.config, mtp=bool(eng.loaded.model.mtp_layers)), tok)
+            elif kind != QUANTIZED:
+                raise ValueError(f"{path}: a float checkpoint runs in one process; drop --tp/--dp/--moe-ep/--moe-tp")
             else:
                 eng = _sharded_engine(path, parallel, args, tok, stack)
             t1 = time.time()
@@ -91,7 +100,10 @@ def main(argv=None) -> int:
                 eng.step()
             text = eng.text(seq)
             where = "" if parallel is None else f", {parallel.describe()}"
-            path = f"{path} (engine: int8 linears, int8-NZ latent cache{where}" + (
+            latent = next(iter(eng.runner.caches.values())).latent_dtype
+            what = "int8 linears, int8" if kind == QUANTIZED else \
+                f"float linears ({str(eng.loaded.model.lm_head.weight.dtype)[6:]}), {str(latent)[6:]}"
+            path = f"{path} (engine: {what}-NZ latent cache{where}" + (
                 f", MTP acceptance {eng.acceptance_rate:.2f})" if eng.config.mtp else ")")
         else:
             model = load_model(path, dtype=args.dtype, device=args.device, with_mtp=False)

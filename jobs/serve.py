@@ -1,12 +1,16 @@
-"""Serve a quantized model with an OpenAI-compatible API on Ray Serve: ``python -m jobs.serve``.
+"""Serve a quantized model or a float checkpoint with an OpenAI-compatible API on Ray Serve: ``python -m jobs.serve``.
 
 With no arguments it serves ``out/dsv3-tiny-pydoc-w8a8-fa3`` (quantizing the embedded model there first
-when that directory is missing or incomplete) on http://127.0.0.1:8000/v1 until Ctrl-C. Ray: the cluster
+when that directory is missing or incomplete) on http://127.0.0.1:8000/v1 until Ctrl-C. ``--model-path``
+may also name a float HF-layout checkpoint (config.json + safetensors, bf16 or the FP8 release), e.g. the
+embedded ``pipeline/assets/dsv3-tiny-pydoc``: the same engine runs it with float linears and the latent
+cached in the model's dtype, for comparing float and quantized side by side. Ray: the cluster
 at ``--address`` / RAY_ADDRESS when given, else a private local one started here (object store capped) and
 stopped on exit; SIGINT and SIGTERM stop it within seconds. ``--config FILE`` (JSON or YAML, see
 ``actors.serve_app.ServeConfig``) gives every option; flags given on the command line override it.
 
     python -m jobs.serve --port 8000 --api-key sk-local --max-in-flight 32 --num-blocks 512 --mtp
+    python -m jobs.serve --model-path pipeline/assets/dsv3-tiny-pydoc --port 8001     # the float model
     python -m jobs.chat "What's deep learning?"
 """
 
@@ -39,7 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jobs.serve", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=None, help="JSON or YAML file of ServeConfig options (default: none)")
     ap.add_argument("--model-path", "--model_path", dest="model_path", default=None,
-                    help=f"quantized directory (default: {DEFAULT_MODEL}, made from the embedded model if missing)")
+                    help=f"quantized directory or float checkpoint (default: {DEFAULT_MODEL}, made from the "
+                         "embedded model if missing)")
+    ap.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16", "float16"),
+                    help="compute dtype of a float checkpoint (of a quantized directory's float parts) "
+                         "(default: auto: float32 on CPU, measured faster there; the checkpoint's on CUDA)")
     ap.add_argument("--served-model-name", dest="served_model_name", default=None,
                     help="model id clients send (default: the directory's name)")
     ap.add_argument("--host", default=None, help=f"HTTP host (default: {dd.host})")
@@ -74,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mtp", dest="mtp", action=argparse.BooleanOptionalAction, default=None,
                     help=f"MTP speculative decoding, one draft token; needs the model's MTP layer "
                          f"(default: {'on' if E.mtp else 'off'})")
+    ap.add_argument("--prefix-caching", dest="prefix_caching", action=argparse.BooleanOptionalAction, default=None,
+                    help=f"reuse cached full blocks of shared prompt prefixes across requests "
+                         f"(default: {'on' if E.prefix_caching else 'off'})")
+    ap.add_argument("--compile", dest="compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="torch.compile the layers' work around attention (start-up takes a minute or two "
+                         f"longer; default: {'on' if E.compile else 'off'})")
+    ap.add_argument("--engine-process", dest="engine_process", action=argparse.BooleanOptionalAction, default=None,
+                    help=f"step the engine in a child process of the replica, not on its thread "
+                         f"(default: {'on' if dd.engine_process else 'off'})")
     ap.add_argument("--device", default=None, help=f"cpu or cuda (default: {E.device})")
     ap.add_argument("--mindie-config", dest="mindie_config", default=None,
                     help="a MindIE config.json (or its ModelConfig block) to serve as it says; sizes the hardware "
@@ -107,9 +124,11 @@ def make_config(args: argparse.Namespace):
     else:
         cfg = ServeConfig.from_file(args.config) if args.config else ServeConfig(model_path=DEFAULT_MODEL)
     top = {k: getattr(args, k) for k in ("model_path", "served_model_name", "host", "port", "api_key",
-                                         "max_in_flight", "torch_threads", "mode") if getattr(args, k) is not None}
+                                         "max_in_flight", "torch_threads", "mode", "dtype", "engine_process")
+           if getattr(args, k) is not None}
     engine = {k: getattr(args, k) for k in ("num_blocks", "block_size", "max_num_seqs", "max_batched_tokens",
-                                            "max_model_len", "nz", "mtp", "device") if getattr(args, k) is not None}
+                                            "max_model_len", "nz", "mtp", "prefix_caching", "compile", "device")
+              if getattr(args, k) is not None}
     llm_opts = dict(cfg.llm.ray_actor_options)
     if args.llm_num_cpus is not None:
         llm_opts["num_cpus"] = args.llm_num_cpus
@@ -268,6 +287,13 @@ def main(argv=None) -> int:
     elif "://" not in cfg.model_path and not Path(cfg.model_path).is_dir():
         print(f"error: --model-path {cfg.model_path} is not a directory", file=sys.stderr)
         return 2
+    from actors.serve_config import check_model_dir
+
+    try:
+        kind = check_model_dir(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     from actors.ray_start import join_address
 
@@ -298,7 +324,7 @@ def main(argv=None) -> int:
         with dropped_log_line("ray.serve", EXISTING_SERVE):  # serve.run finds the instance just started
             serve.run(app, name=cfg.app_name, route_prefix=cfg.route_prefix)
         base = f"http://{cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}/v1"
-        print(f"serving {cfg.model_name!r} from {cfg.model_path} at {base} (ready in {time.time() - t0:.0f}s; "
+        print(f"serving {cfg.model_name!r} ({kind}) from {cfg.model_path} at {base} (ready in {time.time() - t0:.0f}s; "
               f"{'API key required' if cfg.api_key else 'no API key'}); Ctrl-C stops", file=sys.stderr, flush=True)
         while True:
             time.sleep(3600)

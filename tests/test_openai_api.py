@@ -97,14 +97,17 @@ def test_stop_forms(tok):
     ("top_p", 1.5, "top_p", "top_p must be in (0, 1], got 1.5"),
     ("top_k", -2, "top_k", "top_k must be >= 0 (or -1 to disable it), got -2"),
     ("seed", "x", "seed", "seed must be an integer, got 'x'"),
-    ("n", 2, "n", "n must be 1 on this server (one choice per request), got 2"),
+    ("n", 17, "n", "n must be in [1, 16], got 17"),
+    ("n", 0, "n", "n must be in [1, 16], got 0"),
+    ("n", "2", "n", "n must be an integer, got '2'"),
     ("stream", "yes", "stream", "stream must be a boolean, got 'yes'"),
     ("frequency_penalty", 2.5, "frequency_penalty", "frequency_penalty must be in [-2, 2], got 2.5"),
     ("presence_penalty", "x", "presence_penalty", "presence_penalty must be a number, got 'x'"),
     ("repetition_penalty", 0, "repetition_penalty", "repetition_penalty must be in (0, 2], got 0"),
     ("ignore_eos", "yes", "ignore_eos", "ignore_eos must be a boolean, got 'yes'"),
     ("min_tokens", "x", "min_tokens", "min_tokens must be an integer, got 'x'"),
-    ("logprobs", 2, "logprobs", "logprobs are not supported by this server"),
+    ("logprobs", "yes", "logprobs", None),   # the message differs by route: tests/test_api_fields.py
+    ("logit_bias", {"5": 1}, "logit_bias", "logit_bias is not supported by this server"),
     ("stream_options", {"include_usage": True}, "stream_options", "stream_options is only allowed with stream=true"),
     ("bogus", 1, "bogus", "unrecognized request argument(s): bogus"),
 ])
@@ -112,16 +115,18 @@ def test_stop_forms(tok):
 def test_bad_fields_are_400_naming_the_field(tok, kind, field, value, param, message):
     parse, body = (api.parse_chat, chat_body) if kind == "chat" else (api.parse_completion, completion_body)
     e = refused(parse, body(**{field: value}), tok)
+    message = e.message if message is None else message
     assert (e.status, e.type, e.param, e.message) == (400, "invalid_request_error", param, message)
     assert e.body() == {"error": {"message": message, "type": "invalid_request_error", "param": param,
                                   "code": None}}
 
 
-def test_echo_and_suffix_refused(tok):
-    e = refused(api.parse_completion, completion_body(echo=True), tok)
-    assert (e.status, e.param, e.message) == (400, "echo", "echo is not supported by this server; send echo=false "
-                                                           "or leave it out")
-    assert api.parse_completion(completion_body(echo=False), tok, MODEL, CTX).prompt_ids  # false is fine
+def test_echo_with_logprobs_and_suffix_refused(tok):
+    e = refused(api.parse_completion, completion_body(echo=True, logprobs=1), tok)
+    assert (e.status, e.param, e.message) == (400, "echo", "echo with logprobs needs the prompt tokens' logprobs, "
+                                                           "which this server does not compute: send echo or "
+                                                           "logprobs, not both")
+    assert api.parse_completion(completion_body(echo=False), tok, MODEL, CTX).echo is None  # false is fine
     e = refused(api.parse_completion, completion_body(suffix="x"), tok)
     assert (e.status, e.param) == (400, "suffix")
 

@@ -21,7 +21,6 @@ openai = pytest.importorskip("openai")
 
 from pipeline.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from pipeline.engine.sampling import SamplingParams  # noqa: E402
-from pipeline.text.tokenizer import Tokenizer  # noqa: E402
 
 MODEL = "tiny-w8a8"
 KEY = "sk-test-123"
@@ -36,16 +35,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def qdir(embedded_quantized) -> str:
-    return embedded_quantized
-
-
-@pytest.fixture(scope="module")
-def tok(qdir) -> Tokenizer:
-    return Tokenizer.from_dir(qdir)
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +271,7 @@ def test_bad_requests_get_their_status_and_message(server, tok):
         (dict(messages=msgs, max_tokens=-1), "max_tokens", "max_tokens must be >= 1, got -1"),
         (dict(messages=msgs, temperature=5), "temperature", "temperature must be in [0, 2], got 5"),
         (dict(messages=msgs, top_p=0), "top_p", "top_p must be in (0, 1], got 0"),
-        (dict(messages=msgs, n=2), "n", "n must be 1 on this server (one choice per request), got 2"),
+        (dict(messages=msgs, n=17), "n", "n must be in [1, 16], got 17"),
         (dict(messages=[{"role": "robot", "content": "x"}]), "messages",
          "messages[0].role must be one of system, developer, user, assistant, got 'robot'"),
         (dict(messages=[]), "messages", "messages is empty"),
@@ -294,7 +283,8 @@ def test_bad_requests_get_their_status_and_message(server, tok):
     status, body = http("POST", f"{server}/v1/chat/completions", json.dumps({"model": MODEL}).encode(),
                         {"Content-Type": "application/json"})
     assert (status, json.loads(body)["error"]["message"]) == (400, "messages is required")
-    err = api_error(lambda: c.completions.create(model=MODEL, prompt="x", echo=True), openai.BadRequestError)
+    err = api_error(lambda: c.completions.create(model=MODEL, prompt="x", echo=True, logprobs=1),
+                    openai.BadRequestError)
     assert err["param"] == "echo"
     # none of these reached the engine
     assert metrics(server).get("dsquant_engine_steps_total") == before

@@ -28,16 +28,6 @@ KEY = "sk-hardening"
 RAW = "The os module provides"
 
 
-@pytest.fixture(scope="module")
-def qdir(embedded_quantized) -> str:
-    return embedded_quantized
-
-
-@pytest.fixture(scope="module")
-def tok(qdir) -> Tokenizer:
-    return Tokenizer.from_dir(qdir)
-
-
 def broken(**kw) -> SamplingParams:
     """Params that SamplingParams accepts but that make sampling raise (a float top_k: torch's topk
     takes ints only), standing for any failure inside one request's sampling."""

@@ -5,6 +5,7 @@ The cache itself is ``[num_blocks, block_size, ...]`` per layer; a sequence's to
 sequences can share a prefix (``fork``). A shared block is never written: appending to a sequence whose
 last, partially filled block is shared first moves that sequence onto a fresh block (copy-on-write), and
 ``append_tokens`` returns the ``(src, dst)`` pairs whose first ``offset`` slots the caller must copy.
+Full blocks shared across requests by their contents (prefix caching): pipeline.engine.prefix_cache.
 
 What a token costs under a quantization recipe: ``kv_bytes_per_token``, beside the recipe.
 """
@@ -100,6 +101,12 @@ class BlockAllocator:
         if self._refs[block] == 0:
             self._free.append(block)
 
+    def free_all(self, blocks: Iterable[int]) -> None:
+        """``free`` each of a sequence's blocks (in order here; the prefix-caching allocator frees the
+        last first, pipeline.engine.prefix_cache)."""
+        for b in blocks:
+            self.free(b)
+
 
 class BlockTable:
     """One sequence's blocks: token ``p`` (0 <= p < num_tokens) is at ``(blocks[p // block_size],
@@ -172,7 +179,6 @@ class BlockTable:
 
     def release(self, allocator: BlockAllocator) -> None:
         """Drop this table's reference to each of its blocks; the table is left empty."""
-        for b in self.blocks:
-            allocator.free(b)
+        allocator.free_all(self.blocks)
         self.blocks = []
         self.num_tokens = 0

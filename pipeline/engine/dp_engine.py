@@ -68,7 +68,8 @@ class DPEngine:
     def stats(self) -> EngineStats:
         out = EngineStats(steps=self.steps)
         for g in self.groups:
-            for f in ("prompt_tokens", "generated_tokens", "preemptions", "drafts", "accepted"):
+            for f in ("prompt_tokens", "generated_tokens", "preemptions", "drafts", "accepted",
+                      "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_recompute_hits"):
                 setattr(out, f, getattr(out, f) + getattr(g.stats, f))
         return out
 

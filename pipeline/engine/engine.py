@@ -19,11 +19,13 @@ from typing import Optional, Sequence
 import torch
 
 from pipeline.engine.blocks import BlockAllocator
-from pipeline.engine.loader import LoadedModel, load_quantized
+from pipeline.engine.loader import LoadedModel, load_model
+from pipeline.engine.prefix_cache import PrefixCachingAllocator
 from pipeline.engine.runner import ModelRunner, Span
 from pipeline.engine.scheduler import FINISHED, RUNNING, Scheduler
 from pipeline.engine.scheduler import Sequence as Seq
-from pipeline.engine.sampling import SamplingParams, StopText, adjust_logits, cut_at_stop, sample
+from pipeline.engine.sampling import (SamplingParams, StopText, TokenLogprobs, adjust_logits, cut_at_stop,
+                                      generator_on, piece_logprobs, restored_generator, sample)
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,8 @@ class EngineConfig:
     cache_dtype: Optional[str] = None       # k_pe / non-FA3 latent storage; default the model's dtype
     mtp: bool = False                       # speculative decoding with the MTP layer (one draft token)
     fa3: bool = True                        # int8 latent cache on FA3 layers (False: the latent in bf16)
+    compile: bool = False                   # torch.compile the layers' work around attention (engine.regions)
+    prefix_caching: bool = True             # reuse cached full blocks across requests (engine.prefix_cache)
 
 
 STEP_TIMES_KEPT = 10_000
@@ -46,7 +50,8 @@ STEP_TIMES_KEPT = 10_000
 def make_runner(loaded: LoadedModel, config: EngineConfig, cls=ModelRunner, **kw) -> ModelRunner:
     """The model runner (``cls``) of ``loaded`` as ``config`` sets its cache (``kw``: ModelRunner's others)."""
     return cls(loaded, config.num_blocks, config.block_size, config.nz, config.device,
-               getattr(torch, config.cache_dtype) if config.cache_dtype else None, config.mtp, config.fa3, **kw)
+               getattr(torch, config.cache_dtype) if config.cache_dtype else None, config.mtp, config.fa3,
+               compile=config.compile, **kw)
 
 
 @dataclass
@@ -54,7 +59,11 @@ class KVHandoff:
     """A prefilled prompt, as a prefill engine hands it to a decode engine: the prompt, the first token
     sampled from it, and the cache blocks holding the prompt's KV in their stored form (int8 latent with
     fa_k on FA3 layers, NZ when the cache is NZ), per layer (the MTP layer's too when drafting), plus the
-    MTP draft for the next token. ``layout`` must match the receiving engine's (checked)."""
+    MTP draft for the next token. ``layout`` must match the receiving engine's (checked).
+    ``first_logprobs``: the first token's logprobs when the request asks for them (pass them on in its
+    first TokenEvent). ``generator_state``: a seeded request's generator after sampling the first token
+    (``torch.Generator.get_state()``, of a generator on ``generator_device``): the decode engine continues
+    it, so a seeded sampled request draws the same tokens as in one engine."""
 
     prompt: list[int]
     first_token: Optional[int]              # None: the request ended at its first token (finish_reason)
@@ -63,6 +72,9 @@ class KVHandoff:
     blocks: dict[int, tuple[torch.Tensor, torch.Tensor]]
     draft: Optional[int]
     layout: dict
+    first_logprobs: Optional[tuple[TokenLogprobs, ...]] = None
+    generator_state: Optional[torch.Tensor] = None
+    generator_device: Optional[str] = None
 
     @property
     def nbytes(self) -> int:
@@ -77,7 +89,15 @@ class EngineStats:
     preemptions: int = 0
     drafts: int = 0                 # MTP draft tokens proposed (and verified)
     accepted: int = 0               # ... and accepted
+    prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0      # ... found there (their prefill skipped)
+    prefix_cache_recompute_hits: int = 0  # tokens a preempted sequence found there when recomputed
     step_seconds: deque = field(default_factory=lambda: deque(maxlen=STEP_TIMES_KEPT))  # the latest steps'
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache / prompt tokens looked up (0 before any)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 @dataclass
@@ -104,6 +124,10 @@ class DraftWork:
 
 
 class LLMEngine:
+    # seq_id -> the TokenLogprobs of the tokens it kept in the latest step that sampled, for the sequences
+    # that ask (SamplingParams.logprobs); each such step replaces the dict (this empty one is never mutated)
+    step_logprobs: dict[int, list[TokenLogprobs]] = {}
+
     def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), tokenizer=None,
                  runner: Optional[ModelRunner] = None):
         """``runner``: a model runner already built for ``loaded`` and ``config`` (a sharded replica's rank
@@ -112,19 +136,23 @@ class LLMEngine:
         self.config, self.loaded, self.tokenizer = config, loaded, tokenizer
         cap = config.num_blocks * config.block_size
         max_len = min(config.max_model_len or cap, cfg.max_position_embeddings)
-        self.allocator = BlockAllocator(config.num_blocks)
-        self.scheduler = Scheduler(self.allocator, config.block_size, max_len, config.max_num_seqs,
-                                   config.max_batched_tokens)
-        self.runner = runner or make_runner(loaded, config)
+        self.allocator = (PrefixCachingAllocator if config.prefix_caching else BlockAllocator)(config.num_blocks)
         self.stats = EngineStats()
+        self.scheduler = Scheduler(self.allocator, config.block_size, max_len, config.max_num_seqs,
+                                   config.max_batched_tokens, mtp=config.mtp, stats=self.stats)
+        self.runner = runner or make_runner(loaded, config)
         self._stop_texts: dict[int, StopText] = {}      # seq_id -> its output's text, for stop strings
         self.errors: dict[int, str] = {}                # seq_id -> why it failed (finish_reason "error")
         self.eos_id = getattr(tokenizer, "eos_id", None) if tokenizer is not None else cfg.eos_token_id
         self._layout = self._make_layout()
 
     @classmethod
-    def from_dir(cls, path: str, tokenizer=None, **config) -> "LLMEngine":
-        return cls(load_quantized(path, device=config.get("device", "cpu")), EngineConfig(**config), tokenizer)
+    def from_dir(cls, path: str, tokenizer=None, dtype=None, **config) -> "LLMEngine":
+        """The engine on a quantized directory or a float checkpoint (``loader.load_model`` picks by what
+        the directory holds); ``dtype``: the float compute dtype (default: the loader's); ``config``:
+        EngineConfig's fields."""
+        ec = EngineConfig(**config)
+        return cls(load_model(path, dtype=dtype, device=ec.device), ec, tokenizer)
 
     @property
     def has_work(self) -> bool:
@@ -161,10 +189,11 @@ class LLMEngine:
 
     def prefill(self, prompt_ids: Sequence[int], params: SamplingParams, step=None, read=None) -> KVHandoff:
         """Run the prompt (with whatever else is in flight), sample its first token, and hand off its
-        cache blocks; the sequence's blocks are freed here once copied out. ``step`` / ``read``: how to
-        step and read blocks (default this engine's; a DP-attention group steps all groups, dp_engine)."""
+        cache blocks; the sequence's blocks are freed here once copied out, with the first token's logprobs
+        (when asked) and a seeded generator's state. ``step`` / ``read``: how to step and read blocks
+        (default this engine's; a DP-attention group steps all groups, dp_engine)."""
         step, read = step or self.step, read or self.runner.read_blocks
-        seq = self.add_request(prompt_ids, replace(params, max_new_tokens=1))
+        seq = self.add_request(prompt_ids, replace(params, max_new_tokens=1, min_tokens=min(params.min_tokens, 1)))
         seq.hold = True
         try:
             while seq.status != FINISHED:
@@ -176,7 +205,10 @@ class LLMEngine:
             blocks = seq.table.blocks[: -(-n // self.config.block_size)]
             data = read(blocks)
             reason = "stop" if first is None else ("length" if params.max_new_tokens <= 1 else None)
-            return KVHandoff(list(seq.prompt), first, reason, n, data, seq.draft, self.kv_layout())
+            first_lp = latest_logprobs(self, seq) if first is not None and params.logprobs is not None else None
+            gen = seq.generator
+            return KVHandoff(list(seq.prompt), first, reason, n, data, seq.draft, self.kv_layout(), first_lp,
+                             None if gen is None else gen.get_state(), None if gen is None else str(gen.device))
         finally:  # done or failed: this prompt leaves nothing behind in the engine
             seq.hold = False
             self.scheduler.abort(seq)
@@ -185,16 +217,23 @@ class LLMEngine:
     def add_prefilled(self, kv: KVHandoff, params: SamplingParams, write=None) -> Seq:
         """Continue a request another engine prefilled: its blocks are copied into this engine's cache and
         the sequence decodes from the next step. Raises ValueError when the layouts differ and OutOfBlocks
-        when the cache cannot take the blocks now. ``write``: how blocks are stored (default the runner's)."""
+        when the cache cannot take the blocks now (or when a seeded generator's state is for another kind of
+        device than this engine samples on). ``write``: how blocks are stored (default the runner's). A
+        seeded request's generator continues from the prefill's state (on this engine's device)."""
         if kv.layout != self._layout:
             diff = sorted(k for k in set(kv.layout) | set(self._layout) if kv.layout.get(k) != self._layout.get(k))
             raise ValueError(f"KV handoff: the prefill engine's cache layout differs in {diff}")
         if kv.first_token is None:
             raise ValueError(f"KV handoff: the request already finished at prefill ({kv.finish_reason})")
+        generator = None
+        if params.seed is not None and kv.generator_state is not None:  # go on drawing where prefill stopped
+            generator = restored_generator(kv.generator_state, kv.generator_device, self.config.device)
         seq = self.scheduler.add_running(kv.prompt + [kv.first_token], len(kv.prompt), kv.num_cached, params,
                                          self.eos_id)
         (write or self.runner.write_blocks)(list(seq.table.blocks), kv.blocks)
         seq.draft = kv.draft if params.greedy else None
+        if generator is not None:
+            seq.generator = generator
         self.stats.prompt_tokens += len(kv.prompt)
         return seq
 
@@ -230,10 +269,13 @@ class LLMEngine:
 
     def sampled(self, st: "StepWork", logits: torch.Tensor) -> Optional["DraftWork"]:
         """Sample every sampling piece's tokens from ``logits`` (its rows), update the scheduler; returns
-        the MTP layer's work for this step (None without MTP or with nothing to draft)."""
+        the MTP layer's work for this step (None without MTP or with nothing to draft). The logprobs of
+        the sequences that ask for them go to :attr:`step_logprobs` (:func:`latest_logprobs`); with none
+        asking, nothing is computed."""
         batch = st.batch
         sampled: dict[int, list[int]] = {}
         failed: list[Seq] = []
+        asking: list[tuple[Seq, int]] = []     # (sequence, its first logit row) of those that want logprobs
         r = 0
         for p in batch.pieces:
             if not p.samples:
@@ -244,11 +286,17 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 - one request's sampling failure fails that request only
                 self.errors[p.seq.seq_id] = f"sampling failed: {type(e).__name__}: {e}"
                 failed.append(p.seq)
+            else:
+                if p.seq.params.logprobs is not None:
+                    asking.append((p.seq, r))
             r += rows_of
         st.before = {p.seq.seq_id: len(p.seq.output) for p in batch.pieces}
+        got = piece_logprobs(logits, asking, sampled) if asking else {}
         self.scheduler.update(batch, sampled)
         for seq in failed:
             self.scheduler.finish(seq, "error")
+        if got or self.step_logprobs:  # only the tokens the sequence kept (not an eos that ended it)
+            self.step_logprobs = {sid: lps[:len(seq.output) - st.before[sid]] for sid, (seq, lps) in got.items()}
         return self._draft_work(batch.pieces, st.offsets) if self.runner.mtp_id is not None else None
 
     def end_step(self, st: "StepWork") -> list[tuple[Seq, list[int]]]:
@@ -273,10 +321,11 @@ class LLMEngine:
         draft is accepted, one more."""
         seq = p.seq
         out = list(seq.output)
+        generator = generator_on(seq, logits.device)
 
         def next_token(row: int) -> int:
             x = adjust_logits(logits[row:row + 1], seq.params, seq.prompt, out, seq.eos_id)
-            return int(sample(x, seq.params, seq.generator)[0])
+            return int(sample(x, seq.params, generator)[0])
 
         first = next_token(0)
         if p.draft is None:
@@ -339,6 +388,16 @@ class LLMEngine:
     def text(self, seq: Seq) -> str:
         """The sequence's output text, cut at its first stop string."""
         return cut_at_stop(self.tokenizer.decode(seq.output), seq.params.stop)[0]
+
+
+def latest_logprobs(engine, seq: Seq) -> Optional[tuple[TokenLogprobs, ...]]:
+    """The logprobs of the tokens ``seq`` got in the latest step of ``engine`` (an LLMEngine, or a DP
+    engine whose group ``seq_id % len(groups)`` holds it), one per token; None when it asks for none."""
+    groups = getattr(engine, "groups", None)
+    if groups:
+        engine = groups[seq.seq_id % len(groups)]
+    got = engine.step_logprobs.get(seq.seq_id)
+    return tuple(got) if got else None
 
 
 def greedy_agreement(a: Sequence[int], b: Sequence[int]) -> float:

@@ -9,16 +9,20 @@ from typing import Any, Callable, Optional, Union
 
 from pipeline.engine.blocks import OutOfBlocks
 from pipeline.engine.dist_runner import ReplicaBroken
+from pipeline.engine.engine import latest_logprobs
 from pipeline.engine.kernels.dispatch import chosen
 
 
 @dataclass(frozen=True)
 class TokenEvent:
     """What the engine side yields for a request: the tokens produced since the last event (possibly
-    none), and ``finish_reason`` ("stop", "length" or "abort") on the last event only."""
+    none), and ``finish_reason`` ("stop", "length" or "abort") on the last event only. ``logprobs``: when
+    the request asks for them (SamplingParams.logprobs), one ``sampling.TokenLogprobs`` per token of
+    ``token_ids``, in order; else None."""
 
     token_ids: tuple[int, ...] = ()
     finish_reason: Optional[str] = None
+    logprobs: Optional[tuple] = None
 
 
 class PrefillFailed(RuntimeError):
@@ -49,8 +53,12 @@ class EngineLoop:
     failed steps in a row (or a failure outside a step) does every open request get :class:`EngineDead`
     and the loop stop (health checks then fail, and Serve replaces the replica)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, after_step: Optional[Callable[["EngineLoop"], None]] = None):
+        """``after_step(loop)``: called on the loop's thread after every iteration (a step, or a wait with
+        nothing to do) once its events are delivered and the snapshot published, and once more when the
+        loop stops on an error (pipeline.engine.core_process sends each step's events in one message)."""
         self.engine = engine
+        self._after_step = after_step
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._keys = itertools.count()
         self._sinks: dict[int, Sink] = {}
@@ -158,12 +166,16 @@ class EngineLoop:
                 if self.engine.has_work:
                     self._step()
                 self._publish()
+                if self._after_step is not None:
+                    self._after_step(self)
         except BaseException as e:  # noqa: BLE001 - reported to every open request and to health checks
             self.error = e
             for sink in self._sinks.values():
                 _deliver(sink, EngineDead(f"the engine loop stopped: {type(e).__name__}: {e}"))
             self._sinks.clear()
             self._publish()
+            if self._after_step is not None:
+                self._after_step(self)
 
     def _step(self) -> None:
         """One engine step, its events delivered. A step that raises fails the requests running in it."""
@@ -188,7 +200,8 @@ class EngineLoop:
             if done and seq.finish_reason == "error":
                 _deliver(self._sinks[key], RequestFailed(self.engine.pop_error(seq) or "the request failed"))
             else:
-                _deliver(self._sinks[key], TokenEvent(tuple(new), seq.finish_reason if done else None))
+                lps = latest_logprobs(self.engine, seq) if new and seq.params.logprobs is not None else None
+                _deliver(self._sinks[key], TokenEvent(tuple(new), seq.finish_reason if done else None, lps))
             if done:
                 self.finished[seq.finish_reason] = self.finished.get(seq.finish_reason, 0) + 1
                 del self._sinks[key], self._seqs[key], self._key_of[seq.seq_id]
@@ -211,6 +224,10 @@ class EngineLoop:
             "steps": eng.stats.steps, "prompt_tokens": eng.stats.prompt_tokens,
             "generated_tokens": eng.stats.generated_tokens, "preemptions": eng.stats.preemptions,
             "mtp_drafts": eng.stats.drafts, "mtp_accepted": eng.stats.accepted,
+            "prefix_cache_queries": eng.stats.prefix_cache_queries, "prefix_cache_hits": eng.stats.prefix_cache_hits,
+            "prefix_cache_hit_rate": eng.stats.prefix_cache_hit_rate,
+            "prefix_cache_recompute_hits": eng.stats.prefix_cache_recompute_hits,
+            "prefix_cache_blocks": getattr(eng.allocator, "num_cached", 0),
             "aborted": self.aborted, "finished": dict(self.finished), "alive": self.error is None,
             "kernels": chosen(),
         }

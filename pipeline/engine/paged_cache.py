@@ -85,6 +85,7 @@ class PagedLatentCache:
         self.num_blocks, self.block_size, self.C, self.d_r = num_blocks, block_size, kv_lora_rank, rope_dim
         self.dtype = dtype
         self.scale: Optional[torch.Tensor] = None if fa_k is None else fa3_scale(fa_k)
+        self.scale_value = 1.0 if self.scale is None else self.scale.item()   # s_k as attention applies it
         self.latent_dtype = torch.int8 if self.scale is not None else dtype
         self.nz = bool(nz)
         if self.nz:

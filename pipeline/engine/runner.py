@@ -16,15 +16,31 @@ The MTP layer (speculative decoding) is a decoder layer with its own paged cache
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from pipeline.engine.attention import paged_decode_attention, paged_prefill_attention
+from pipeline.engine.attention import paged_prefill_attention
+from pipeline.engine.batched_attention import DecodeBatch, batched_decode_attention
+from pipeline.engine.regions import Regions
 from pipeline.engine.kernels.dispatch import TRITON, backend
 from pipeline.engine.loader import LoadedModel
 from pipeline.engine.paged_cache import PagedLatentCache
 from pipeline.config import model_dtype
+from pipeline.model.ffn import MLP
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What every layer of one model call reads (ModelRunner._positions builds it once per call)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor                 # int64 [N]: each token's flat cache slot
+    decode: Optional[DecodeBatch]       # the single-token pieces' block table, lengths
+    decode_rows: torch.Tensor           # int64 [B]: their rows in the flat token row
+    all_decode: bool                    # every token is a decode row (in order): no scatter needed
+    multi: list                         # (span, a, b) of each longer piece (prefill chunks, MTP verifies)
 
 
 @dataclass(frozen=True)
@@ -43,9 +59,10 @@ class Span:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16, nz: bool = False,
                  device: str = "cpu", cache_dtype: torch.dtype | None = None, mtp: bool = False,
-                 fa3: bool = True, scratch: bool = False):
+                 fa3: bool = True, scratch: bool = False, compile: bool = False):
         """``scratch``: one more cache block, ``scratch_block`` (= num_blocks), that no scheduler hands out:
-        a DP-attention group with no work runs a one-token step there to join the others' collectives."""
+        a DP-attention group with no work runs a one-token step there to join the others' collectives.
+        ``compile``: the layers' work around attention through torch.compile (pipeline.engine.regions)."""
         self.loaded, self.model, self.cfg = loaded, loaded.model, loaded.config
         self.scratch_block = num_blocks if scratch else None
         num_blocks += 1 if scratch else 0
@@ -58,6 +75,8 @@ class ModelRunner:
             ids.append(self.model.mtp_layers[0].layer_id)
         self.mtp_id = ids[-1] if mtp else None
         self.kernels = backend(device)      # decode attention: the Triton kernel on CUDA, else torch
+        self._w_abs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}    # id(attn) -> absorbed weights
+        self.regions = Regions(compile)
         self.caches = {
             i: PagedLatentCache(num_blocks, block_size, self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim,
                                 dtype=cache_dtype, fa_k=loaded.fa_k.get(i) if fa3 else None, nz=nz, device=device)
@@ -66,40 +85,45 @@ class ModelRunner:
     def bytes_per_token(self) -> int:
         return sum(c.bytes_per_token() for c in self.caches.values())
 
-    def _layer(self, layer, cache: PagedLatentCache, h: torch.Tensor, cos, sin, spans: Sequence[Span],
-               bounds: list[tuple[int, int]], slots: torch.Tensor) -> torch.Tensor:
-        attn, dev = layer.self_attn, self.device
-        x = layer.input_layernorm(h)
-        q_nope, q_pe = attn.query(x, cos, sin)
-        c, k_pe = attn.latent(x, cos, sin)
-        cache.write_slots(slots, c[0], k_pe[0])                  # the step's tokens, one write per layer
-        w_uk, w_uv = attn.absorbed_weights()
-        q_abs = torch.einsum("nhd,hdc->nhc", q_nope[0].float(), w_uk.float())
-        qp = q_pe[0].float()
-        o_lat = torch.empty(q_abs.shape, dtype=torch.float32, device=dev)
-        single = [j for j, sp in enumerate(spans) if sp.n == 1]
-        if single:
-            rows = [bounds[j][0] for j in single]
-            tables, lengths = [spans[j].blocks for j in single], [spans[j].start + 1 for j in single]
-            if self.kernels == TRITON:
-                from pipeline.engine.kernels.mla_decode import block_table_tensor, paged_mla_decode_cache
+    def _absorbed(self, attn) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, d_n, C] and W_UV^T [H, C, d_v] of ``attn`` as contiguous float32, made once per layer."""
+        w = self._w_abs.get(id(attn))
+        if w is None:
+            w_uk, w_uv = attn.absorbed_weights()
+            w = self._w_abs[id(attn)] = (w_uk.float().contiguous(), w_uv.float().transpose(1, 2).contiguous())
+        return w
 
-                table, lens = block_table_tensor(tables, lengths, self.block_size, dev)
-                o_lat[rows] = paged_mla_decode_cache(q_abs[rows], qp[rows], cache, table, lens, attn.scale)
-            else:
-                o_lat[rows] = paged_decode_attention(q_abs[rows], qp[rows], cache, tables, lengths, attn.scale)
-        for sp, (a, b) in zip(spans, bounds):
-            if sp.n > 1:
+    def _layer(self, layer, cache: PagedLatentCache, h: torch.Tensor, st: "StepInputs") -> torch.Tensor:
+        attn, rg = layer.self_attn, self.regions
+        w_uk, w_uv_t = self._absorbed(attn)
+        q_abs, qp, c, k_pe = rg.attn_in(layer, h, st.cos, st.sin, w_uk)
+        cache.write_slots(st.slots, c, k_pe)                     # the step's tokens, one write per layer
+        if st.decode is not None and st.all_decode:                # every token a decode row, in order
+            o_lat = self._decode(q_abs, qp, cache, attn, st)
+        else:
+            o_lat = torch.empty(q_abs.shape, dtype=torch.float32, device=self.device)
+            if st.decode is not None:
+                o_lat[st.decode_rows] = self._decode(q_abs[st.decode_rows], qp[st.decode_rows], cache, attn, st)
+            for sp, a, b in st.multi:
                 o_lat[a:b] = paged_prefill_attention(q_abs[a:b], qp[a:b], cache, sp.blocks, sp.start, attn.scale)
-        o = torch.einsum("nhc,hdc->nhd", o_lat, w_uv.float()).to(h.dtype)
-        h = h + attn.o_proj(o.flatten(-2)[None])
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        h, x = rg.attn_out(layer, h, o_lat, w_uv_t)
+        return (rg.dense_mlp if isinstance(layer.mlp, MLP) else rg.moe_mlp)(layer, h, x)
 
-    def _positions(self, spans: Sequence[Span]):
-        """(cos, sin) of every token, each span's [a, b) in the flat row, and each token's cache slot
-        (block * block_size + offset), checked against its span's blocks."""
+    def _decode(self, q_abs, qp, cache: PagedLatentCache, attn, st: "StepInputs") -> torch.Tensor:
+        if self.kernels == TRITON:
+            from pipeline.engine.kernels.mla_decode import paged_mla_decode_cache
+
+            return paged_mla_decode_cache(q_abs, qp, cache, st.decode.table.to(torch.int32),
+                                          st.decode.lengths.to(torch.int32), attn.scale)
+        return batched_decode_attention(q_abs, qp, cache, st.decode, attn.scale)
+
+    def _positions(self, spans: Sequence[Span]) -> "StepInputs":
+        """Everything the layers need about the step, built once: (cos, sin) of every token, each token's
+        cache slot (block * block_size + offset, checked against its span's blocks), the decode rows'
+        block table (:class:`DecodeBatch`) and the longer spans' [a, b) in the flat row."""
         dev, bs = self.device, self.block_size
-        pos, slots, bounds, k = [], [], [], 0
+        pos, slots, k = [], [], 0
+        decode_rows, tables, lengths, multi = [], [], [], []
         for sp in spans:
             if -(-(sp.start + sp.n) // bs) > len(sp.blocks):
                 raise ValueError(f"positions {sp.start}..{sp.start + sp.n - 1} need "
@@ -107,23 +131,30 @@ class ModelRunner:
             for p in range(sp.start, sp.start + sp.n):
                 pos.append(p)
                 slots.append(sp.blocks[p // bs] * bs + p % bs)
-            bounds.append((k, k + sp.n))
+            if sp.n == 1:
+                decode_rows.append(k)
+                tables.append(sp.blocks)
+                lengths.append(sp.start + 1)
+            else:
+                multi.append((sp, k, k + sp.n))
             k += sp.n
         num_blocks = next(iter(self.caches.values())).num_blocks
         if any(not 0 <= s < num_blocks * bs for s in slots):
             raise ValueError(f"a span names a block outside the cache's {num_blocks}")
-        pos_t = torch.tensor(pos, device=dev)
-        return self.model.rotary.cos_sin(pos_t[None]), bounds, torch.tensor(slots, dtype=torch.long, device=dev)
+        cos, sin = self.model.rotary.cos_sin(torch.tensor(pos, device=dev)[None])
+        decode = DecodeBatch.build(tables, lengths, bs, num_blocks, dev) if decode_rows else None
+        return StepInputs(cos, sin, torch.tensor(slots, dtype=torch.long, device=dev), decode,
+                          torch.tensor(decode_rows, dtype=torch.long, device=dev), not multi, multi)
 
     @torch.no_grad()
     def forward(self, spans: Sequence[Span], rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The main model over ``spans`` (their cache slots reserved); returns (logits [R, V] float32,
         final normed hidden [N, h] of every token) with logits at the flat token ``rows``."""
         model = self.model
-        (cos, sin), bounds, slots = self._positions(spans)
+        st = self._positions(spans)
         h = model.embed(torch.tensor([t for sp in spans for t in sp.ids], device=self.device)[None])
         for i in range(self.cfg.num_hidden_layers):
-            h = self._layer(model.model.layers[i], self.caches[i], h, cos, sin, spans, bounds, slots)
+            h = self._layer(model.model.layers[i], self.caches[i], h, st)
         hidden = model.model.norm(h)
         return model.lm_head(hidden[:, list(rows)]).float()[0], hidden[0]
 
@@ -135,10 +166,10 @@ class ModelRunner:
         what :meth:`forward` returned); returns logits [R, V] float32 (for tokens t+2) at the flat ``rows``."""
         hidden = hidden[list(hidden_rows)]
         layer = self.model.mtp_layers[0]
-        (cos, sin), bounds, slots = self._positions(spans)
+        st = self._positions(spans)
         nxt = torch.tensor([t for sp in spans for t in sp.ids], device=self.device)[None]
         x = layer.eh_proj(torch.cat([layer.enorm(layer.embed_tokens(nxt)), layer.hnorm(hidden[None])], dim=-1))
-        x = self._layer(layer, self.caches[self.mtp_id], x, cos, sin, spans, bounds, slots)
+        x = self._layer(layer, self.caches[self.mtp_id], x, st)
         return layer.shared_head.head(layer.shared_head.norm(x[:, list(rows)])).float()[0]
 
     def read_blocks(self, blocks: Sequence[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

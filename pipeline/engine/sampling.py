@@ -1,11 +1,18 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a seeded generator; and stop strings, matched
-incrementally on text decoded a window of tokens at a time (:class:`StopText`)."""
+"""Token sampling: greedy, temperature, top-k, top-p, with a seeded generator; log-probabilities of the
+sampled tokens and their most likely alternatives (:func:`token_logprobs`, :class:`TokenLogprobs`); and
+stop strings, matched incrementally on text decoded a window of tokens at a time (:class:`StopText`); a
+sequence's seeded generator on the logits' device (:func:`generator_on`) and restored from a KV handoff's
+state (:func:`restored_generator`).
+
+Logprobs are vLLM v1's default "raw logprobs": ``log_softmax`` of the model's float32 logits of that
+position, before penalties, ``min_tokens``, temperature and the top-k / top-p filters (so they say what the
+model predicts, whatever the sampling settings: a greedy request without penalties picks the top-1)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -13,6 +20,8 @@ import torch
 MIN_TEMPERATURE = 1e-5
 # torch.Generator.manual_seed takes [-2**63, 2**64); outside it raises "Overflow when unpacking long".
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
+# The most alternatives a request may ask for per token (vLLM's default max_logprobs; OpenAI's top_logprobs).
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -23,7 +32,9 @@ class SamplingParams:
     end-of-sequence token cannot be sampled before that many tokens. Penalties (vLLM's and OpenAI's
     meaning, applied before temperature, greedy included): ``repetition_penalty`` r divides a positive
     logit, multiplies a negative one, of every token in the prompt or the output; ``presence_penalty`` and
-    ``frequency_penalty`` subtract ``presence * (count > 0) + frequency * count`` over the output."""
+    ``frequency_penalty`` subtract ``presence * (count > 0) + frequency * count`` over the output.
+    ``logprobs``: None, no logprobs (no work at all); k in [0, MAX_LOGPROBS], each generated token's raw
+    logprob and the k most likely tokens at its position (:class:`TokenLogprobs`)."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -36,6 +47,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: int | None = None
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -55,6 +67,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def penalized(self) -> bool:
@@ -90,6 +104,80 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator |
         probs = torch.where(usable[:, None], probs, torch.nn.functional.one_hot(
             logits.argmax(-1), probs.shape[-1]).to(probs.dtype))
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's raw logprob and the ``k`` most likely tokens at its position, (id, logprob)
+    pairs most likely first (ties in torch.topk's order); the token itself may be among them or not."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], ks: Sequence[int]) -> list[TokenLogprobs]:
+    """Row i of ``logits`` [R, V] (the raw logits of the position that produced ``token_ids[i]``): its
+    token's logprob and its ``ks[i]`` most likely tokens, ``log_softmax`` in float32. One batched
+    log_softmax and topk for all the rows, one copy to the host."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=lp.device)
+    chosen = lp.gather(1, ids[:, None])[:, 0].tolist()
+    k = min(max(ks, default=0), lp.shape[-1])
+    if k:
+        values, indices = lp.topk(k, dim=-1)
+        values, indices = values.tolist(), indices.tolist()
+    out = []
+    for i, (t, x, ki) in enumerate(zip(token_ids, chosen, ks)):
+        top = tuple(zip(indices[i][:ki], values[i][:ki])) if k and ki else ()
+        out.append(TokenLogprobs(int(t), x, top))
+    return out
+
+
+def piece_logprobs(logits: torch.Tensor, asking: list[tuple[Any, int]],
+                   sampled: dict[int, list[int]]) -> dict[int, tuple[Any, list[TokenLogprobs]]]:
+    """The engine's step (LLMEngine.sampled): the logprobs of the tokens sampled for the sequences that
+    ask, ``asking`` (sequence, its first row of ``logits``), ``sampled`` (seq_id -> its tokens; an MTP
+    piece's second token is read at the next row), in one batch; seq_id -> (sequence, its TokenLogprobs)."""
+    rows, tokens, ks, owners = [], [], [], []
+    for seq, r in asking:
+        for j, t in enumerate(sampled[seq.seq_id]):
+            rows.append(r + j)
+            tokens.append(t)
+            ks.append(seq.params.logprobs)
+            owners.append(seq)
+    out: dict[int, tuple[Any, list[TokenLogprobs]]] = {}
+    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    for seq, lp in zip(owners, token_logprobs(logits.index_select(0, idx), tokens, ks)):
+        out.setdefault(seq.seq_id, (seq, []))[1].append(lp)
+    return out
+
+
+def generator_on(seq, device: torch.device) -> Optional[torch.Generator]:
+    """The sequence's generator on ``device`` (the logits'): the scheduler seeds one on the CPU, which is
+    never drawn from when the logits are elsewhere, so it is replaced by one seeded alike on ``device``
+    (a generator moved between devices of one kind keeps its state)."""
+    gen = seq.generator
+    if gen is None or (gen.device.type == device.type and (gen.device.index or 0) == (device.index or 0)):
+        return gen
+    moved = torch.Generator(device=device)
+    if gen.device.type == device.type:
+        moved.set_state(gen.get_state())
+    else:
+        moved.manual_seed(seq.params.seed)
+    seq.generator = moved
+    return moved
+
+
+def restored_generator(state: torch.Tensor, state_device: Optional[str], device: str) -> torch.Generator:
+    """A generator on ``device`` continuing ``state`` (a KVHandoff's, of a generator on ``state_device``)."""
+    kind = torch.device(state_device or "cpu").type
+    if kind != torch.device(device).type:
+        raise ValueError(f"KV handoff: the seeded generator's state is for a {kind} generator but this engine "
+                         f"samples on {device}")
+    gen = torch.Generator(device=device)
+    gen.set_state(state)
+    return gen
 
 
 def adjust_logits(logits: torch.Tensor, p: SamplingParams, prompt: Sequence[int], output: Sequence[int],

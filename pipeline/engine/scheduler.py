@@ -18,6 +18,20 @@ the stop conditions (eos, max tokens, the model's length), and frees the blocks 
 
 A prompt that cannot fit the model's length, or whose blocks exceed the whole cache, is refused at
 :meth:`Scheduler.add` with a ValueError that says so; nothing else raises for lack of cache.
+
+Prefix caching (with a :class:`~pipeline.engine.prefix_cache.PrefixCachingAllocator`; keys and eviction
+are described there). Registered: a sequence's full blocks once their tokens' KV is computed, at
+:meth:`Scheduler.update` of the step that computed them -- prompt and output blocks alike, chunk by
+chunk, blocks received with a prefilled prompt (``add_running``) included, at their first step here.
+Taken: when a waiting sequence is admitted (a new one, or a preempted one to recompute), the longest run
+of cached blocks its tokens' keys find is shared read-only (reference counted) and its computation
+starts after them; at most ``(len(tokens) - 1) // block_size`` blocks, so its last token is always
+computed (its logits give the next token) and a partial last block is never shared: shared blocks are
+full and never written, no copy-on-write. With ``mtp`` (the MTP layer drafts, and its cache has an
+entry per position computed from the token after it) keys look one token ahead, and a block is
+registered only at the update after the step whose MTP pass wrote its entries: blocks computed in a
+sequence's last step (all of a prompt prefilled in one step and handed off) are not cached then. Both
+ways a hit is exact: the blocks taken hold what the sequence would have computed itself.
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ from typing import Iterable, Optional
 import torch
 
 from pipeline.engine.blocks import BlockAllocator, BlockTable
+from pipeline.engine.prefix_cache import PrefixCacheStats, PrefixCachingAllocator, extend_keys
 from pipeline.engine.sampling import SamplingParams
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -52,6 +67,8 @@ class Sequence:
     generator: Optional[torch.Generator] = None
     draft: Optional[int] = None                         # MTP's proposal for the token after the last one
     hold: bool = False                                  # keep the blocks when finished (a prefill to hand off)
+    block_keys: list = field(default_factory=list)      # prefix-cache keys of its first full blocks
+    num_registered: int = 0                             # its first blocks that are in the prefix cache
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
@@ -108,7 +125,10 @@ class Batch:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_model_len: int, max_num_seqs: int = 16,
-                 max_batched_tokens: int = 256):
+                 max_batched_tokens: int = 256, mtp: bool = False, stats: Optional[PrefixCacheStats] = None):
+        """Prefix caching is on when ``allocator`` is a PrefixCachingAllocator; ``mtp``: the engine runs
+        the MTP layer (keys look ahead one token); ``stats``: where the prefix-cache counters go (an
+        object with PrefixCacheStats's fields, e.g. the engine's EngineStats)."""
         if max_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_batched_tokens and max_num_seqs must be >= 1")
         self.allocator, self.block_size, self.max_model_len = allocator, block_size, max_model_len
@@ -117,6 +137,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._ids = itertools.count()
         self.num_preemptions = 0
+        self.caching = isinstance(allocator, PrefixCachingAllocator)
+        self.lookahead = int(mtp)    # MTP: a block's key covers the token after it too
+        self.stats = stats if stats is not None else PrefixCacheStats()
 
     # ----- requests --------------------------------------------------------------------------------
     def add(self, prompt: Iterable[int], params: SamplingParams, eos_id: Optional[int] = None) -> Sequence:
@@ -180,7 +203,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         seq.table.release(self.allocator)
-        seq.num_computed = 0
+        seq.num_computed = seq.num_registered = 0
         seq.draft = None
         seq.status = WAITING
         seq.preemptions += 1
@@ -209,16 +232,53 @@ class Scheduler:
         pieces = [p for p in pieces if p.seq.status == RUNNING]  # a scheduled one may have been preempted since
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.remaining, budget)
-            if seq.table.slots_needed(n, self.allocator) > self.allocator.num_free:
+            hits = self._lookup(seq)
+            n = min(len(seq.tokens) - len(hits) * self.block_size, budget)
+            need = -(-n // self.block_size) + (self.allocator.cost(hits) if hits else 0)
+            if need > self.allocator.num_free:
                 break  # admission bounded by free blocks; FIFO: no overtaking
             self.waiting.popleft()
+            if self.caching:
+                self._take(seq, hits)
             seq.table.append_tokens(n, self.allocator)
             seq.status = RUNNING
             self.running.append(seq)
             pieces.append(Piece(seq, seq.num_computed, n))
             budget -= n
         return Batch(pieces, self._preempted, finished)
+
+    # ----- prefix caching ---------------------------------------------------------------------------
+    def _lookup(self, seq: Sequence) -> list[int]:
+        """The cached blocks a waiting sequence (it holds no blocks) would start with."""
+        if not self.caching:
+            return []
+        n = (len(seq.tokens) - 1) // self.block_size  # its last token is computed, whatever is cached
+        return self.allocator.lookup(extend_keys(seq.block_keys, seq.tokens, self.block_size, n, self.lookahead))
+
+    def _take(self, seq: Sequence, hits: list[int]) -> None:
+        """Admit ``seq`` onto the cached blocks ``hits``: shared, its computation starts after them."""
+        self.allocator.acquire(hits)
+        seq.table = BlockTable(self.block_size, list(hits), len(hits) * self.block_size)
+        seq.num_computed = len(hits) * self.block_size
+        seq.num_registered = len(hits)
+        if seq.preemptions:
+            self.stats.prefix_cache_recompute_hits += seq.num_computed
+        else:
+            self.stats.prefix_cache_queries += len(seq.prompt)
+            self.stats.prefix_cache_hits += seq.num_computed
+
+    def _register(self, seq: Sequence, start: int) -> None:
+        """Register the sequence's full blocks whose cache entries are final: those computed (without
+        MTP), or those computed before this step's piece at ``start`` (with MTP: their MTP entries were
+        written in the MTP pass of the step that computed them)."""
+        done = start if self.lookahead else seq.num_computed
+        n = min(done, len(seq.tokens) - self.lookahead) // self.block_size
+        if n <= seq.num_registered:
+            return
+        keys = extend_keys(seq.block_keys, seq.tokens, self.block_size, n, self.lookahead)
+        for b in range(seq.num_registered, n):
+            self.allocator.register(seq.table.blocks[b], keys[b])
+        seq.num_registered = n
 
     def update(self, batch: Batch, sampled: dict[int, "int | list[int]"]) -> list[Sequence]:
         """After the step: every piece's tokens are computed; ``sampled``: seq_id -> the next token of each
@@ -240,6 +300,8 @@ class Scheduler:
                     seq.table.truncate(seq.num_computed, self.allocator)
             else:
                 seq.num_computed = p.start + p.n
+            if self.caching:
+                self._register(seq, p.start)
             for tok in toks:
                 if seq.eos_id is not None and tok == seq.eos_id and not seq.params.ignore_eos:
                     self._finish(seq, "stop")
@@ -259,6 +321,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         if not seq.hold:
             seq.table.release(self.allocator)
+            seq.num_registered = 0
         seq.status, seq.finish_reason = FINISHED, reason
         if seq in self.running:
             self.running.remove(seq)

@@ -1,16 +1,24 @@
 """The OpenAI HTTP API, pure (no Ray, no FastAPI): request validation (responses, streaming chunks and
-incremental detokenization are in :mod:`pipeline.serving.openai_responses`).
+incremental detokenization are in :mod:`pipeline.serving.openai_responses`; /tokenize and /detokenize in
+:mod:`pipeline.serving.tokenize_api`).
 
 Requests (``/v1/completions``, ``/v1/chat/completions``) are parsed by :func:`parse_completion` and
 :func:`parse_chat` into a frozen :class:`GenerateRequest` (prompt token ids, :class:`SamplingParams`,
-stream flag), or refused with an :class:`ApiError` whose :meth:`ApiError.body` is OpenAI's error shape
-``{"error": {"message", "type", "param", "code"}}``:
+stream flag, the output options), or refused with an :class:`ApiError` whose :meth:`ApiError.body` is
+OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``:
 
 - 400 ``invalid_request_error``: a malformed or out-of-range field (the message names it), an empty
-  prompt or message list, an unknown role, a field this server does not support (``n`` > 1, ``echo``,
-  ``logprobs``, ``suffix``, ``logit_bias``, tools) or does not know, and a prompt that
-  does not fit the context (code ``context_length_exceeded``, with the token counts and the limit);
+  prompt or message list, an unknown role, a field this server does not support (``suffix``,
+  ``logit_bias``, tools, ``response_format``, ``echo`` together with ``logprobs``, ``best_of`` other than
+  ``n``) or does not know (vLLM's ``prompt_logprobs`` among them), and a prompt that does not fit the
+  context (code ``context_length_exceeded``, with the token counts and the limit);
 - 404 ``invalid_request_error`` with code ``model_not_found`` for a model this server does not serve.
+
+Output (:mod:`pipeline.serving.api_options`): ``n`` choices in [1, 16] (choice i of a seeded request uses
+``seed + i``, as vLLM does), ``logprobs`` (completions: 0..20 alternatives; chat: ``logprobs: true`` and
+``top_logprobs`` 0..20; raw logprobs, before temperature and penalties, see pipeline.engine.sampling),
+``echo`` (completions: the prompt text before each choice's text), ``stream_options`` (``include_usage``,
+``continuous_usage_stats``).
 
 Sampling: ``max_tokens`` (chat also ``max_completion_tokens``) defaults to 16 for completions (capped by
 the room left in the context) and to the whole room left for chat; an explicit value with the prompt must
@@ -27,8 +35,9 @@ completions ``prompt`` string is the model's raw input, as in vLLM: special-toke
 honoured (the caller could send the ids themselves anyway). A body must be a JSON object nested at most
 ``MAX_JSON_DEPTH`` deep, whose strings are valid Unicode (no lone surrogate): else 400, naming the field.
 
-The engine side answers a :class:`GenerateRequest` with ``pipeline.engine.engine_loop.TokenEvent`` s; the ingress turns them into
-text with ``openai_responses.IncrementalDetokenizer`` and into responses with that module's builders.
+The engine side answers each choice's request (:meth:`GenerateRequest.choice`) with
+``pipeline.engine.engine_loop.TokenEvent`` s; the ingress turns them into text, logprobs and responses
+with :mod:`pipeline.serving.choices` and :mod:`pipeline.serving.openai_responses`.
 """
 
 from __future__ import annotations
@@ -36,10 +45,12 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Sequence
 
 from pipeline.engine.sampling import SEED_RANGE, SamplingParams
+from pipeline.serving.api_errors import ApiError, invalid
+from pipeline.serving.api_options import OutputOptions, choice_seed, parse_output_options
 
 COMPLETION, CHAT = "completion", "chat"
 DEFAULT_COMPLETION_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
@@ -48,42 +59,20 @@ MAX_STOP_CHARS = 256                    # per stop string: bounds the matching w
 MAX_JSON_DEPTH = 32                     # an OpenAI body needs 5 levels; deeper is refused, not recursed into
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
-_IGNORED = {"user", "stream_options"}   # accepted; stream_options is read, user is not used
-_COMMON = {"model", "stream", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
-           "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
+_IGNORED = {"user"}                     # accepted, not used
+_COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+           "n", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
            "ignore_eos", "min_tokens", "repetition_penalty"}   # the last three: vLLM's extensions
 _COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "suffix", "best_of"}
 _CHAT_FIELDS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                      "response_format", "parallel_tool_calls"}
 
 
-class ApiError(Exception):
-    """A request refused with an HTTP status and OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def __reduce__(self):  # picklable with all its fields (Ray ships exceptions and captured globals)
-        return (type(self), (self.status, self.message, self.type, self.param, self.code))
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def __repr__(self) -> str:
-        return f"ApiError({self.status}, {self.message!r}, param={self.param!r}, code={self.code!r})"
-
-
-def invalid(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ApiError:
-    """A 400 invalid_request_error."""
-    return ApiError(400, message, "invalid_request_error", param, code)
-
-
 @dataclass(frozen=True)
 class GenerateRequest:
     """A validated request, what the engine-owning deployment takes: generate from ``prompt_ids`` with
-    ``params``. The rest is for the ingress (response shape and streaming)."""
+    ``params``. The rest is for the ingress (response shape and streaming); ``n`` choices are ``n``
+    engine requests, :meth:`choice` (each its own seed)."""
 
     kind: str                       # COMPLETION or CHAT
     model: str
@@ -92,10 +81,20 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False     # stream_options.include_usage: a last chunk with the usage
     request_id: str = ""
+    n: int = 1
+    echo: Optional[str] = None      # completions with echo: the prompt text, before each choice's text
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: the usage so far on every chunk
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
+
+    def choice(self, index: int) -> "GenerateRequest":
+        """The engine's request for choice ``index``: n 1, seed ``seed + index`` (api_options.choice_seed),
+        no echo text (the engine does not need it)."""
+        if self.n == 1 and self.echo is None:
+            return self
+        return replace(self, n=1, echo=None, params=replace(self.params, seed=choice_seed(self.params.seed, index)))
 
 
 # ----- parsing -----------------------------------------------------------------------------------------
@@ -152,14 +151,16 @@ def parse_completion(body: Mapping[str, Any], tokenizer, served_model: str, max_
     _check_fields(body, _COMPLETION_FIELDS)
     model = _check_model(body, served_model)
     _refuse_unsupported(body)
-    if body.get("echo") not in (None, False):
-        raise invalid("echo is not supported by this server; send echo=false or leave it out", "echo")
     if body.get("suffix") not in (None, ""):
         raise invalid("suffix (insertion) is not supported by this server", "suffix")
-    if body.get("best_of") not in (None, 1):
-        raise invalid(f"best_of must be 1 on this server, got {body.get('best_of')!r}", "best_of")
     prompt_ids = _completion_prompt(body.get("prompt"), tokenizer)
-    return _finish_parse(body, COMPLETION, model, prompt_ids, max_model_len, DEFAULT_COMPLETION_MAX_TOKENS)
+    req = _finish_parse(body, COMPLETION, model, prompt_ids, max_model_len, DEFAULT_COMPLETION_MAX_TOKENS)
+    if req.echo is not None:  # a text prompt as sent; token ids decoded as the model reads them (specials shown)
+        raw = body["prompt"]
+        if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
+            raw = raw[0]  # a batch of one
+        req = replace(req, echo=raw if isinstance(raw, str) else tokenizer.decode(prompt_ids, skip_special=False))
+    return req
 
 
 def parse_chat(body: Mapping[str, Any], tokenizer, served_model: str, max_model_len: int) -> GenerateRequest:
@@ -171,8 +172,6 @@ def parse_chat(body: Mapping[str, Any], tokenizer, served_model: str, max_model_
     for f in ("tools", "tool_choice", "response_format"):
         if body.get(f) is not None and not (f == "tool_choice" and body.get(f) == "none"):
             raise invalid(f"{f} is not supported by this server", f)
-    if body.get("top_logprobs") is not None:
-        raise invalid("top_logprobs is not supported by this server", "top_logprobs")
     messages = _chat_messages(body.get("messages"))
     try:
         prompt_ids = tokenizer.encode_chat(messages)
@@ -208,14 +207,6 @@ def _check_model(body: Mapping[str, Any], served_model: str) -> str:
 
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
-    n = body.get("n")
-    if n is not None:
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise invalid(f"n must be an integer, got {type(n).__name__}", "n")
-        if n != 1:
-            raise invalid(f"n must be 1 on this server (one choice per request), got {n}", "n")
-    if body.get("logprobs") not in (None, False, 0):
-        raise invalid("logprobs are not supported by this server", "logprobs")
     if body.get("logit_bias") not in (None, {}):
         raise invalid("logit_bias is not supported by this server", "logit_bias")
 
@@ -330,15 +321,7 @@ def _finish_parse(body: Mapping[str, Any], kind: str, model: str, prompt_ids: Se
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise invalid(f"stream must be a boolean, got {stream!r}", "stream")
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
-            raise invalid(f"stream_options must be an object like {{'include_usage': true}}, got {options!r}",
-                          "stream_options")
-        if not stream:
-            raise invalid("stream_options is only allowed with stream=true", "stream_options")
-        include_usage = options.get("include_usage", False)
+    out: OutputOptions = parse_output_options(body, kind == CHAT, bool(stream))
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     top_k = _integer(body, "top_k")
@@ -378,7 +361,7 @@ def _finish_parse(body: Mapping[str, Any], kind: str, model: str, prompt_ids: Se
         raise invalid(f"min_tokens must be in [0, {max_tokens_param}={max_tokens}], got {min_tokens}", "min_tokens")
     params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
                             top_k=0 if top_k in (None, -1) else top_k, top_p=top_p, seed=seed, stop=stop,
-                            ignore_eos=ignore_eos, min_tokens=min_tokens, **penalties)
+                            ignore_eos=ignore_eos, min_tokens=min_tokens, logprobs=out.logprobs, **penalties)
     prefix = "cmpl" if kind == COMPLETION else "chatcmpl"
-    return GenerateRequest(kind, model, tuple(prompt_ids), params, bool(stream), include_usage,
-                           f"{prefix}-{uuid.uuid4().hex}")
+    return GenerateRequest(kind, model, tuple(prompt_ids), params, bool(stream), out.include_usage,
+                           f"{prefix}-{uuid.uuid4().hex}", out.n, "" if out.echo else None, out.continuous_usage)

@@ -1,7 +1,12 @@
 """OpenAI responses, pure: the text of a growing output sent only once stable
 (:class:`IncrementalDetokenizer`: a trailing replacement character, or a tail that may still become a stop
-string, is held back), the completion / chat.completion objects, streaming chunks as SSE lines, usage, and
-the model list. Requests are validated in :mod:`pipeline.serving.openai_api`."""
+string, is held back), the completion / chat.completion objects (one choice per ``index``, logprobs in the
+shapes of :mod:`pipeline.serving.logprobs`), streaming chunks as SSE lines (each names its choice's
+``index``; with ``stream_options.include_usage`` every chunk has ``usage``: null, or with
+``continuous_usage_stats`` the usage so far, and a last chunk without choices carries the total), usage
+(prompt tokens once, completion tokens summed over the choices), and the model list. Requests are
+validated in :mod:`pipeline.serving.openai_api`; a choice's events become its text and chunks in
+:mod:`pipeline.serving.choices`."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import time
 from typing import Any, Iterable, Mapping, Optional
 
 from pipeline.engine.sampling import StopText
-from pipeline.serving.openai_api import CHAT, COMPLETION, GenerateRequest
+from pipeline.serving.openai_api import COMPLETION, GenerateRequest
 
 DONE_LINE = "data: [DONE]\n\n"
 
@@ -68,31 +73,29 @@ def openai_finish_reason(reason: Optional[str]) -> Optional[str]:
     return {"stop": "stop", "length": "length", "abort": "stop"}.get(reason, reason) if reason else None
 
 
-def completion_response(req: GenerateRequest, text: str, finish_reason: str, completion_tokens: int,
-                        created: Optional[int] = None) -> dict:
-    """A ``text_completion`` object (one choice)."""
-    return {"id": req.request_id, "object": "text_completion", "created": created or int(time.time()),
-            "model": req.model,
-            "choices": [{"index": 0, "text": text, "logprobs": None,
-                         "finish_reason": openai_finish_reason(finish_reason)}],
-            "usage": usage(req.num_prompt_tokens, completion_tokens)}
+def choice(req: GenerateRequest, index: int, text: str, finish_reason: Optional[str],
+           logprobs: Optional[dict] = None) -> dict:
+    """One choice of a non-streaming response: a completion's ``text``, or a chat's assistant message."""
+    reason = openai_finish_reason(finish_reason)
+    if req.kind == COMPLETION:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": reason}
 
 
-def chat_response(req: GenerateRequest, text: str, finish_reason: str, completion_tokens: int,
-                  created: Optional[int] = None) -> dict:
-    """A ``chat.completion`` object (one choice, the assistant's message)."""
-    return {"id": req.request_id, "object": "chat.completion", "created": created or int(time.time()),
-            "model": req.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": openai_finish_reason(finish_reason)}],
+def choices_response(req: GenerateRequest, choices: list[dict], completion_tokens: int,
+                     created: Optional[int] = None) -> dict:
+    """The non-streaming response for the request's kind (``text_completion`` or ``chat.completion``);
+    ``completion_tokens``: all the choices'."""
+    return {"id": req.request_id, "object": "text_completion" if req.kind == COMPLETION else "chat.completion",
+            "created": created or int(time.time()), "model": req.model, "choices": choices,
             "usage": usage(req.num_prompt_tokens, completion_tokens)}
 
 
 def response(req: GenerateRequest, text: str, finish_reason: str, completion_tokens: int,
-             created: Optional[int] = None) -> dict:
-    """The non-streaming response for the request's kind."""
-    build = chat_response if req.kind == CHAT else completion_response
-    return build(req, text, finish_reason, completion_tokens, created)
+             created: Optional[int] = None, logprobs: Optional[dict] = None) -> dict:
+    """The non-streaming response of one choice."""
+    return choices_response(req, [choice(req, 0, text, finish_reason, logprobs)], completion_tokens, created)
 
 
 def sse(payload: Mapping[str, Any]) -> str:
@@ -101,12 +104,15 @@ def sse(payload: Mapping[str, Any]) -> str:
 
 
 def stream_chunk(req: GenerateRequest, created: int, text: Optional[str], finish_reason: Optional[str] = None,
-                 first: bool = False) -> dict:
-    """A streaming chunk: ``text_completion`` with ``text``, or ``chat.completion.chunk`` with a ``delta``
-    (the first one carries the role; the one with ``finish_reason`` an empty delta)."""
+                 first: bool = False, index: int = 0, logprobs: Optional[dict] = None,
+                 completion_tokens: int = 0) -> dict:
+    """A streaming chunk of choice ``index``: ``text_completion`` with ``text``, or
+    ``chat.completion.chunk`` with a ``delta`` (the first one carries the role; an empty text, an empty
+    delta). ``finish_reason`` rides on the chunk of the choice's last text, ``logprobs`` are those of the
+    chunk's tokens. ``completion_tokens``: all the choices' so far, for ``continuous_usage_stats``."""
     reason = openai_finish_reason(finish_reason)
     if req.kind == COMPLETION:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        out = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         obj = "text_completion"
     else:
         delta: dict = {}
@@ -114,9 +120,12 @@ def stream_chunk(req: GenerateRequest, created: int, text: Optional[str], finish
             delta["role"] = "assistant"
         if text is not None and (text or first):
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        out = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         obj = "chat.completion.chunk"
-    return {"id": req.request_id, "object": obj, "created": created, "model": req.model, "choices": [choice]}
+    chunk = {"id": req.request_id, "object": obj, "created": created, "model": req.model, "choices": [out]}
+    if req.include_usage:
+        chunk["usage"] = usage(req.num_prompt_tokens, completion_tokens) if req.continuous_usage else None
+    return chunk
 
 
 def usage_chunk(req: GenerateRequest, created: int, completion_tokens: int) -> dict:
