@@ -394,17 +394,16 @@ def test_engine_mtp_prefix_cache_exact(qdir, tok, prompts, reference, nz):
 
 @pytest.mark.parametrize("kw", [{}, {"nz": True, "mtp": True}], ids=["nd", "nz-mtp"])
 def test_prefill_decode_handoff_with_prefix_cache(qdir, tok, prompts, reference, kw):
-    """Without MTP the prefill engine reuses its cache across prompts; with MTP it caches nothing (a
-    block is registered at the update after the step whose MTP pass wrote it, and a prompt prefilled in
-    one step has no such update: the documented limit). The decode engine caches the blocks it is handed,
-    and a request sent straight to it then starts after them. Same tokens throughout."""
-    mtp = bool(kw.get("mtp"))
+    """The prefill engine reuses its cache across prompts, with MTP too (a held prompt's blocks are
+    registered once its step's MTP pass has written them: Scheduler.register_final). The decode engine
+    caches the blocks it is handed, and a request sent straight to it then starts after them. Same tokens
+    throughout."""
     pre, dec = engine(qdir, tok, **kw), engine(qdir, tok, **kw)
     log = recorder(pre)
     handoffs = []
     for p in prompts[:4]:
         handoffs.append(pre.prefill(p, GREEDY))
-    want = [0, 0, 0, 0] if mtp else [0, 80, 80, 80]
+    want = [0, 80, 80, 80]                         # 5 shared blocks (with MTP keyed by token 81: shared too)
     assert pre.stats.prefix_cache_hits == sum(want) and pre.allocator.num_free == 64
     assert sum(b.num_tokens for b in log) == sum(map(len, prompts[:4])) - sum(want)
     seqs = [dec.add_prefilled(h, GREEDY) for h in handoffs]

@@ -200,6 +200,7 @@ class LLMEngine:
                 step()
             if seq.finish_reason == "error":
                 raise RuntimeError(f"prefill failed: {self.pop_error(seq)}")
+            self.scheduler.register_final(seq)   # the prompt's blocks stay reusable here once freed
             first = seq.output[0] if seq.output else None
             n = len(seq.prompt)
             blocks = seq.table.blocks[: -(-n // self.config.block_size)]

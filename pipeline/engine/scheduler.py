@@ -30,7 +30,8 @@ computed (its logits give the next token) and a partial last block is never shar
 full and never written, no copy-on-write. With ``mtp`` (the MTP layer drafts, and its cache has an
 entry per position computed from the token after it) keys look one token ahead, and a block is
 registered only at the update after the step whose MTP pass wrote its entries: blocks computed in a
-sequence's last step (all of a prompt prefilled in one step and handed off) are not cached then. Both
+sequence's last step are not cached then, except a held prompt's (a prefill engine's, whose MTP pass
+runs for it: ``LLMEngine.prefill`` calls :meth:`Scheduler.register_final` before freeing them). Both
 ways a hit is exact: the blocks taken hold what the sequence would have computed itself.
 """
 
@@ -279,6 +280,12 @@ class Scheduler:
         for b in range(seq.num_registered, n):
             self.allocator.register(seq.table.blocks[b], keys[b])
         seq.num_registered = n
+
+    def register_final(self, seq: Sequence) -> None:
+        """Register every computed full block of a held sequence whose step's MTP pass (if any) is done:
+        its cache entries are final (LLMEngine.prefill, before it frees the prompt's blocks)."""
+        if self.caching:
+            self._register(seq, seq.num_computed)
 
     def update(self, batch: Batch, sampled: dict[int, "int | list[int]"]) -> list[Sequence]:
         """After the step: every piece's tokens are computed; ``sampled``: seq_id -> the next token of each
