@@ -193,8 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "checkpoint) and quantized (its W8A8 + FA3 output)")
     ap.add_argument("--float-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                     help="compute dtype of ours-float (jobs.serve --dtype; auto: float32 on CPU)")
-    ap.add_argument("--ours-args", default="", help="more jobs.serve flags for our servers, e.g. '--compile' "
-                                                   "or '--no-engine-process' (recorded in the JSON)")
+    ap.add_argument("--ours-args", default="", help="more jobs.serve flags for our servers, given with '=' (the "
+                                                   "value starts with --): --ours-args=--compile, "
+                                                   "--ours-args=--no-engine-process (recorded in the JSON)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of all the servers")
     ap.add_argument("--concurrency", default="1,4,8,16", help="client concurrencies, comma-separated")
     ap.add_argument("--num-prompts", type=int, default=32, help="requests per run")
