@@ -5,7 +5,7 @@ Per layer and step::
 
     attn_in   norm -> q_a -> norm -> q_b -> rope;  kv_a -> norm -> rope;  q_abs = q_nope @ W_UK
     (eager)   the cache write and paged attention (data-dependent block tables: not compiled)
-    attn_out  o = o_lat @ W_UV^T -> o_proj -> + residual -> post-attention norm
+    attn_out  o (o_lat @ W_UV^T for decode rows, the MHA form's for prefill) -> o_proj -> + residual -> norm
     mlp       a dense MLP (+ residual); a MoE layer's routing and experts stay eager (their per-expert
               grouping reads the router's choice on the host, a graph break)
 
@@ -25,18 +25,20 @@ import torch
 
 
 def attn_in(layer, h: torch.Tensor, cos, sin, w_uk: torch.Tensor):
-    """h [1, N, hidden] -> (q_abs [N, H, C] float32, q_pe [N, H, d_r] float32, c [N, C], k_pe [N, d_r])."""
+    """h [1, N, hidden] -> (q_nope [N, H, d_n], q_abs [N, H, C], q_pe [N, H, d_r] (float32), c [N, C],
+    k_pe [N, d_r])."""
     attn = layer.self_attn
     x = layer.input_layernorm(h)
     q_nope, q_pe = attn.query(x, cos, sin)
     c, k_pe = attn.latent(x, cos, sin)
-    q_abs = torch.bmm(q_nope[0].float().transpose(0, 1), w_uk).transpose(0, 1).contiguous()
-    return q_abs, q_pe[0].float().contiguous(), c[0], k_pe[0]
+    q_nope = q_nope[0].float()
+    q_abs = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1).contiguous()
+    return q_nope, q_abs, q_pe[0].float().contiguous(), c[0], k_pe[0]
 
 
-def attn_out(layer, h: torch.Tensor, o_lat: torch.Tensor, w_uv_t: torch.Tensor):
-    """o_lat [N, H, C] float32 -> (h + o_proj(o), its post-attention norm)."""
-    o = torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1).to(h.dtype)      # [N, H, d_v]
+def attn_out(layer, h: torch.Tensor, o: torch.Tensor):
+    """o [N, H, d_v] float32 (attention's output, before o_proj) -> (h + o_proj(o), its post-attention norm)."""
+    o = o.to(h.dtype)
     h = h + layer.self_attn.o_proj(o.reshape(o.shape[0], -1)[None])
     return h, layer.post_attention_layernorm(h)
 

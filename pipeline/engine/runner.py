@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 import torch
 
 from pipeline.engine.attention import paged_prefill_attention
+from pipeline.engine.mha_prefill import mha_prefill_attention
 from pipeline.engine.batched_attention import DecodeBatch, batched_decode_attention
 from pipeline.engine.regions import Regions
 from pipeline.engine.kernels.dispatch import TRITON, backend
@@ -59,10 +60,12 @@ class Span:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16, nz: bool = False,
                  device: str = "cpu", cache_dtype: torch.dtype | None = None, mtp: bool = False,
-                 fa3: bool = True, scratch: bool = False, compile: bool = False):
+                 fa3: bool = True, scratch: bool = False, compile: bool = False, mha_prefill: bool = True):
         """``scratch``: one more cache block, ``scratch_block`` (= num_blocks), that no scheduler hands out:
         a DP-attention group with no work runs a one-token step there to join the others' collectives.
-        ``compile``: the layers' work around attention through torch.compile (pipeline.engine.regions)."""
+        ``compile``: the layers' work around attention through torch.compile (pipeline.engine.regions).
+        ``mha_prefill``: multi-token pieces attend in the non-absorbed form (pipeline.engine.mha_prefill);
+        False: the absorbed form over the latent (the reference)."""
         self.loaded, self.model, self.cfg = loaded, loaded.model, loaded.config
         self.scratch_block = num_blocks if scratch else None
         num_blocks += 1 if scratch else 0
@@ -77,6 +80,7 @@ class ModelRunner:
         self.kernels = backend(device)      # decode attention: the Triton kernel on CUDA, else torch
         self._w_abs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}    # id(attn) -> absorbed weights
         self.regions = Regions(compile)
+        self.mha_prefill = mha_prefill
         self.caches = {
             i: PagedLatentCache(num_blocks, block_size, self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim,
                                 dtype=cache_dtype, fa_k=loaded.fa_k.get(i) if fa3 else None, nz=nz, device=device)
@@ -96,18 +100,29 @@ class ModelRunner:
     def _layer(self, layer, cache: PagedLatentCache, h: torch.Tensor, st: "StepInputs") -> torch.Tensor:
         attn, rg = layer.self_attn, self.regions
         w_uk, w_uv_t = self._absorbed(attn)
-        q_abs, qp, c, k_pe = rg.attn_in(layer, h, st.cos, st.sin, w_uk)
+        q_nope, q_abs, qp, c, k_pe = rg.attn_in(layer, h, st.cos, st.sin, w_uk)
         cache.write_slots(st.slots, c, k_pe)                     # the step's tokens, one write per layer
         if st.decode is not None and st.all_decode:                # every token a decode row, in order
-            o_lat = self._decode(q_abs, qp, cache, attn, st)
+            o = self._absorbed_out(self._decode(q_abs, qp, cache, attn, st), w_uv_t)
         else:
-            o_lat = torch.empty(q_abs.shape, dtype=torch.float32, device=self.device)
+            o = torch.empty(*q_abs.shape[:2], w_uv_t.shape[2], dtype=torch.float32, device=self.device)
             if st.decode is not None:
-                o_lat[st.decode_rows] = self._decode(q_abs[st.decode_rows], qp[st.decode_rows], cache, attn, st)
+                rows = st.decode_rows
+                o[rows] = self._absorbed_out(self._decode(q_abs[rows], qp[rows], cache, attn, st), w_uv_t)
             for sp, a, b in st.multi:
-                o_lat[a:b] = paged_prefill_attention(q_abs[a:b], qp[a:b], cache, sp.blocks, sp.start, attn.scale)
-        h, x = rg.attn_out(layer, h, o_lat, w_uv_t)
+                if self.mha_prefill:
+                    o[a:b] = mha_prefill_attention(q_nope[a:b], qp[a:b], cache, sp.blocks, sp.start, w_uk, w_uv_t,
+                                                   attn.scale)
+                else:
+                    o[a:b] = self._absorbed_out(paged_prefill_attention(q_abs[a:b], qp[a:b], cache, sp.blocks,
+                                                                        sp.start, attn.scale), w_uv_t)
+        h, x = rg.attn_out(layer, h, o)
         return (rg.dense_mlp if isinstance(layer.mlp, MLP) else rg.moe_mlp)(layer, h, x)
+
+    @staticmethod
+    def _absorbed_out(o_lat: torch.Tensor, w_uv_t: torch.Tensor) -> torch.Tensor:
+        """o_lat [n, H, C] -> o = o_lat @ W_UV^T [n, H, d_v] (float32)."""
+        return torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
 
     def _decode(self, q_abs, qp, cache: PagedLatentCache, attn, st: "StepInputs") -> torch.Tensor:
         if self.kernels == TRITON:

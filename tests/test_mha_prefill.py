@@ -1,0 +1,69 @@
+"""Prefill in the non-absorbed (MHA) form (pipeline/engine/mha_prefill.py) against the absorbed reference
+(attention.paged_prefill_attention times W_UV^T): ND and NZ, int8 and bf16 latents, a whole prompt and a
+chunk after cached tokens; and the engine's logits with either form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.engine.attention import paged_prefill_attention
+from pipeline.engine.engine import EngineConfig, make_runner
+from pipeline.engine.loader import load_quantized
+from pipeline.engine.mha_prefill import mha_prefill_attention
+from pipeline.engine.runner import Span
+
+SCALE = 0.1352338
+# The two forms are the same sums reassociated, in float32: measured max |diff| / max |ref| 5.6e-7 here.
+FORM_RTOL = 2e-5
+# Engine logits (|logits| up to ~20) with the MHA prefill vs the absorbed one: measured max |diff| ~1e-5.
+LOGITS_ATOL = 1e-3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("nz", [False, True])
+@pytest.mark.parametrize("int8", [True, False])
+@pytest.mark.parametrize("start, S", [(0, 40), (21, 30), (50, 2)])
+def test_mha_form_equals_the_absorbed_form(nz, int8, start, S):
+    from pipeline.engine.paged_cache import PagedLatentCache
+
+    g = torch.Generator().manual_seed(start + S)
+    H, d_n, d_v, C, R, bs = 4, 32, 32, 64, 16, 16
+    T = start + S
+    lat = torch.randn(T, C, generator=g).bfloat16()
+    cache = PagedLatentCache(8, bs, C, R, fa_k=lat.float().abs().max() / 127 if int8 else None, nz=nz)
+    blocks = [5, 2, 7, 0, 3][: -(-T // bs)]
+    cache.write(blocks, lat, torch.randn(T, R, generator=g).bfloat16(), 0)
+    w_uk, w_uv = torch.randn(H, d_n, C, generator=g) * 0.1, torch.randn(H, d_v, C, generator=g) * 0.1
+    w_uv_t = w_uv.transpose(1, 2).contiguous()
+    q_nope, q_pe = torch.randn(S, H, d_n, generator=g), torch.randn(S, H, R, generator=g) * 0.3
+    q_abs = torch.einsum("shd,hdc->shc", q_nope, w_uk)
+    ref = torch.bmm(paged_prefill_attention(q_abs, q_pe, cache, blocks, start, SCALE).transpose(0, 1),
+                    w_uv_t).transpose(0, 1)
+    got = mha_prefill_attention(q_nope, q_pe, cache, blocks, start, w_uk, w_uv_t, SCALE)
+    assert got.shape == (S, H, d_v)
+    assert ((got - ref).abs().max() / ref.abs().max()).item() <= FORM_RTOL
+
+
+def test_engine_logits_with_either_form(embedded_quantized, tok):
+    lm = load_quantized(embedded_quantized)
+    cfg = EngineConfig(num_blocks=32, block_size=16, nz=True)
+    ids = [tok.encode(p) for p in ("What's deep learning?", "The os module provides", "def main():")]
+    outs = []
+    for mha in (True, False):
+        runner = make_runner(lm, cfg, mha_prefill=mha)
+        tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(ids))]
+        rows = [sum(map(len, ids[:i + 1])) - 1 for i in range(len(ids))]
+        whole, _ = runner.forward([Span(p, 0, t) for p, t in zip(ids, tables)], rows)
+        chunk, _ = runner.forward([Span(p[3:], 3, t) for p, t in zip(ids, tables)],     # a chunk after 3 cached
+                                  [sum(len(p) - 3 for p in ids[:i + 1]) - 1 for i in range(len(ids))])
+        outs.append((whole, chunk))
+    for a, b in zip(*outs):
+        assert (a - b).abs().max().item() <= LOGITS_ATOL
