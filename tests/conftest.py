@@ -86,6 +86,18 @@ def embedded_quantized(tmp_path_factory) -> str:
     return dst
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module of small matrices: about as fast, and it stays fast when other
+    processes keep the 2 cores busy (2 spin-waiting OpenMP threads can then be ~100x slower)."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture(scope="session")
 def qdir(embedded_quantized) -> str:
     """The embedded quantized directory (the engine and serving tests' model; read-only)."""

@@ -20,12 +20,7 @@ BATCHED_RTOL = 2e-6
 PAGED_RTOL = 1e-5      # against the contiguous reference (tests/test_paged_attention.py's bound)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _rel(x, ref) -> float:

@@ -20,12 +20,7 @@ FORM_RTOL = 2e-5
 LOGITS_ATOL = 1e-3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("nz", [False, True])

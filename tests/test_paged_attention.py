@@ -38,14 +38,7 @@ MLA_ATOL = 1e-5
 SCALE = 0.1352338          # V3's softmax_scale (192^-0.5 * mscale^2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These matrices are small: one intra-op thread is about as fast, and it stays fast when other
-    processes keep the 2 cores busy (2 spin-waiting OpenMP threads can then be ~100x slower)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -45,7 +45,7 @@ class BlockAllocator:
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     def refcount(self, block: int) -> int:
         self._check_id(block)
@@ -71,12 +71,20 @@ class BlockAllocator:
     def allocate_many(self, n: int) -> list[int]:
         """``n`` free blocks, all or none (OutOfBlocks, state unchanged, when fewer than ``n`` are free)."""
         _check_count("allocate_many: n", n)
-        if n > len(self._free):
-            raise OutOfBlocks(f"need {n} block(s), {len(self._free)} of {self.num_blocks} free")
-        out = [self._free.pop() for _ in range(n)]
+        if n > self.num_free:
+            raise OutOfBlocks(f"need {n} block(s), {self.num_free} of {self.num_blocks} free")
+        out = [self._take_free() for _ in range(n)]
         for b in out:
             self._refs[b] = 1
         return out
+
+    def _take_free(self) -> int:
+        """One free block out of the free set (a subclass may evict: pipeline.engine.prefix_cache)."""
+        return self._free.pop()
+
+    def _put_free(self, block: int) -> None:
+        """A block whose last reference went: back into the free set."""
+        self._free.append(block)
 
     def incref(self, block: int) -> None:
         """One more sharer of an allocated block."""
@@ -99,7 +107,7 @@ class BlockAllocator:
             raise ValueError(f"double free of block {block} (its reference count is already 0)")
         self._refs[block] -= 1
         if self._refs[block] == 0:
-            self._free.append(block)
+            self._put_free(block)
 
     def free_all(self, blocks: Iterable[int]) -> None:
         """``free`` each of a sequence's blocks (in order here; the prefix-caching allocator frees the

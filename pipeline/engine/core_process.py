@@ -24,7 +24,7 @@ import threading
 import traceback
 from typing import Any, Callable, Optional
 
-from pipeline.engine.engine_loop import EngineDead, Sink, TokenEvent
+from pipeline.engine.engine_loop import EngineDead, Sink, TokenEvent, deliver
 
 START_TIMEOUT_S = 600.0      # building the engine (loading the checkpoint) may take this long
 
@@ -151,7 +151,7 @@ class EngineCoreClient:
         key = next(self._keys)
         with self._sinks_lock:
             if self.error is not None:
-                _deliver(sink, EngineDead(f"the engine core is not running: {self.error}"))
+                deliver(sink, EngineDead(f"the engine core is not running: {self.error}"))
                 return key
             self._sinks[key] = sink
         return key
@@ -196,7 +196,7 @@ class EngineCoreClient:
                     if sink is not None and _terminal(ev):
                         del self._sinks[key]
                 if sink is not None:
-                    _deliver(sink, ev)
+                    deliver(sink, ev)
             if not snapshot.get("alive", True):
                 self._die(EngineDead(f"the engine loop stopped in the engine core process (pid {self.pid})"))
         self.proc.join(1.0)
@@ -213,7 +213,7 @@ class EngineCoreClient:
         snap["alive"] = False
         self.snapshot = snap
         for sink in sinks:
-            _deliver(sink, err)
+            deliver(sink, err)
 
     def stop(self, timeout: float = 5.0) -> None:
         if self.proc.is_alive():
@@ -233,10 +233,3 @@ class EngineCoreClient:
                 conn.close()
             except OSError:
                 pass
-
-
-def _deliver(sink: Sink, item) -> None:
-    try:
-        sink(item)
-    except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
-        pass

@@ -107,11 +107,11 @@ class EngineLoop:
             except OutOfBlocks as e:
                 if self.engine.has_work:
                     return  # retried after the next step frees blocks
-                _deliver(sink, ValueError(f"the prompt's cache blocks do not fit this engine's cache: {e}"))
+                deliver(sink, ValueError(f"the prompt's cache blocks do not fit this engine's cache: {e}"))
             except ValueError as e:
-                _deliver(sink, e)
+                deliver(sink, e)
             except Exception as e:  # noqa: BLE001 - a handoff the engine cannot take fails that request only
-                _deliver(sink, RequestFailed(f"the engine could not take the prefilled request: "
+                deliver(sink, RequestFailed(f"the engine could not take the prefilled request: "
                                              f"{type(e).__name__}: {e}"))
             else:
                 self._register(key, seq, sink)
@@ -129,10 +129,10 @@ class EngineLoop:
             try:
                 seq = self.engine.add_request(prompt_ids, params)
             except ValueError as e:
-                _deliver(sink, e)
+                deliver(sink, e)
                 return
             except Exception as e:  # noqa: BLE001 - a request the engine cannot take fails alone
-                _deliver(sink, RequestFailed(f"the engine could not take the request: {type(e).__name__}: {e}"))
+                deliver(sink, RequestFailed(f"the engine could not take the request: {type(e).__name__}: {e}"))
                 return
             self._register(key, seq, sink)
         elif cmd[0] == "abort":
@@ -171,7 +171,7 @@ class EngineLoop:
         except BaseException as e:  # noqa: BLE001 - reported to every open request and to health checks
             self.error = e
             for sink in self._sinks.values():
-                _deliver(sink, EngineDead(f"the engine loop stopped: {type(e).__name__}: {e}"))
+                deliver(sink, EngineDead(f"the engine loop stopped: {type(e).__name__}: {e}"))
             self._sinks.clear()
             self._publish()
             if self._after_step is not None:
@@ -198,10 +198,10 @@ class EngineLoop:
                     self.engine.pop_error(seq)
                 continue
             if done and seq.finish_reason == "error":
-                _deliver(self._sinks[key], RequestFailed(self.engine.pop_error(seq) or "the request failed"))
+                deliver(self._sinks[key], RequestFailed(self.engine.pop_error(seq) or "the request failed"))
             else:
                 lps = latest_logprobs(self.engine, seq) if new and seq.params.logprobs is not None else None
-                _deliver(self._sinks[key], TokenEvent(tuple(new), seq.finish_reason if done else None, lps))
+                deliver(self._sinks[key], TokenEvent(tuple(new), seq.finish_reason if done else None, lps))
             if done:
                 self.finished[seq.finish_reason] = self.finished.get(seq.finish_reason, 0) + 1
                 del self._sinks[key], self._seqs[key], self._key_of[seq.seq_id]
@@ -212,7 +212,7 @@ class EngineLoop:
             key = self._key_of.pop(seq.seq_id, None)
             if key is not None:
                 self._seqs.pop(key, None)
-                _deliver(self._sinks.pop(key), RequestFailed(why))
+                deliver(self._sinks.pop(key), RequestFailed(why))
                 self.finished["error"] = self.finished.get("error", 0) + 1
 
     def _publish(self) -> None:
@@ -233,7 +233,8 @@ class EngineLoop:
         }
 
 
-def _deliver(sink: Sink, item) -> None:
+def deliver(sink: Sink, item) -> None:
+    """Give ``item`` to ``sink``; a sink whose consumer is gone (its event loop closed) is ignored."""
     try:
         sink(item)
     except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more

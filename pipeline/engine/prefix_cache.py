@@ -28,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from pipeline.engine.blocks import BlockAllocator, OutOfBlocks, _check_count
+from pipeline.engine.blocks import BlockAllocator
 
 #: The key of the block before a sequence's first block.
 ROOT = b""
@@ -87,10 +87,6 @@ class PrefixCachingAllocator(BlockAllocator):
         return len(self._free) + len(self._evictable)
 
     @property
-    def num_used(self) -> int:
-        return self.num_blocks - self.num_free
-
-    @property
     def num_cached(self) -> int:
         """Blocks with a key (in use or evictable)."""
         return len(self._key_of)
@@ -107,35 +103,22 @@ class PrefixCachingAllocator(BlockAllocator):
         self._check_id(block)
         return self._key_of.get(block)
 
-    def allocate_many(self, n: int) -> list[int]:
-        """``n`` blocks, all or none: never-cached free blocks first, then the least recently freed cached
-        ones, each evicted (its key forgotten)."""
-        _check_count("allocate_many: n", n)
-        if n > self.num_free:
-            raise OutOfBlocks(f"need {n} block(s), {self.num_free} of {self.num_blocks} free")
-        out = []
-        for _ in range(n):
-            if self._free:
-                b = self._free.pop()
-            else:
-                b, _ = self._evictable.popitem(last=False)
-                del self._block_of[self._key_of.pop(b)]
-                self.evictions += 1
-            self._refs[b] = 1
-            out.append(b)
-        return out
+    def _take_free(self) -> int:
+        """Never-cached free blocks first, then the least recently freed cached one, evicted (its key
+        forgotten)."""
+        if self._free:
+            return self._free.pop()
+        b, _ = self._evictable.popitem(last=False)
+        del self._block_of[self._key_of.pop(b)]
+        self.evictions += 1
+        return b
 
-    def free(self, block: int) -> None:
-        """Drop one reference; at 0 a cached block becomes evictable (most recently freed), another free."""
-        self._check_id(block)
-        if self._refs[block] == 0:
-            raise ValueError(f"double free of block {block} (its reference count is already 0)")
-        self._refs[block] -= 1
-        if self._refs[block] == 0:
-            if block in self._key_of:
-                self._evictable[block] = None
-            else:
-                self._free.append(block)
+    def _put_free(self, block: int) -> None:
+        """At its last reference a cached block becomes evictable (most recently freed), another free."""
+        if block in self._key_of:
+            self._evictable[block] = None
+        else:
+            self._free.append(block)
 
     def free_all(self, blocks: Sequence[int]) -> None:
         """Free a sequence's blocks, the last one first: its tail is evicted before its head."""
