@@ -1,5 +1,5 @@
-"""The engine's kernel choice (pipeline.engine.kernels.dispatch): torch on the CPU by default, visible in the
-engine loop's snapshot (which /metrics renders); and the Triton path wired into the engine end to end —
+"""The engine's kernel choice (pipeline.engine.kernels.dispatch): the C kernels on the CPU by default (torch
+where there is no compiler, or with DSQUANT_NATIVE=0), visible in the engine loop's snapshot (which /metrics renders); and the Triton path wired into the engine end to end —
 decode attention and the fused MoE run through Triton's interpreter on the CPU (``DSQUANT_KERNELS=triton``,
 ``TRITON_INTERPRET=1``, in a subprocess so the variables do not leak) give the torch path's greedy tokens."""
 
@@ -14,6 +14,7 @@ import pytest
 
 from pipeline.engine.engine import EngineConfig, LLMEngine
 from pipeline.engine.engine_loop import EngineLoop
+from pipeline.engine.kernels import dispatch
 from pipeline.engine.loader import load_quantized
 
 SCRIPT = """
@@ -29,15 +30,18 @@ print(json.dumps({"kernels": eng.runner.kernels, "out": eng.generate([ids], Samp
 """
 
 
-def test_cpu_runs_torch_and_says_so(embedded_quantized):
+@pytest.mark.parametrize("native_env", ["1", "0"])
+def test_cpu_kernels_are_chosen_and_said(embedded_quantized, monkeypatch, native_env):
     env_before = os.environ.get("DSQUANT_KERNELS")
     assert env_before in (None, "", "auto", "torch")
+    monkeypatch.setenv("DSQUANT_NATIVE", native_env)
+    want = "native" if native_env == "1" and dispatch.native_available() and env_before != "torch" else "torch"
     eng = LLMEngine(load_quantized(embedded_quantized), EngineConfig(num_blocks=16))
-    assert eng.runner.kernels == "torch"
+    assert eng.runner.kernels == want
     loop = EngineLoop(eng)
     try:
         loop._publish()
-        assert loop.snapshot["kernels"].get("cpu") == "torch"
+        assert loop.snapshot["kernels"].get("cpu") == want
     finally:
         loop.stop(timeout=5)
 

@@ -360,9 +360,21 @@ def test_dispatch(monkeypatch, caplog):
     monkeypatch.delenv(dispatch.ENV, raising=False)
     monkeypatch.setattr(dispatch, "_chosen", {})
     caplog.set_level("INFO", logger="dsquant.kernels")
+    native = dispatch.native_available()       # a C compiler here: the CPU's C kernels by default
+    assert dispatch.backend("cpu") == ("native" if native else "torch")
+    assert dispatch.backend("cpu") == ("native" if native else "torch")
+    assert [r.getMessage() for r in caplog.records] == (
+        ["kernels on cpu: native (CPU device, C compiler found)"] if native else
+        ["kernels on cpu: torch (no C compiler (or DSQUANT_NATIVE=0))"])
+    monkeypatch.setenv("DSQUANT_NATIVE", "0")
     assert dispatch.backend("cpu") == "torch"
-    assert dispatch.backend("cpu") == "torch"
-    assert [r.getMessage() for r in caplog.records] == ["kernels on cpu: torch (not a CUDA device)"]
+    with pytest.raises(RuntimeError, match="need a CPU device and a C compiler"):
+        monkeypatch.setenv(dispatch.ENV, "native")
+        dispatch.backend("cpu")
+    monkeypatch.delenv("DSQUANT_NATIVE")
+    with pytest.raises(RuntimeError, match="need a CPU device and a C compiler"):
+        dispatch.backend("cuda")
+    monkeypatch.delenv(dispatch.ENV)
     if torch.cuda.is_available():
         assert dispatch.backend("cuda") == "triton"
     monkeypatch.setenv(dispatch.ENV, "torch")
@@ -379,7 +391,7 @@ def test_dispatch(monkeypatch, caplog):
     with pytest.raises(RuntimeError, match="triton is not installed"):
         dispatch.backend("cuda")
     monkeypatch.setenv(dispatch.ENV, "cuda")
-    with pytest.raises(ValueError, match="expected 'torch', 'triton' or 'auto'"):
+    with pytest.raises(ValueError, match="expected 'torch', 'triton', 'native' or 'auto'"):
         dispatch.backend("cpu")
 
 

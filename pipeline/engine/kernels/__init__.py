@@ -11,8 +11,9 @@ Modules (each imports ``triton`` when it is imported; importing this package imp
 - :mod:`.moe_gemm` -- ``fused_moe``: the routed experts of ``pipeline.engine.moe.Int8MoE`` as two grouped
   int8 GEMMs over tokens sorted by expert (gate+up with SiLU-mul fused, then down with the per-token
   quantization fused), combined with an ``index_add``.
-- :mod:`.dispatch` -- ``backend(device)``: ``"triton"`` on CUDA when triton imports, ``"torch"`` otherwise;
-  ``DSQUANT_KERNELS=torch|triton`` overrides it. The engine asks it once per device and calls these
+- :mod:`.dispatch` -- ``backend(device)``: ``"triton"`` on CUDA when triton imports, ``"native"`` (the C
+  kernels of ``pipeline.engine.csrc``) on a CPU with a C compiler, ``"torch"`` otherwise;
+  ``DSQUANT_KERNELS=torch|triton|native`` overrides it. The engine asks it once per device and calls these
   kernels or its torch code accordingly; ``chosen()`` reports the choice for metrics.
 
 What is exact: the integer parts (the activations quantized to int8, the int32 accumulators, ``acc +

@@ -8,87 +8,25 @@ instructions for); the kernels (:file:`fp8_int8.c`: from FP8 codes, from bf16 we
 do it in one vectorized pass per row, ~0.3 s, so the weight phase is bound by reading, hashing and
 writing, not by arithmetic.
 
-The shared object is built with ``cc -O3 -march=native`` (without ``-march`` if the compiler refuses it)
-into a cache directory (``DSQUANT_CACHE_DIR``,
-else ``~/.cache/dsquant``, else the temp directory) under a name keyed by the source, the flags, the
-compiler and the CPU's feature flags, so that nodes sharing a home directory never load a library built
-for another CPU; it is written under a temporary name and renamed, so concurrent workers are safe.
-ctypes releases the GIL during the call: the reader and writer threads keep running.
+Built and loaded by :class:`pipeline.cbuild.NativeLibrary` (compiled on first use, cached per CPU and
+compiler). ctypes releases the GIL during the call: the reader and writer threads keep running.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import subprocess
-import tempfile
-import threading
-import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from pipeline.cbuild import BASE_FLAGS, NativeLibrary, compiler as _compiler  # noqa: F401 (tests use _compiler)
+
 SOURCE = Path(__file__).with_name("fp8_int8.c")
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
-_lock = threading.Lock()
-_state: dict[str, object] = {}
+FLAGS = BASE_FLAGS
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _cache_dir() -> Path:
-    for d in (os.environ.get("DSQUANT_CACHE_DIR"), Path.home() / ".cache" / "dsquant",
-              Path(tempfile.gettempdir()) / f"dsquant-{getattr(os, 'getuid', lambda: 0)()}"):
-        if d is None:
-            continue
-        try:
-            Path(d).mkdir(parents=True, exist_ok=True)
-            if os.access(d, os.W_OK):
-                return Path(d)
-        except OSError:
-            continue
-    raise OSError("no writable cache directory for the native kernel")
-
-
-def _compiler() -> Optional[str]:
-    from shutil import which
-
-    return os.environ.get("CC") or which("cc") or which("gcc") or which("clang")
-
-
-def _build() -> ctypes.CDLL:
-    cc = _compiler()
-    if cc is None:
-        raise OSError("no C compiler (cc, gcc or clang) on PATH")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    errors = []
-    for flags in (FLAGS, tuple(f for f in FLAGS if not f.startswith("-march="))):  # a compiler may lack -march=native
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, version, platform.machine(), _cpu_flags()])
-                             .encode()).hexdigest()[:16]
-        lib = _cache_dir() / f"fp8_int8-{key}.so"
-        if lib.exists():
-            break
-        tmp = lib.with_name(f".{lib.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        out = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True)
-        if out.returncode == 0:
-            os.replace(tmp, lib)
-            break
-        tmp.unlink(missing_ok=True)
-        errors.append(f"{cc} {' '.join(flags)} failed on {SOURCE.name}: {out.stderr.strip()[-300:]}")
-    else:
-        raise OSError("; ".join(errors))
-    dll = ctypes.CDLL(str(lib))
+def _declare(dll: ctypes.CDLL) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     dll.fp8_to_int8_bf16.argtypes = [p, i64, i64, p, i64, i64, p, p, ctypes.c_float, p]
     dll.fp8_to_int8_bf16.restype = None
@@ -96,28 +34,19 @@ def _build() -> ctypes.CDLL:
     dll.bf16_to_int8.restype = None
     dll.int8_row_sums.argtypes = [p, i64, i64, p]
     dll.int8_row_sums.restype = None
-    _state["path"] = str(lib)
-    return dll
+
+
+_LIB = NativeLibrary(SOURCE, _declare, FLAGS, what="native weight kernel (same results with torch ops, slower)")
 
 
 def library() -> Optional[ctypes.CDLL]:
     """The compiled kernels, or None (the reason in :func:`status`); built once per process."""
-    with _lock:
-        if "lib" not in _state:
-            if os.environ.get("DSQUANT_NATIVE", "1") == "0":
-                _state["lib"], _state["why"] = None, "disabled by DSQUANT_NATIVE=0"
-            else:
-                try:
-                    _state["lib"] = _build()
-                except OSError as e:
-                    _state["lib"], _state["why"] = None, str(e)
-                    warnings.warn(f"native weight kernel unavailable, using torch ops (same results, slower): {e}")
-        return _state["lib"]  # type: ignore[return-value]
+    return _LIB.library()
 
 
 def status() -> str:
     """Which implementation the weight phase uses, for logs and benchmark records."""
-    return f"native ({_state['path']})" if library() is not None else f"torch ops ({_state['why']})"
+    return _LIB.status()
 
 
 def fp8_to_int8_bf16(codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int], q: torch.Tensor,
