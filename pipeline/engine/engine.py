@@ -13,19 +13,21 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 
 from pipeline.engine.blocks import BlockAllocator
 from pipeline.engine.loader import LoadedModel, load_model
+from pipeline.engine import kv_handoff
+from pipeline.engine.kv_handoff import KVHandoff, latest_logprobs  # noqa: F401 (re-exported)
 from pipeline.engine.prefix_cache import PrefixCachingAllocator
 from pipeline.engine.runner import ModelRunner, Span
 from pipeline.engine.scheduler import FINISHED, RUNNING, Scheduler
 from pipeline.engine.scheduler import Sequence as Seq
 from pipeline.engine.sampling import (SamplingParams, StopText, TokenLogprobs, adjust_logits, cut_at_stop,
-                                      generator_on, piece_logprobs, restored_generator, sample)
+                                      generator_on, piece_logprobs, sample)
 
 
 @dataclass(frozen=True)
@@ -52,33 +54,6 @@ def make_runner(loaded: LoadedModel, config: EngineConfig, cls=ModelRunner, **kw
     return cls(loaded, config.num_blocks, config.block_size, config.nz, config.device,
                getattr(torch, config.cache_dtype) if config.cache_dtype else None, config.mtp, config.fa3,
                compile=config.compile, **kw)
-
-
-@dataclass
-class KVHandoff:
-    """A prefilled prompt, as a prefill engine hands it to a decode engine: the prompt, the first token
-    sampled from it, and the cache blocks holding the prompt's KV in their stored form (int8 latent with
-    fa_k on FA3 layers, NZ when the cache is NZ), per layer (the MTP layer's too when drafting), plus the
-    MTP draft for the next token. ``layout`` must match the receiving engine's (checked).
-    ``first_logprobs``: the first token's logprobs when the request asks for them (pass them on in its
-    first TokenEvent). ``generator_state``: a seeded request's generator after sampling the first token
-    (``torch.Generator.get_state()``, of a generator on ``generator_device``): the decode engine continues
-    it, so a seeded sampled request draws the same tokens as in one engine."""
-
-    prompt: list[int]
-    first_token: Optional[int]              # None: the request ended at its first token (finish_reason)
-    finish_reason: Optional[str]
-    num_cached: int
-    blocks: dict[int, tuple[torch.Tensor, torch.Tensor]]
-    draft: Optional[int]
-    layout: dict
-    first_logprobs: Optional[tuple[TokenLogprobs, ...]] = None
-    generator_state: Optional[torch.Tensor] = None
-    generator_device: Optional[str] = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.numel() * c.element_size() + pe.numel() * pe.element_size() for c, pe in self.blocks.values())
 
 
 @dataclass
@@ -181,62 +156,15 @@ class LLMEngine:
         return self._layout
 
     def _make_layout(self) -> dict:
-        caches = self.runner.caches
-        return {"model": self.loaded.config.to_dict(),
-                "block_size": self.config.block_size, "nz": self.config.nz, "mtp": self.config.mtp,
-                "layers": {i: {"latent": str(c.latent_dtype), "k_pe": str(c.dtype),
-                               "fa_k": None if c.scale is None else float(c.scale)} for i, c in caches.items()}}
+        return kv_handoff.cache_layout(self)
 
     def prefill(self, prompt_ids: Sequence[int], params: SamplingParams, step=None, read=None) -> KVHandoff:
-        """Run the prompt (with whatever else is in flight), sample its first token, and hand off its
-        cache blocks; the sequence's blocks are freed here once copied out, with the first token's logprobs
-        (when asked) and a seeded generator's state. ``step`` / ``read``: how to step and read blocks
-        (default this engine's; a DP-attention group steps all groups, dp_engine)."""
-        step, read = step or self.step, read or self.runner.read_blocks
-        seq = self.add_request(prompt_ids, replace(params, max_new_tokens=1, min_tokens=min(params.min_tokens, 1)))
-        seq.hold = True
-        try:
-            while seq.status != FINISHED:
-                step()
-            if seq.finish_reason == "error":
-                raise RuntimeError(f"prefill failed: {self.pop_error(seq)}")
-            self.scheduler.register_final(seq)   # the prompt's blocks stay reusable here once freed
-            first = seq.output[0] if seq.output else None
-            n = len(seq.prompt)
-            blocks = seq.table.blocks[: -(-n // self.config.block_size)]
-            data = read(blocks)
-            reason = "stop" if first is None else ("length" if params.max_new_tokens <= 1 else None)
-            first_lp = latest_logprobs(self, seq) if first is not None and params.logprobs is not None else None
-            gen = seq.generator
-            return KVHandoff(list(seq.prompt), first, reason, n, data, seq.draft, self.kv_layout(), first_lp,
-                             None if gen is None else gen.get_state(), None if gen is None else str(gen.device))
-        finally:  # done or failed: this prompt leaves nothing behind in the engine
-            seq.hold = False
-            self.scheduler.abort(seq)
-            seq.table.release(self.allocator)
+        """:func:`pipeline.engine.kv_handoff.prefill` on this engine."""
+        return kv_handoff.prefill(self, prompt_ids, params, step, read)
 
     def add_prefilled(self, kv: KVHandoff, params: SamplingParams, write=None) -> Seq:
-        """Continue a request another engine prefilled: its blocks are copied into this engine's cache and
-        the sequence decodes from the next step. Raises ValueError when the layouts differ and OutOfBlocks
-        when the cache cannot take the blocks now (or when a seeded generator's state is for another kind of
-        device than this engine samples on). ``write``: how blocks are stored (default the runner's). A
-        seeded request's generator continues from the prefill's state (on this engine's device)."""
-        if kv.layout != self._layout:
-            diff = sorted(k for k in set(kv.layout) | set(self._layout) if kv.layout.get(k) != self._layout.get(k))
-            raise ValueError(f"KV handoff: the prefill engine's cache layout differs in {diff}")
-        if kv.first_token is None:
-            raise ValueError(f"KV handoff: the request already finished at prefill ({kv.finish_reason})")
-        generator = None
-        if params.seed is not None and kv.generator_state is not None:  # go on drawing where prefill stopped
-            generator = restored_generator(kv.generator_state, kv.generator_device, self.config.device)
-        seq = self.scheduler.add_running(kv.prompt + [kv.first_token], len(kv.prompt), kv.num_cached, params,
-                                         self.eos_id)
-        (write or self.runner.write_blocks)(list(seq.table.blocks), kv.blocks)
-        seq.draft = kv.draft if params.greedy else None
-        if generator is not None:
-            seq.generator = generator
-        self.stats.prompt_tokens += len(kv.prompt)
-        return seq
+        """:func:`pipeline.engine.kv_handoff.add_prefilled` on this engine."""
+        return kv_handoff.add_prefilled(self, kv, params, write)
 
     def step(self) -> list[tuple[Seq, list[int]]]:
         """One engine step; returns (sequence, its new tokens: one, two when an MTP draft was accepted,
@@ -389,16 +317,6 @@ class LLMEngine:
     def text(self, seq: Seq) -> str:
         """The sequence's output text, cut at its first stop string."""
         return cut_at_stop(self.tokenizer.decode(seq.output), seq.params.stop)[0]
-
-
-def latest_logprobs(engine, seq: Seq) -> Optional[tuple[TokenLogprobs, ...]]:
-    """The logprobs of the tokens ``seq`` got in the latest step of ``engine`` (an LLMEngine, or a DP
-    engine whose group ``seq_id % len(groups)`` holds it), one per token; None when it asks for none."""
-    groups = getattr(engine, "groups", None)
-    if groups:
-        engine = groups[seq.seq_id % len(groups)]
-    got = engine.step_logprobs.get(seq.seq_id)
-    return tuple(got) if got else None
 
 
 def greedy_agreement(a: Sequence[int], b: Sequence[int]) -> float:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Union
 
 from pipeline.engine.blocks import OutOfBlocks
 from pipeline.engine.dist_runner import ReplicaBroken
-from pipeline.engine.engine import latest_logprobs
+from pipeline.engine.kv_handoff import latest_logprobs
 from pipeline.engine.kernels.dispatch import chosen
 
 
