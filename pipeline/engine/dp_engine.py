@@ -16,7 +16,6 @@ from, or written to, the ranks of the group that computes or will own the sequen
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import replace
 from typing import Sequence
 
@@ -53,7 +52,7 @@ class DPEngine:
         self.loaded, self.tokenizer = groups[0].loaded, groups[0].tokenizer
         self.config = replace(groups[0].config, num_blocks=groups[0].config.num_blocks * len(groups))
         for g, group in enumerate(groups):
-            group.scheduler._ids = itertools.count(g, len(groups))
+            group.scheduler.number_ids(g, len(groups))
         self.scheduler, self.allocator = _Schedulers(groups), _Allocators(groups)
         self.steps = 0
 

@@ -142,6 +142,11 @@ class Scheduler:
         self.lookahead = int(mtp)    # MTP: a block's key covers the token after it too
         self.stats = stats if stats is not None else PrefixCacheStats()
 
+    def number_ids(self, first: int, stride: int) -> None:
+        """Give new sequences the ids first, first + stride, ... (a DP group's share of one id space, so
+        that ``seq_id % groups`` names the group holding it)."""
+        self._ids = itertools.count(first, stride)
+
     # ----- requests --------------------------------------------------------------------------------
     def add(self, prompt: Iterable[int], params: SamplingParams, eos_id: Optional[int] = None) -> Sequence:
         prompt = list(prompt)
