@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 
 openai = pytest.importorskip("openai")
 
-from pipeline.engine.engine import EngineConfig, LLMEngine, latest_logprobs  # noqa: E402
+from engine_ref import replica_engine, torch_threads  # noqa: E402
+from pipeline.engine.engine import EngineConfig, latest_logprobs  # noqa: E402
 from pipeline.engine.sampling import SamplingParams  # noqa: E402
 from pipeline.serving.logprobs import TokenStrings  # noqa: E402
 from test_serve import free_port, http  # noqa: E402
@@ -62,14 +63,8 @@ def client(server: str, prefix: str = "", key: str = KEY) -> "openai.OpenAI":
 @pytest.fixture(scope="module")
 def reference(qdir, tok) -> dict:
     """Greedy outputs and their logprobs (top 3) from the engine in this process (one torch thread)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        eng = LLMEngine.from_dir(qdir, tokenizer=tok, **{k: getattr(ENGINE, k) for k in
-                                                           ("num_blocks", "block_size", "max_num_seqs",
-                                                            "max_batched_tokens", "nz")})
+    with torch_threads(1):
+        eng = replica_engine(qdir, tok, ENGINE)
         params = SamplingParams(max_new_tokens=MAX_TOKENS, logprobs=3)
         seqs = {"raw": eng.add_request(tok.encode(RAW), params),
                 "chat": eng.add_request(tok.encode_chat([{"role": "user", "content": QUESTION}]), params)}
@@ -78,8 +73,6 @@ def reference(qdir, tok) -> dict:
             for s, new in eng.step():
                 if new:
                     lps[s.seq_id] += latest_logprobs(eng, s)
-    finally:
-        torch.set_num_threads(threads)
     return {k: (s.output, lps[s.seq_id], tok.decode(s.output)) for k, s in seqs.items()}
 
 

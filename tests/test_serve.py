@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 
 openai = pytest.importorskip("openai")
 
+from engine_ref import replica_engine, torch_threads  # noqa: E402
 from pipeline.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from pipeline.engine.sampling import SamplingParams  # noqa: E402
 
@@ -106,19 +107,11 @@ def wait_metric(server: str, name: str, want: float, prefix: str = "", timeout: 
 @pytest.fixture(scope="module")
 def reference(qdir, tok) -> dict:
     """The engine's greedy output in this process (one torch thread, as in the replica)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        eng = LLMEngine.from_dir(qdir, tokenizer=tok, **{k: getattr(ENGINE, k) for k in
-                                                           ("num_blocks", "block_size", "max_num_seqs",
-                                                            "max_batched_tokens", "nz")})
+    with torch_threads(1):
+        eng = replica_engine(qdir, tok, ENGINE)
         chat_ids = tok.encode_chat([{"role": "user", "content": QUESTION}])
         raw_ids = tok.encode(RAW)
         chat_out, raw_out = eng.generate([chat_ids, raw_ids], SamplingParams(max_new_tokens=MAX_TOKENS))
-    finally:
-        torch.set_num_threads(threads)
     return {"chat": (tok.decode(chat_out), len(chat_out), len(chat_ids)),
             "raw": (tok.decode(raw_out), len(raw_out), len(raw_ids)), "raw_ids": raw_out}
 
@@ -377,39 +370,35 @@ def test_metrics_exposition(server):
 def test_engine_loop_streams_refuses_and_aborts(qdir, tok, reference):
     import queue
 
-    import torch
-
     from actors.serve_app import EngineLoop
     from pipeline.engine.engine_loop import TokenEvent
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    loop = EngineLoop(LLMEngine.from_dir(qdir, tokenizer=tok, num_blocks=16, block_size=16))
-    try:
-        ok, bad, long = queue.Queue(), queue.Queue(), queue.Queue()
-        loop.submit(tok.encode(RAW), SamplingParams(max_new_tokens=5), ok.put)
-        loop.submit(list(range(10, 10 + 300)), SamplingParams(max_new_tokens=5), bad.put)
-        key = loop.submit(tok.encode(RAW), SamplingParams(max_new_tokens=200), long.put)
-        events = [ok.get(timeout=30)]
-        while events[-1].finish_reason is None:
-            events.append(ok.get(timeout=30))
-        assert all(isinstance(e, TokenEvent) for e in events) and events[-1].finish_reason == "length"
-        assert [t for e in events for t in e.token_ids] == reference["raw_ids"][:5]
-        err = bad.get(timeout=30)
-        assert isinstance(err, ValueError) and str(err) == ("the prompt has 300 tokens; this model takes at most 255 "
-                                                            "prompt tokens (256 in all)")
-        assert long.get(timeout=30).finish_reason is None  # running now
-        loop.abort(key)
-        deadline = time.time() + 10
-        while loop.snapshot["aborted"] != 1 and time.time() < deadline:
-            time.sleep(0.05)
-        snap = loop.snapshot
-        assert (snap["aborted"], snap["running"], snap["waiting"]) == (1, 0, 0)
-        assert snap["cache_blocks_free"] == snap["cache_blocks_total"] == 16
-        assert snap["finished"] == {"stop": 0, "length": 1, "abort": 1} and loop.alive
-    finally:
-        loop.stop()
-        torch.set_num_threads(threads)
+    with torch_threads(1):
+        loop = EngineLoop(LLMEngine.from_dir(qdir, tokenizer=tok, num_blocks=16, block_size=16))
+        try:
+            ok, bad, long = queue.Queue(), queue.Queue(), queue.Queue()
+            loop.submit(tok.encode(RAW), SamplingParams(max_new_tokens=5), ok.put)
+            loop.submit(list(range(10, 10 + 300)), SamplingParams(max_new_tokens=5), bad.put)
+            key = loop.submit(tok.encode(RAW), SamplingParams(max_new_tokens=200), long.put)
+            events = [ok.get(timeout=30)]
+            while events[-1].finish_reason is None:
+                events.append(ok.get(timeout=30))
+            assert all(isinstance(e, TokenEvent) for e in events) and events[-1].finish_reason == "length"
+            assert [t for e in events for t in e.token_ids] == reference["raw_ids"][:5]
+            err = bad.get(timeout=30)
+            assert isinstance(err, ValueError) and str(err) == (
+                "the prompt has 300 tokens; this model takes at most 255 prompt tokens (256 in all)")
+            assert long.get(timeout=30).finish_reason is None  # running now
+            loop.abort(key)
+            deadline = time.time() + 10
+            while loop.snapshot["aborted"] != 1 and time.time() < deadline:
+                time.sleep(0.05)
+            snap = loop.snapshot
+            assert (snap["aborted"], snap["running"], snap["waiting"]) == (1, 0, 0)
+            assert snap["cache_blocks_free"] == snap["cache_blocks_total"] == 16
+            assert snap["finished"] == {"stop": 0, "length": 1, "abort": 1} and loop.alive
+        finally:
+            loop.stop()
     assert not loop.alive
 
 
