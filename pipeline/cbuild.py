@@ -3,7 +3,8 @@ phase's :mod:`pipeline.quant.native`, the engine's CPU kernels): one :class:`Nat
 
 The shared object is built with ``cc <flags>`` (the flags without ``-march=...`` when the compiler refuses
 them) into a cache directory (``DSQUANT_CACHE_DIR``, else ``~/.cache/dsquant``, else the temp directory)
-under a name keyed by the source, the flags, the compiler and the CPU's feature flags, so that nodes
+under a name keyed by the source (and the ``*.h`` headers beside it, which it may include), the flags,
+the compiler and the CPU's feature flags, so that nodes
 sharing a home directory never load a library built for another CPU; it is written under a temporary
 name and renamed, so concurrent workers are safe. ctypes releases the GIL during each call.
 
@@ -73,6 +74,11 @@ class NativeLibrary:
         self._lock = threading.Lock()
         self._state: dict[str, object] = {}
 
+    def _text(self) -> str:
+        """The source and every header beside it (in name order): what the build depends on."""
+        headers = sorted(self.source.parent.glob("*.h"))
+        return "\0".join([self.source.read_text(), *(f"{h.name}\0{h.read_text()}" for h in headers)])
+
     def _build(self) -> ctypes.CDLL:
         cc = compiler()
         if cc is None:
@@ -80,7 +86,7 @@ class NativeLibrary:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
         errors = []
         for flags in (self.flags, tuple(f for f in self.flags if not f.startswith("-march="))):
-            key = hashlib.sha256("\0".join([self.source.read_text(), *flags, version, platform.machine(),
+            key = hashlib.sha256("\0".join([self._text(), *flags, version, platform.machine(),
                                             cpu_flags()]).encode()).hexdigest()[:16]
             lib = cache_dir() / f"{self.source.stem}-{key}.so"
             if lib.exists():

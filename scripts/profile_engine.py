@@ -77,10 +77,10 @@ def instrument(prof: Profiler) -> None:
     prof.wrap(paged_cache.PagedLatentCache, "write", "cache write")
     if hasattr(paged_cache.PagedLatentCache, "write_slots"):       # one write per layer and step
         prof.wrap(paged_cache.PagedLatentCache, "write_slots", "cache write")
-    for name in ("paged_decode_attention", "batched_decode_attention"):   # the per-sequence path before
-        if hasattr(runner, name):
+    for name in ("paged_decode_attention", "batched_decode_attention",   # the per-sequence path before
+                 "native_decode_attention", "paged_prefill_attention", "mha_prefill_attention"):
+        if hasattr(runner, name):                                        # (the C kernel, the prefill forms)
             prof.wrap(runner, name, "attention")
-    prof.wrap(runner, "paged_prefill_attention", "attention")
     prof.wrap(ffn.MoE, "forward", "moe")
     try:
         from pipeline.engine import moe as engine_moe
@@ -166,7 +166,7 @@ def main() -> int:
     res = {"model_dir": Path(args.model_dir).name, "batch": args.batch, "compile": args.compile, "prompt_len": args.prompt_len,
            "new_tokens": args.new_tokens, "mtp": args.mtp, "threads": args.threads, "wall_s": round(wall, 3),
            "output_tok_s": round((eng.stats.generated_tokens - generated) / wall, 1),
-           "decode": summarize(decode), "prefill": summarize(prefill)}
+           "kernels": eng.runner.kernels, "decode": summarize(decode), "prefill": summarize(prefill)}
     write_result(args.out, res)
     return 0
 

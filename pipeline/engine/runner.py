@@ -24,7 +24,9 @@ from pipeline.engine.attention import paged_prefill_attention
 from pipeline.engine.mha_prefill import mha_prefill_attention
 from pipeline.engine.batched_attention import DecodeBatch, batched_decode_attention
 from pipeline.engine.regions import Regions
-from pipeline.engine.kernels.dispatch import TRITON, backend
+from pipeline.engine.kernels.dispatch import NATIVE, TRITON, backend
+from pipeline.engine import cpu_attention
+from pipeline.engine.cpu_attention import decode_attention as native_decode_attention
 from pipeline.engine.loader import LoadedModel
 from pipeline.engine.paged_cache import PagedLatentCache
 from pipeline.config import model_dtype
@@ -77,7 +79,7 @@ class ModelRunner:
                 raise ValueError(f"{loaded.path}: speculative decoding needs the MTP layer, which this model lacks")
             ids.append(self.model.mtp_layers[0].layer_id)
         self.mtp_id = ids[-1] if mtp else None
-        self.kernels = backend(device)      # decode attention: the Triton kernel on CUDA, else torch
+        self.kernels = backend(device)      # decode attention: Triton on CUDA, the C kernel on a CPU, else torch
         self._w_abs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}    # id(attn) -> absorbed weights
         self.regions = Regions(compile)
         self.mha_prefill = mha_prefill
@@ -130,6 +132,8 @@ class ModelRunner:
 
             return paged_mla_decode_cache(q_abs, qp, cache, st.decode.table.to(torch.int32),
                                           st.decode.lengths.to(torch.int32), attn.scale)
+        if self.kernels == NATIVE and cpu_attention.library() is not None:
+            return native_decode_attention(q_abs, qp, cache, st.decode, attn.scale)
         return batched_decode_attention(q_abs, qp, cache, st.decode, attn.scale)
 
     def _positions(self, spans: Sequence[Span]) -> "StepInputs":

@@ -1,0 +1,158 @@
+"""The engine's C kernels for decode attention over the paged MLA latent cache and for the step's cache
+write, on the CPU (``pipeline.engine.kernels.dispatch`` backend ``"native"``).
+
+:func:`decode_attention` computes, for every decode row of a step in ONE C call (csrc/mla_decode_cpu.c),
+what :func:`pipeline.engine.batched_attention.batched_decode_attention` computes::
+
+    scores[b, h, t] = softmax_scale * (s_k * <q_abs[b, h], c[b, t]> + <q_pe[b, h], k_pe[b, t]>),  t < L_b
+    o_lat[b, h]     = s_k * sum_t softmax_t(scores[b, h, :]) * c[b, t]
+
+reading the int8 / bf16 / fp16 / float32 latent and k_pe straight from the cache storage (ND or NZ)
+through the block table, each token converted to float32 once per layer and used for all heads' scores
+and the V sum while in cache; online softmax in float32 over tiles of ``tile`` tokens. It agrees with the
+torch path within float32 rounding (the sums run in another order), not bit for bit. Why: the torch
+path is bound by per-op overhead and the float32 copy of each tile; this one is bound by its FMAs
+(scripts/bench_cpu_attention.py: ~4-8x faster per layer at the embedded model's shapes).
+
+:func:`write_slots` stores a step's latents (quantized exactly as ``paged_cache._to_int8`` does) and k_pe
+into their ND or NZ slots in one C call (csrc/latent_write_cpu.c, built without FMA contraction): the
+bytes are identical to the torch code's.
+
+Both libraries are built on first use by :class:`pipeline.cbuild.NativeLibrary`; when one cannot be
+built (no compiler, ``DSQUANT_NATIVE=0``) the callers keep their torch code (:func:`library` is None).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from pipeline.cbuild import BASE_FLAGS, EXACT_FLAGS, NativeLibrary
+
+CSRC = Path(__file__).with_name("csrc")
+#: Tokens per tile: 32 x C=512 float32 is 64 KiB, held in L2 between the scores and the V sum.
+DEFAULT_TILE = 32
+_DTYPES = {torch.int8: 0, torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+_ERRORS = {1: "out of memory", 2: "a length outside 1 .. W * block_size (or a slot outside the cache)",
+           3: "a block id outside the cache"}
+
+
+def _declare_attention(dll: ctypes.CDLL) -> None:
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    dll.mla_decode.argtypes = [p, p, i64, i64, i64, i64, p, i32, i64, i64, i64, i64, p, i32, i64, i64, i64, i64,
+                               p, i64, p, i64, i64, f32, f32, i64, p]
+    dll.mla_decode.restype = i32
+
+
+def _declare_write(dll: ctypes.CDLL) -> None:
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    dll.latent_write.argtypes = [p, i32, i64, i64, p, i64, p, i32, i64, i64, i64, i64, i64, f32]
+    dll.latent_write.restype = i32
+
+
+_ATTENTION = NativeLibrary(CSRC / "mla_decode_cpu.c", _declare_attention, BASE_FLAGS,
+                           what="native decode attention (torch ops give the same within float32 rounding)")
+_WRITE = NativeLibrary(CSRC / "latent_write_cpu.c", _declare_write, EXACT_FLAGS,
+                       what="native cache write (torch ops give the same bytes)")
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The decode attention library, or None (why in :func:`status`)."""
+    return _ATTENTION.library()
+
+
+def write_library() -> Optional[ctypes.CDLL]:
+    """The cache write library, or None."""
+    return _WRITE.library()
+
+
+def status() -> str:
+    return f"attention: {_ATTENTION.status()}; cache write: {_WRITE.status()}"
+
+
+def reset() -> None:
+    """Forget the loaded libraries (tests that flip DSQUANT_NATIVE)."""
+    _ATTENTION.reset()
+    _WRITE.reset()
+
+
+def _strides(store: torch.Tensor, nz: bool) -> tuple[int, int, int, int]:
+    """(per block, per token, per column chunk, chunk width) in elements of an ND [nb, bs, cols] or NZ
+    [nb, C1, R', c0] store (contiguous)."""
+    if nz:
+        _, c1, rp, c0 = store.shape
+        return c1 * rp * c0, c0, rp * c0, c0
+    _, bs, cols = store.shape
+    return bs * cols, cols, 0, cols
+
+
+def _dtype(t: torch.Tensor, what: str) -> int:
+    try:
+        return _DTYPES[t.dtype]
+    except KeyError:
+        raise ValueError(f"native kernels: {what} has dtype {t.dtype}; int8, bfloat16, float16 or float32 "
+                         f"expected") from None
+
+
+def decode_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, cache, batch, softmax_scale: float,
+                     tile: int = DEFAULT_TILE) -> torch.Tensor:
+    """``q_abs`` [B, H, C], ``q_pe`` [B, H, d_r] float32 of ``batch``'s rows (a DecodeBatch) -> ``o_lat``
+    [B, H, C] float32 (module docstring). RuntimeError when the library is not available."""
+    lib = _ATTENTION.library()
+    if lib is None:
+        raise RuntimeError(f"native decode attention unavailable: {_ATTENTION.status()}")
+    B, H, C = q_abs.shape
+    table, lengths = batch.table, batch.lengths
+    if C != cache.C or q_pe.shape != (B, H, cache.d_r) or table.shape[0] != B or lengths.shape != (B,):
+        raise ValueError(f"native decode attention: q_abs {tuple(q_abs.shape)}, q_pe {tuple(q_pe.shape)}, table "
+                         f"{tuple(table.shape)}, lengths {tuple(lengths.shape)} for C={cache.C}, d_r={cache.d_r}")
+    if q_abs.device.type != "cpu" or cache.c.device.type != "cpu":
+        raise ValueError(f"native decode attention: CPU tensors needed, got q_abs on {q_abs.device}, the cache "
+                         f"on {cache.c.device}")
+    if q_abs.dtype != torch.float32 or q_pe.dtype != torch.float32:
+        raise ValueError(f"native decode attention: q_abs / q_pe must be float32, got {q_abs.dtype} / {q_pe.dtype}")
+    if table.dtype != torch.long or lengths.dtype != torch.long:
+        raise ValueError("native decode attention: the block table and lengths must be int64")
+    if not isinstance(tile, int) or tile < 1:
+        raise ValueError(f"native decode attention: tile must be an integer >= 1, got {tile!r}")
+    q_abs, q_pe, table, lengths = q_abs.contiguous(), q_pe.contiguous(), table.contiguous(), lengths.contiguous()
+    c, pe = cache.c, cache.pe
+    out = torch.empty(B, H, C, dtype=torch.float32)
+    rc = lib.mla_decode(q_abs.data_ptr(), q_pe.data_ptr(), B, H, C, cache.d_r,
+                        c.data_ptr(), _dtype(c, "the cache latent"), *_strides(c, cache.nz),
+                        pe.data_ptr(), _dtype(pe, "the cache k_pe"), *_strides(pe, cache.nz),
+                        table.data_ptr(), table.shape[1], lengths.data_ptr(), cache.block_size, cache.num_blocks,
+                        cache.scale_value, softmax_scale, tile, out.data_ptr())
+    if rc:
+        raise ValueError(f"native decode attention: {_ERRORS.get(rc, f'error {rc}')}")
+    return out
+
+
+def _put(lib, rows: torch.Tensor, slots: torch.Tensor, store: torch.Tensor, cache, scale: float) -> None:
+    rc = lib.latent_write(rows.data_ptr(), _DTYPES[rows.dtype], rows.shape[0], rows.shape[1], slots.data_ptr(),
+                          cache.num_blocks * cache.block_size, store.data_ptr(), _DTYPES[store.dtype],
+                          cache.block_size, *_strides(store, cache.nz), scale)
+    if rc:
+        raise ValueError("write_slots: a slot outside the cache's "
+                         f"{cache.num_blocks} x {cache.block_size} slots")
+
+
+def write_slots(cache, slots: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor) -> bool:
+    """PagedLatentCache.write_slots in one C call per store (shapes already checked by the caller); False
+    (nothing written) when the library is not available or the tensors are not CPU ones of kernel
+    dtypes. Dtype casts other than the int8 quantization (a float latent or k_pe in another dtype than
+    the cache's) are done by torch first, so the stored bytes are torch's."""
+    lib = _WRITE.library()
+    if lib is None or c.dtype not in _DTYPES or c.dtype == torch.int8 or slots.dtype != torch.long \
+            or not cache.c.device.type == c.device.type == k_pe.device.type == slots.device.type == "cpu":
+        return False
+    if not cache.is_int8:
+        c = c.to(cache.c.dtype)                 # (no copy when it is the cache's dtype already)
+    pe = k_pe.to(cache.pe.dtype)
+    slots, c, pe = slots.contiguous(), c.contiguous(), pe.contiguous()
+    _put(lib, c, slots, cache.c, cache, cache.scale_value if cache.is_int8 else 1.0)
+    _put(lib, pe, slots, cache.pe, cache, 1.0)
+    return True

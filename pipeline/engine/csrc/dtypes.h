@@ -1,0 +1,42 @@
+/* Element types shared by the engine's C kernels (pipeline/engine/csrc), with the dtype codes the Python
+ * side passes (pipeline.engine.cpu_attention._DTYPES) and exact conversions to float32. */
+#ifndef DSQUANT_DTYPES_H
+#define DSQUANT_DTYPES_H
+
+#include <stdint.h>
+#include <string.h>
+
+enum { DT_INT8 = 0, DT_BF16 = 1, DT_FP16 = 2, DT_F32 = 3 };
+
+/* bfloat16 bits -> float32 (exact: the high half of a float32). */
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* IEEE half bits -> float32 (exact, subnormals and inf/NaN included). */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else {                                   /* subnormal: normalise */
+            int e = -1;
+            do { man <<= 1; e++; } while (!(man & 0x400));
+            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline size_t dtype_size(int dtype) { return dtype == DT_INT8 ? 1 : dtype == DT_F32 ? 4 : 2; }
+
+#endif

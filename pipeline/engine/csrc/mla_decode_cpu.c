@@ -1,0 +1,231 @@
+/* Decode attention over the paged MLA latent cache, every decode row of a step in one call (CPU).
+ *
+ * Per row b, head h, cached position t < L_b (the arithmetic of pipeline.engine.batched_attention):
+ *
+ *     scores[b,h,t] = softmax_scale * (s_k * <q_abs[b,h], c[b,t]> + <q_pe[b,h], k_pe[b,t]>)
+ *     o_lat[b,h]    = s_k * sum_t softmax_t(scores[b,h,:]) * c[b,t]
+ *
+ * The positions are taken `tile` at a time. Each token's latent and k_pe are read once from the cache
+ * storage through the block table and converted to float32 into a small tile buffer (int8 / bf16 / fp16
+ * / float32; ND or NZ, both described by four strides), which then serves all H heads' scores and,
+ * while it is still in cache, the V accumulation. The softmax is the usual online one in float32:
+ *
+ *     m' = max(m, max_t s);  a = exp(m - m');  p = exp(s - m');  l' = a l + sum p;  acc' = a acc + p c
+ *
+ * and finally o_lat = acc * (s_k / l). Only positions t < L_b are visited (no masking needed; L_b >= 1).
+ * Float32 throughout; the sums run in another order than torch's GEMMs, so results agree with the torch
+ * path within float32 rounding (tests/test_native_attention.py measures it).
+ *
+ * A store (latent or k_pe) is described by its element dtype and four strides in elements: per block,
+ * per token, per column chunk, and the chunk width. ND [nb, bs, cols]: (bs*cols, cols, -, cols) with a
+ * single chunk; NZ [nb, C1, R', c0]: (C1*R'*c0, c0, R'*c0, c0).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include "dtypes.h"
+
+typedef struct {
+    const void *base;
+    int dtype;
+    int64_t bstride, tstride, kstride, kwidth, cols;
+} store_t;
+
+
+/* n elements of dtype at src -> float32 at dst */
+static void to_f32(float *restrict dst, const void *src, int dtype, int64_t n) {
+    switch (dtype) {
+    case DT_INT8: {
+        const int8_t *s = (const int8_t *)src;
+        for (int64_t i = 0; i < n; i++) dst[i] = (float)s[i];
+        break;
+    }
+    case DT_BF16: {
+        const uint16_t *s = (const uint16_t *)src;
+        uint32_t *d = (uint32_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = (uint32_t)s[i] << 16;
+        break;
+    }
+    case DT_FP16: {
+        const uint16_t *s = (const uint16_t *)src;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + i))));
+#endif
+        for (; i < n; i++) dst[i] = half_to_float(s[i]);
+        break;
+    }
+    default:
+        memcpy(dst, src, (size_t)n * 4);
+    }
+}
+
+
+/* tokens off .. off + count - 1 of block `blk` of store st -> float32 rows dst[i * ld + 0 .. cols). Chunk
+ * by chunk, token by token within a chunk: the block's memory is read in order (NZ: fractal by fractal). */
+static void load_rows(float *restrict dst, int64_t ld, const store_t *st, int64_t blk, int64_t off, int64_t count) {
+    const size_t es = dtype_size(st->dtype);
+    const char *base = (const char *)st->base + (size_t)(blk * st->bstride + off * st->tstride) * es;
+    for (int64_t j = 0, k = 0; j < st->cols; j += st->kwidth, k++) {
+        const int64_t w = st->cols - j < st->kwidth ? st->cols - j : st->kwidth;
+        for (int64_t t = 0; t < count; t++) {
+            const char *src = base + (size_t)(k * st->kstride + t * st->tstride) * es;
+            float *d = dst + t * ld + j;
+            int64_t i = 0;
+#ifdef __AVX512F__
+            if (st->dtype == DT_INT8)
+                for (; i + 16 <= w; i += 16)
+                    _mm512_storeu_ps(d + i, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                        _mm_loadu_si128((const __m128i *)(src + i)))));
+            else if (st->dtype == DT_BF16)
+                for (; i + 16 <= w; i += 16)
+                    _mm512_storeu_si512(d + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                        _mm256_loadu_si256((const __m256i *)(src + 2 * i))), 16));
+#endif
+            if (i < w) to_f32(d + i, src + (size_t)i * es, st->dtype, w - i);
+        }
+    }
+}
+
+/* s[h * T + i] += <q[h], x[i]> * mul for heads h < H, tokens i < n; rows padded to np (multiple of 16). */
+static void dots(float *restrict s, int64_t T, const float *restrict q, const float *restrict x, int64_t H,
+                 int64_t n, int64_t np, float mul, int accumulate) {
+    for (int64_t i = 0; i < n; i++) {
+        const float *xi = x + i * np;
+        int64_t h = 0;
+#ifdef __AVX512F__
+        for (; h + 4 <= H; h += 4) {
+            const float *q0 = q + h * np, *q1 = q0 + np, *q2 = q1 + np, *q3 = q2 + np;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t j = 0; j < np; j += 16) {
+                __m512 v = _mm512_loadu_ps(xi + j);
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + j), v, a0);
+                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + j), v, a1);
+                a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q2 + j), v, a2);
+                a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q3 + j), v, a3);
+            }
+            float d[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
+                          _mm512_reduce_add_ps(a3)};
+            for (int k = 0; k < 4; k++)
+                s[(h + k) * T + i] = (accumulate ? s[(h + k) * T + i] : 0.0f) + d[k] * mul;
+        }
+#endif
+        for (; h < H; h++) {
+            const float *qh = q + h * np;
+            float d = 0.0f;
+            for (int64_t j = 0; j < np; j++) d += qh[j] * xi[j];
+            s[h * T + i] = (accumulate ? s[h * T + i] : 0.0f) + d * mul;
+        }
+    }
+}
+
+/* acc[h] = alpha[h] * acc[h] + sum_{i < n} p[h * T + i] * x[i], rows of np floats (multiple of 16). */
+static void accumulate_v(float *restrict acc, const float *restrict alpha, const float *restrict p, int64_t T,
+                         const float *restrict x, int64_t H, int64_t n, int64_t np) {
+    int64_t h = 0;
+#ifdef __AVX512F__
+    for (; h + 4 <= H; h += 4) {
+        const float *p0 = p + h * T, *p1 = p0 + T, *p2 = p1 + T, *p3 = p2 + T;
+        float *c0 = acc + h * np, *c1 = c0 + np, *c2 = c1 + np, *c3 = c2 + np;
+        __m512 s0 = _mm512_set1_ps(alpha[h]), s1 = _mm512_set1_ps(alpha[h + 1]);
+        __m512 s2 = _mm512_set1_ps(alpha[h + 2]), s3 = _mm512_set1_ps(alpha[h + 3]);
+        for (int64_t j = 0; j < np; j += 16) {
+            __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(c0 + j), s0), a1 = _mm512_mul_ps(_mm512_loadu_ps(c1 + j), s1);
+            __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(c2 + j), s2), a3 = _mm512_mul_ps(_mm512_loadu_ps(c3 + j), s3);
+            for (int64_t i = 0; i < n; i++) {
+                __m512 v = _mm512_loadu_ps(x + i * np + j);
+                a0 = _mm512_fmadd_ps(_mm512_set1_ps(p0[i]), v, a0);
+                a1 = _mm512_fmadd_ps(_mm512_set1_ps(p1[i]), v, a1);
+                a2 = _mm512_fmadd_ps(_mm512_set1_ps(p2[i]), v, a2);
+                a3 = _mm512_fmadd_ps(_mm512_set1_ps(p3[i]), v, a3);
+            }
+            _mm512_storeu_ps(c0 + j, a0);
+            _mm512_storeu_ps(c1 + j, a1);
+            _mm512_storeu_ps(c2 + j, a2);
+            _mm512_storeu_ps(c3 + j, a3);
+        }
+    }
+#endif
+    for (; h < H; h++) {
+        float *ch = acc + h * np;
+        const float *ph = p + h * T;
+        for (int64_t j = 0; j < np; j++) ch[j] *= alpha[h];
+        for (int64_t i = 0; i < n; i++) {
+            const float *xi = x + i * np;
+            for (int64_t j = 0; j < np; j++) ch[j] += ph[i] * xi[j];
+        }
+    }
+}
+
+static int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
+
+/* Returns 0, or: 1 out of memory, 2 a length outside 1 .. W * block_size, 3 a block id outside the cache. */
+int mla_decode(const float *q_abs, const float *q_pe, int64_t B, int64_t H, int64_t C, int64_t R,
+               const void *c_base, int c_dtype, int64_t c_bstride, int64_t c_tstride, int64_t c_kstride,
+               int64_t c_kwidth, const void *p_base, int p_dtype, int64_t p_bstride, int64_t p_tstride,
+               int64_t p_kstride, int64_t p_kwidth, const int64_t *table, int64_t W, const int64_t *lengths,
+               int64_t block_size, int64_t num_blocks, float s_k, float softmax_scale, int64_t tile, float *out) {
+    store_t cs = {c_base, c_dtype, c_bstride, c_tstride, c_kstride, c_kwidth, C};
+    store_t ps = {p_base, p_dtype, p_bstride, p_tstride, p_kstride, p_kwidth, R};
+    for (int64_t b = 0; b < B; b++) {
+        if (lengths[b] < 1 || lengths[b] > W * block_size) return 2;
+        for (int64_t k = 0; k < (lengths[b] + block_size - 1) / block_size; k++)
+            if (table[b * W + k] < 0 || table[b * W + k] >= num_blocks) return 3;
+    }
+    const int64_t Cp = pad16(C), Rp = pad16(R), T = tile;
+    size_t floats = (size_t)(T * Cp + T * Rp + H * Cp + H * Rp + H * Cp + H * T + 3 * H);
+    float *buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
+    if (!buf) return 1;
+    memset(buf, 0, floats * 4);                    /* padding columns stay zero */
+    float *xc = buf, *xp = xc + T * Cp, *qa = xp + T * Rp, *qp = qa + H * Cp, *acc = qp + H * Rp;
+    float *s = acc + H * Cp, *m = s + H * T, *l = m + H, *alpha = l + H;
+    const float mul_c = s_k * softmax_scale;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t L = lengths[b];
+        const int64_t *blocks = table + b * W;
+        for (int64_t h = 0; h < H; h++) {
+            memcpy(qa + h * Cp, q_abs + (b * H + h) * C, (size_t)C * 4);
+            memcpy(qp + h * Rp, q_pe + (b * H + h) * R, (size_t)R * 4);
+            memset(acc + h * Cp, 0, (size_t)Cp * 4);
+            m[h] = -INFINITY;
+            l[h] = 0.0f;
+        }
+        for (int64_t t0 = 0; t0 < L; t0 += T) {
+            const int64_t n = L - t0 < T ? L - t0 : T;
+            for (int64_t i = 0; i < n;) {          /* runs of positions within one block */
+                const int64_t pos = t0 + i, blk = blocks[pos / block_size], off = pos % block_size;
+                const int64_t run = block_size - off < n - i ? block_size - off : n - i;
+                load_rows(xc + i * Cp, Cp, &cs, blk, off, run);
+                load_rows(xp + i * Rp, Rp, &ps, blk, off, run);
+                i += run;
+            }
+            dots(s, T, qp, xp, H, n, Rp, softmax_scale, 0);
+            dots(s, T, qa, xc, H, n, Cp, mul_c, 1);
+            for (int64_t h = 0; h < H; h++) {
+                float *sh = s + h * T, mx = m[h], sum = 0.0f;
+                for (int64_t i = 0; i < n; i++) mx = sh[i] > mx ? sh[i] : mx;
+                for (int64_t i = 0; i < n; i++) {
+                    sh[i] = expf(sh[i] - mx);
+                    sum += sh[i];
+                }
+                alpha[h] = expf(m[h] - mx);        /* exp(-inf) = 0 on the first tile */
+                l[h] = alpha[h] * l[h] + sum;
+                m[h] = mx;
+            }
+            accumulate_v(acc, alpha, s, T, xc, H, n, Cp);
+        }
+        for (int64_t h = 0; h < H; h++) {
+            const float f = s_k / l[h];
+            float *o = out + (b * H + h) * C;
+            for (int64_t j = 0; j < C; j++) o[j] = acc[h * Cp + j] * f;
+        }
+    }
+    free(buf);
+    return 0;
+}

@@ -1,0 +1,199 @@
+"""pipeline.engine.cpu_attention: the C decode attention against the batched torch path and the
+per-sequence reference (int8 and 16-bit / float32 latents, ND and NZ, ragged lengths, block sizes 16 and
+128, the vectorized and the plain C code), the C cache write byte for byte against the torch code, the
+fallbacks to torch, and the engine's greedy tokens with the native kernels against the torch ones."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pipeline.cbuild import NativeLibrary
+from pipeline.engine import cpu_attention, runner as runner_mod
+from pipeline.engine.attention import paged_decode_attention
+from pipeline.engine.batched_attention import DecodeBatch, batched_decode_attention
+from pipeline.engine.engine import LLMEngine
+from pipeline.engine.kernels import dispatch
+from pipeline.engine.paged_cache import PagedLatentCache
+from pipeline.engine.sampling import SamplingParams
+
+SCALE = 0.1352338
+# Native vs torch: the same float32 arithmetic summed in another order (tiles of 32 tokens, 16-lane dot
+# products, FMA). Measured max |diff| <= 3.4e-7 of max |ref| (~1e-6 absolute) at these shapes.
+RTOL = 1e-5        # of max |ref|
+ATOL = 1e-6
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+needs_native = pytest.mark.skipif(not dispatch.native_available() or cpu_attention.library() is None,
+                                  reason=f"no native kernels here: {cpu_attention.status()}")
+
+
+def _close(got, ref) -> None:
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    err = (got - ref).abs().max().item()
+    assert err <= RTOL * ref.abs().max().item() + ATOL, err
+
+
+def _setup(lengths, nz, int8, dtype=torch.bfloat16, C=64, R=16, H=4, bs=16, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    lat = [torch.randn(L, C, generator=g).to(dtype) for L in lengths]
+    fa_k = max(x.float().abs().max() for x in lat) / 127 if int8 else None
+    cache = PagedLatentCache(sum(-(-L // bs) for L in lengths) + 3, bs, C, R, dtype=dtype, fa_k=fa_k, nz=nz)
+    ids = list(range(cache.num_blocks))
+    random.Random(seed).shuffle(ids)
+    tables = []
+    for L, c in zip(lengths, lat):
+        tables.append([ids.pop() for _ in range(-(-L // bs))])
+        cache.write(tables[-1], c, torch.randn(L, R, generator=g).to(dtype), 0)
+    q = torch.randn(len(lengths), H, C, generator=g) * 0.3
+    qp = torch.randn(len(lengths), H, R, generator=g) * 0.3
+    return cache, tables, q, qp
+
+
+KINDS = [(False, True, torch.bfloat16), (True, True, torch.bfloat16), (False, False, torch.bfloat16),
+         (True, False, torch.bfloat16), (True, False, torch.float16), (False, False, torch.float32)]
+
+
+@needs_native
+@pytest.mark.parametrize("nz,int8,dtype", KINDS)
+@pytest.mark.parametrize("bs,lengths", [(16, [1, 5, 16, 17, 64, 200, 33]), (128, [1, 129, 300]), (16, [37])])
+def test_native_equals_batched_and_per_sequence(nz, int8, dtype, bs, lengths):
+    cache, tables, q, qp = _setup(lengths, nz, int8, dtype, bs=bs, C=72, R=24, H=5)  # padded columns, odd H
+    batch = DecodeBatch.build(tables, lengths, bs, cache.num_blocks)
+    got = cpu_attention.decode_attention(q, qp, cache, batch, SCALE)
+    _close(got, batched_decode_attention(q, qp, cache, batch, SCALE))
+    _close(got, paged_decode_attention(q, qp, cache, tables, lengths, SCALE))
+    for tile in (1, 7, 64):
+        _close(cpu_attention.decode_attention(q, qp, cache, batch, SCALE, tile=tile), got)
+
+
+@needs_native
+@pytest.mark.parametrize("nz", [False, True])
+def test_plain_c_without_avx512_agrees(monkeypatch, nz):
+    """The fallback loops (built without -march=native: no AVX-512, fp16 by bit manipulation)."""
+    plain = NativeLibrary(cpu_attention.CSRC / "mla_decode_cpu.c", cpu_attention._declare_attention,
+                          ("-O2", "-shared", "-fPIC"), what="plain C decode attention")
+    assert plain.library() is not None, plain.status()
+    for int8, dtype in ((True, torch.bfloat16), (False, torch.float16)):
+        cache, tables, q, qp = _setup([1, 40, 3], nz, int8, dtype, C=64, R=16, H=4)
+        batch = DecodeBatch.build(tables, [1, 40, 3], 16, cache.num_blocks)
+        ref = batched_decode_attention(q, qp, cache, batch, SCALE)
+        monkeypatch.setattr(cpu_attention, "_ATTENTION", plain)
+        got = cpu_attention.decode_attention(q, qp, cache, batch, SCALE)
+        monkeypatch.undo()
+        _close(got, ref)
+
+
+@needs_native
+def test_bad_input_is_refused():
+    cache, tables, q, qp = _setup([20, 3], nz=False, int8=True)
+    batch = DecodeBatch.build(tables, [20, 3], 16, cache.num_blocks)
+    with pytest.raises(ValueError, match="q_abs"):
+        cpu_attention.decode_attention(q[:, :, :10], qp, cache, batch, SCALE)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_attention.decode_attention(q.double(), qp, cache, batch, SCALE)
+    too_long = DecodeBatch(batch.table, torch.tensor([20, 40]), 40, 20)       # 40 tokens on 2 blocks of 16
+    with pytest.raises(ValueError, match="length outside"):
+        cpu_attention.decode_attention(q, qp, cache, too_long, SCALE)
+    bad_block = DecodeBatch(torch.full_like(batch.table, cache.num_blocks), batch.lengths, 20, 3)
+    with pytest.raises(ValueError, match="block id outside"):
+        cpu_attention.decode_attention(q, qp, cache, bad_block, SCALE)
+
+
+def _write_both(monkeypatch, nz, int8, dtype, bs, in_dtype, n=23, C=72, R=24, seed=5):
+    """The same write_slots through the torch code and through the C kernel: the two caches."""
+    g = torch.Generator().manual_seed(seed)
+    c = torch.randn(n, C, generator=g) * 3
+    fa_k = 0.0625 if int8 else None                              # a power of 2: k + 1/2 exact below
+    c[0, :8] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, 2.5, -0.5, 3.5, 127.5]) * 0.0625
+    c[1, :4] = torch.tensor([-1e-30, 0.5, -2.5, 126.5]) * 0.0625   # NaN, clamping, ties to even
+    c = c.to(in_dtype)
+    pe = (torch.randn(n, R, generator=g)).to(in_dtype)
+    slots = torch.randperm(10 * bs, generator=g)[:n]
+    caches = []
+    for kernels in ("torch", "native"):
+        monkeypatch.setenv(dispatch.ENV, kernels)
+        cache = PagedLatentCache(10, bs, C, R, dtype=dtype, fa_k=fa_k, nz=nz)
+        cache.c.fill_(7)                        # stale bytes: an NZ row's padding columns must become zero
+        cache.pe.fill_(7)
+        if kernels == "native":
+            assert cpu_attention.write_slots(cache, slots, c, pe)   # the C kernel itself
+        else:
+            cache.write_slots(slots, c, pe)
+        cache.write_slots(slots[-3:], c[3:6], pe[3:6])        # overwrite a few (the dispatch)
+        assert cache._native_write == (kernels == "native")
+        caches.append(cache)
+    monkeypatch.delenv(dispatch.ENV)
+    return caches
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@needs_native
+@pytest.mark.parametrize("nz,int8,dtype", KINDS)
+@pytest.mark.parametrize("bs", [16, 128])
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+def test_cache_write_is_bit_identical(monkeypatch, nz, int8, dtype, bs, in_dtype):
+    assert cpu_attention.write_library() is not None, cpu_attention.status()
+    ref, got = _write_both(monkeypatch, nz, int8, dtype, bs, in_dtype)
+    assert _same_bytes(got.c, ref.c) and _same_bytes(got.pe, ref.pe)
+    assert ref.c.view(torch.uint8).count_nonzero() > 100    # the rows landed
+
+
+def test_torch_fallbacks(monkeypatch):
+    """DSQUANT_KERNELS=torch: the cache writes with torch ops; DSQUANT_NATIVE=0: no library, backend torch."""
+    monkeypatch.setenv(dispatch.ENV, "torch")
+    cache = PagedLatentCache(4, 16, 64, 16, fa_k=0.1)
+    cache.write_slots(torch.tensor([3]), torch.ones(1, 64), torch.ones(1, 16))
+    assert cache._native_write is False and dispatch.backend("cpu") == dispatch.TORCH
+    monkeypatch.delenv(dispatch.ENV)
+    monkeypatch.setenv("DSQUANT_NATIVE", "0")
+    cpu_attention.reset()
+    try:
+        assert cpu_attention.library() is None and cpu_attention.write_library() is None
+        assert "DSQUANT_NATIVE=0" in cpu_attention.status() and dispatch.backend("cpu") == dispatch.TORCH
+        cache = PagedLatentCache(4, 16, 64, 16, fa_k=0.1, nz=True)
+        cache.write_slots(torch.tensor([3]), torch.ones(1, 64), torch.ones(1, 16))
+        assert cache.c[0, :, 3].float().sum() == 64 * 10
+        with pytest.raises(RuntimeError, match="unavailable"):
+            cpu_attention.decode_attention(torch.zeros(1, 4, 64), torch.zeros(1, 4, 16), cache,
+                                           DecodeBatch.build([[0]], [3], 16, 4), SCALE)
+    finally:
+        monkeypatch.delenv("DSQUANT_NATIVE")
+        cpu_attention.reset()
+
+
+QUESTIONS = ["What's deep learning?", "Explain list comprehensions.", "What is a decorator?"]
+
+
+def _generate(qdir, tok, monkeypatch, kernels, nz):
+    """Greedy tokens of the embedded model with ``kernels``, and how many decode calls took each path."""
+    monkeypatch.setenv(dispatch.ENV, kernels)
+    calls = {"torch": 0, "native": 0}
+    for name, key in (("batched_decode_attention", "torch"), ("native_decode_attention", "native")):
+        real = getattr(runner_mod, name)
+
+        def counted(*a, _real=real, _key=key, **kw):
+            calls[_key] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(runner_mod, name, counted)
+    eng = LLMEngine.from_dir(qdir, tokenizer=tok, num_blocks=64, block_size=16, nz=nz)
+    assert eng.runner.kernels == kernels
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    out = eng.generate(prompts, SamplingParams(max_new_tokens=16))
+    monkeypatch.undo()
+    return out, calls
+
+
+@needs_native
+@pytest.mark.parametrize("nz", [False, True])
+def test_engine_gives_the_same_greedy_tokens(qdir, tok, monkeypatch, nz):
+    ref, ref_calls = _generate(qdir, tok, monkeypatch, "torch", nz)
+    got, calls = _generate(qdir, tok, monkeypatch, "native", nz)
+    assert ref_calls["native"] == 0 and ref_calls["torch"] > 0
+    assert calls["torch"] == 0 and calls["native"] == ref_calls["torch"]
+    assert got == ref
