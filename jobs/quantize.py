@@ -11,6 +11,10 @@ With ``--stages N`` the job runs distributed on Ray (actors.quantize_job): N pip
 local Ray started for the job. That form is resumable: a rerun skips what is committed and verified, and
 a rerun of a finished job with the same source, recipe and data does nothing. Same files either way.
 
+The single-process job reads the checkpoint once: layer-wise calibration (pipeline.quant.layerwise), each
+layer read, calibrated and quantized from the same tensors; ``--two-pass`` runs the reference (the whole
+float model, then the weights read again), with the same files.
+
 With ``--dynamic --no-fa-quant`` (and no ``--smooth``) no output depends on an activation: either form
 runs no calibration (data-free: no calibration data or tokenizer read, the source read once). Before
 it starts, the job prints what it will read, compute and write and roughly how long here
@@ -66,7 +70,13 @@ def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -
     _flag(ap, "--dialect", choices=("seed", "ascendV1"), default="seed",
           help="seed: the legacy msModelSlim/MindIE layout; ascendV1: msModelSlim's newer saver")
     _flag(ap, "--batch-size", type=int, default=1,
-          help="accepted for msModelSlim compatibility; statistics are always taken per sample (batch of one)")
+          help="accepted for msModelSlim compatibility and ignored (samples per forward: --calib-batch)")
+    _flag(ap, "--calib-batch", type=int, default=1,
+          help="calibration samples per forward, right-padded, the padding masked out of every statistic "
+               "(layer-wise job only)")
+    _flag(ap, "--two-pass", action="store_true",
+          help="the reference calibration: the whole float model first, then the weights read again "
+               "(default: one read, layer by layer; the same files)")
     _flag(ap, "--max-calib-tokens", type=int, default=2048, help="longest calibration sample allowed")
     _flag(ap, "--truncate", action="store_true", help="cut longer calibration samples instead of failing")
     _flag(ap, "--shard-size-gb", type=float, default=4.0, help="weight shard size limit in GiB")
@@ -120,6 +130,10 @@ def make_job(args: argparse.Namespace):
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.calib_batch < 1:
+        raise ValueError(f"--calib-batch must be >= 1, got {args.calib_batch}")
+    if args.calib_batch > 1 and args.two_pass:
+        raise ValueError("--calib-batch > 1 needs the layer-wise job (drop --two-pass)")
     if args.stages < 0:
         raise ValueError(f"--stages must be >= 0, got {args.stages}")
     if not args.shard_size_gb > 0:
@@ -137,7 +151,7 @@ def make_job(args: argparse.Namespace):
                            mindie_format=args.mindie_format, overwrite=args.overwrite,
                            shard_bytes=int(args.shard_size_gb * 1024 ** 3),
                            device=args.device or default_device(), progress=not args.no_progress,
-                           estimate=not args.no_estimate)
+                           estimate=not args.no_estimate, layerwise=not args.two_pass, calib_batch=args.calib_batch)
     dist = None
     if args.stages:
         from actors.ray_session import DistOptions

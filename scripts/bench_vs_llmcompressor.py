@@ -21,6 +21,11 @@ machine-wide, so other work's reads count too):
     ours_data_free       python -m jobs.quantize --dynamic --no-fa-quant: exactly that scheme (data-free)
     ours_data_free_ray2  the same with --stages 2 (private Ray, 2 stage actors)
     ours_fa3_<n>         python -m jobs.quantize --dynamic (FA3 on) with the first n default calibration texts
+    ours_fa3_<n>_two_pass  the same with --two-pass (with --two-pass: the reference, reading the source twice)
+
+Each of our runs also reports the job's own count of the source bytes it read (``bytes_read`` in the
+manifest, and ``source_reads``: that over the checkpoint's bytes, 1.0 for one read) and the kernel's
+count of the process's reads (``rchar``).
 
 Before every run the page cache is cold: ``sync`` then ``/proc/sys/vm/drop_caches`` when writable (else
 ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every file of the checkpoint; the JSON says which). The runs
@@ -49,7 +54,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -201,6 +205,9 @@ def our_phases(dst: Path) -> dict:
         else:
             job = json.loads((dst / MANIFEST_NAME).read_text()).get("job", {})
             out = {k: job[k] for k in ("calibration_s", "quantize_write_s") if k in job}
+        # the source bytes the job read (its own count, per unit read) and the kernel's count of the
+        # process's reads (/proc/self/io rchar: every file, the probe's and the tokenizer's included)
+        out.update({k: job[k] for k in ("bytes_read", "rchar") if job.get(k) is not None})
         if "estimate" in job:  # what the job printed before it started (pipeline.quant.estimate)
             out["estimate_s"] = job["estimate"]["total_s"]
             out["estimate_probe"] = job["estimate"]["probe"]
@@ -224,6 +231,9 @@ def commands(args, src: Path, work: Path, calib: dict[int, Path]) -> dict[str, t
     for n, f in calib.items():
         out[f"ours_fa3_{n}"] = (ours + ["--calib-data", str(f), "--save-path", str(work / f"fa3-{n}")],
                                 work / f"fa3-{n}")
+        if args.two_pass:  # the reference calibration (whole float model, then the weights read again)
+            out[f"ours_fa3_{n}_two_pass"] = (ours + ["--two-pass", "--calib-data", str(f), "--save-path",
+                                                     str(work / f"fa3-{n}-2p")], work / f"fa3-{n}-2p")
     return out
 
 
@@ -407,6 +417,8 @@ def main() -> int:
                     help="calibration sample counts of the FA3 runs, comma-separated; '' for none (default: %(default)s)")
     ap.add_argument("--calib-rounds", type=int, default=1, help="rounds that include the FA3 runs (default: %(default)s)")
     ap.add_argument("--no-ray", dest="ray", action="store_false", help="skip the --stages 2 data-free run")
+    ap.add_argument("--two-pass", action="store_true",
+                    help="also run each FA3 job with --two-pass (the reference: the checkpoint read twice)")
     ap.add_argument("--llmc-python", default="/tmp/llmc/venv/bin/python",
                     help="the python of llm-compressor's venv (default: %(default)s)")
     ap.add_argument("--dir", default="/tmp/dsquant-vs-llmc", help="checkpoint and outputs (default: %(default)s)")
@@ -450,8 +462,10 @@ def main() -> int:
             if k.startswith("ours"):
                 r["job"] = our_phases(dst)
             runs[k].append(r)
+            own = r.get("job", {}).get("bytes_read")
             print(f"round {rnd + 1}/{args.rounds} {k}: {r['seconds']:.1f} s, peak RSS {r['peak_rss_gib']:.2f} GiB, "
-                  f"read {r['disk_read_gb']:.2f} GB, load {r['load_before'][0]:.2f} ({r['cache']})", flush=True)
+                  f"read {r['disk_read_gb']:.2f} GB (disk)" + (f", {own / 1e9:.2f} GB (the job's count)" if own else "")
+                  + f", load {r['load_before'][0]:.2f} ({r['cache']})", flush=True)
     series = {k: summarize(v) for k, v in runs.items() if v}
     agree = compare_int8(work / "ours", work / "llmc")
     agree["formulas"] = recompute_check(src, work / "ours", work / "llmc")
@@ -468,6 +482,9 @@ def main() -> int:
                    "llmcompressor_over_io_floor": round(lc / fl, 3)},
         "goals": {"data_free_at_least_2.5x_llmcompressor": lc / df >= 2.5,
                   "data_free_within_1.3x_io_floor": df / fl <= 1.3},
+        # source bytes read per job over the checkpoint's bytes (the job's own count; the disk's in series)
+        "source_reads": {k: round(statistics.median(r["job"]["bytes_read"] for r in v) / src_bytes, 3)
+                         for k, v in runs.items() if v and all("bytes_read" in r.get("job", {}) for r in v)},
         "int8_agreement": agree,
         "versions": {"llmcompressor": llmc_version[0], "compressed_tensors": llmc_version[1],
                      "llmc_torch": llmc_version[2], "ours_torch": __import__("torch").__version__},

@@ -1,7 +1,7 @@
 """The up-front estimate (pipeline.quant.estimate) and the per-phase progress bars (pipeline.quant.progress):
 the CLI prints the estimate before the job starts, its byte counts are the job's own (read: every stored
 byte once per phase; written: the output's tensor bytes exactly), its arithmetic is the documented
-formula, and the bars count tokens and bytes with a rate, a redone sample once."""
+formula (one read for the layer-wise single-process job), and the bars count tokens and bytes with a rate, a redone sample once."""
 
 from __future__ import annotations
 
@@ -42,6 +42,15 @@ def test_estimate_is_the_documented_formula():
     smooth = estimate_job(reader, Recipe(smooth=True), samples, PROBE)
     assert smooth.calib_flops == pytest.approx(2 * est.calib_flops, rel=REL)  # two passes
 
+    # the single-process job's one read (layer-wise calibration): read once, overlapping the compute
+    one = estimate_job(reader, recipe, samples, PROBE, single_read=True)
+    assert one.read_bytes == stored and one.calibration_read_s == 0
+    assert one.calibration_compute_s == est.calibration_compute_s
+    io_s = stored / (0.5 * GB) + est.write_bytes / (0.25 * GB)
+    assert one.total_s == pytest.approx(max(io_s, one.calibration_compute_s + est.float_bytes / (2.0 * GB)),
+                                        rel=1e-2, abs=0.02)
+    assert "from the one read" in "\n".join(one.to_text())
+
     free = estimate_job(reader, Recipe(dynamic=True, fa_quant=False), [], PROBE)
     assert free.read_bytes == stored and free.calibration_read_s == 0 and free.calibration_compute_s == 0
     assert "calibration: none (data-free recipe)" in "\n".join(free.to_text())
@@ -70,13 +79,15 @@ def test_cli_prints_the_estimate_first_and_records_it(tmp_path, capsys):
     first = next(k for k, m in enumerate(out) if m.startswith("estimate (one process; probe "))
     assert first < next(k for k, m in enumerate(out) if m.startswith("calibrating "))
     block = "\n".join(out[first:first + 4])
-    assert "calibration: read" in block and "2 samples" in block and "weights: read" in block and "total: ~" in block
+    assert "calibration: layer by layer from the one read" in block and "2 samples" in block
+    assert "weights: read" in block and "(once, for the calibration too)" in block and "total: ~" in block
 
     est = json.loads((dst / MANIFEST_NAME).read_text())["job"]["estimate"]
     reader = CheckpointReader(EMBEDDED_MODEL_DIR)
     stored = sum(math.prod(reader.header(n)[1]) * {"BF16": 2, "F32": 4}[reader.header(n)[0]]
                  for n in reader.tensor_names())
-    assert est["read_bytes"] == 2 * stored
+    assert est["read_bytes"] == stored and est["single_read"]  # the layer-wise job reads the source once
+    assert json.loads((dst / MANIFEST_NAME).read_text())["job"]["bytes_read"] == stored
     written = sum(s.nbytes for s in output_specs(reader, Recipe(dynamic=True)))
     assert est["write_bytes"] == written
 

@@ -29,10 +29,23 @@ from pipeline.quant.recipe import FAQUANT, W8A8, Recipe
 
 
 class _Collector:
-    """Mutable accumulation of one run's statistics (merged in the order samples arrive)."""
+    """Mutable accumulation of one run's statistics (merged in the order samples arrive). ``lengths``:
+    the real lengths of the rows of a right-padded batch being run (None: no padding)."""
 
     def __init__(self) -> None:
         self.entries: dict[str, Stat] = {}
+        self.lengths: Optional[list[int]] = None
+
+    def real(self, b: int, s: int) -> int:
+        """Row ``b``'s real tokens of ``s`` positions."""
+        return s if self.lengths is None else self.lengths[b]
+
+    def mask(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """[B, S] bool, True on real tokens, for activations x [B, S, ...] (None: all real)."""
+        if self.lengths is None:
+            return None
+        n = torch.tensor(self.lengths, device=x.device)
+        return torch.arange(x.shape[1], device=x.device)[None, :] < n[:, None]
 
     def add(self, name: str, stat: Stat) -> None:
         self.entries[name] = self.entries[name].merge(stat) if name in self.entries else stat  # type: ignore
@@ -43,7 +56,7 @@ class _Collector:
 
 def _linear_hook(col: _Collector, name: str):
     def hook(module: nn.Module, args: tuple) -> None:
-        col.add(name, MinMax.observe(args[0], name=name))
+        col.add(name, MinMax.observe(args[0], col.mask(args[0]), name=name))
     return hook
 
 
@@ -58,14 +71,14 @@ def _observe_attention(col: _Collector, attn: nn.Module, prefix: str, recipe: Re
         w_uk, _ = attn.absorbed_weights()
         q_abs = torch.einsum("bshd,hdc->bshc", q_nope, w_uk)                      # [B, S, H, C]
         for b in range(q_abs.shape[0]):
-            rows = q_abs[b].transpose(0, 1).reshape(q_abs.shape[2], -1)         # [H, S * C]
+            rows = q_abs[b, : col.real(b, q_abs.shape[1])].transpose(0, 1).reshape(q_abs.shape[2], -1)  # [H, S * C]
             col.add(prefix + "fa_q", RecallWindow.observe(rows, recipe.q_ratio, prefix + "fa_q"))
         return q_nope, q_pe
 
     def observed_latent(x, cos, sin):
         c, k_pe = latent(x, cos, sin)
         for b in range(c.shape[0]):
-            row = c[b].reshape(1, -1)                                            # [1, S * C]
+            row = c[b, : col.real(b, c.shape[1])].reshape(1, -1)                 # [1, S * C]
             col.add(prefix + "fa_k", RecallWindow.observe(row, recipe.k_ratio, prefix + "fa_k"))
             col.add(prefix + "fa_v", RecallWindow.observe(row, recipe.v_ratio, prefix + "fa_v"))
         return c, k_pe
@@ -126,6 +139,39 @@ def run_mtp(model: DeepseekV3ForCausalLM, hidden: torch.Tensor, ids: torch.Tenso
         if ids.shape[1] <= depth + 1:
             break
         _, hidden = model.mtp(hidden[:, :-1], ids[:, depth + 1:], depth=depth)
+
+
+def run_layer_batched(model: DeepseekV3ForCausalLM, layer_id: int, hs: Sequence[torch.Tensor], batch: int = 1,
+                      col: Optional[_Collector] = None) -> list[torch.Tensor]:
+    """Every sample's hidden state [1, S_j, h] through main layer ``layer_id``, ``batch`` samples per
+    forward: consecutive samples right-padded with zeros into [B, S_max, h] (causal attention: a real
+    token attends only to earlier positions, all real, so padding never reaches it), the collector
+    ``col`` told the real lengths so that every observation skips the padding (MinMax over real tokens;
+    each FA3 window on its sample's real rows, in sample order). Returns each sample's output [1, S_j, h].
+
+    ``batch`` 1 is the reference (what collect_stats runs). Larger batches compute the same function, but
+    a GEMM over more rows may round differently on some backends: see QuantizeOptions.calib_batch for how
+    far the statistics were measured to move."""
+    if batch < 1:
+        raise QuantError(f"calib_batch: must be >= 1, got {batch}")
+    if batch == 1:
+        return [model.run_layers(x, [layer_id]) for x in hs]
+    out: list[torch.Tensor] = []
+    for k in range(0, len(hs), batch):
+        group = hs[k:k + batch]
+        lengths = [x.shape[1] for x in group]
+        padded = torch.zeros(len(group), max(lengths), group[0].shape[-1], dtype=group[0].dtype, device=group[0].device)
+        for b, x in enumerate(group):
+            padded[b, : lengths[b]] = x[0]
+        if col is not None:
+            col.lengths = lengths
+        try:
+            y = model.run_layers(padded, [layer_id])
+        finally:
+            if col is not None:
+                col.lengths = None
+        out += [y[b: b + 1, : n] for b, n in enumerate(lengths)]
+    return out
 
 
 @torch.no_grad()

@@ -15,6 +15,11 @@ sample on the job's device. Then:
                            / (matmul rate x FORWARD_EFFICIENCY)
     weights       max(read + write, quantize): the weight phase reads the next layer and writes on their
                   own threads while it quantizes (pipeline.quant.run); the disk does one after the other
+    one read      (``single_read``: the single-process job's layer-wise calibration, pipeline.quant.layerwise)
+                  every stored byte read once, for both: calibration_read_s = 0, and
+                  total = max(read + write, compute + quantize): the next layer is read and the output
+                  written on their own threads while this layer is calibrated and quantized, so
+                  weights_s = max(read + write, compute + quantize) - compute
     distributed   compute and quantize shared by the stage actors (an ideal overlap, so a lower bound of
                   those parts), the I/O not (one source, one destination), plus RAY_START_S
 
@@ -126,7 +131,7 @@ def probe(reader: CheckpointReader, device: str = "cpu", tokens: int = 256, dst:
 
 @dataclass(frozen=True)
 class Estimate:
-    read_bytes: int           # source bytes read, both phases
+    read_bytes: int           # source bytes read, both phases (once with single_read)
     float_bytes: int          # bytes through dequantize/quantize
     write_bytes: int          # output tensor bytes
     calib_samples: int
@@ -138,6 +143,7 @@ class Estimate:
     ray_s: float
     actors: int               # 0: the single-process job
     probe: Probe
+    single_read: bool = False # layer-wise calibration: one read feeds calibration and weights
 
     @property
     def total_s(self) -> float:
@@ -152,15 +158,22 @@ class Estimate:
         lines = [f"estimate ({where}; probe {p.seconds:.1f}s: read {p.read_gbps:.3g} GB/s, write "
                  f"{p.write_gbps:.3g} GB/s, quantize "
                  f"{p.quantize_gbps:.3g} GB/s, bf16 matmul {p.matmul_tflops * 1e3:.3g} GFLOP/s):"]
-        if self.calib_samples:
-            lines.append(f"  calibration: read {_bytes(self.read_bytes / 2)}, {self.calib_samples} samples "
+        if self.single_read:
+            lines.append(f"  calibration: layer by layer from the one read, {self.calib_samples} samples "
                          f"({self.calib_tokens} tokens, {self.calib_flops / 1e12:.3g} TFLOP): "
-                         f"~{_dur(self.calibration_read_s + self.calibration_compute_s)}")
+                         f"~{_dur(self.calibration_compute_s)} of compute")
+            lines.append(f"  weights: read {_bytes(self.read_bytes)} (once, for the calibration too), quantize "
+                         f"{_bytes(self.float_bytes)}, write {_bytes(self.write_bytes)}: ~{_dur(self.weights_s)} more")
         else:
-            lines.append("  calibration: none (data-free recipe)")
-        read = self.read_bytes / (2 if self.calib_samples else 1)
-        lines.append(f"  weights: read {_bytes(read)}, quantize {_bytes(self.float_bytes)}, "
-                     f"write {_bytes(self.write_bytes)}: ~{_dur(self.weights_s)}")
+            if self.calib_samples:
+                lines.append(f"  calibration: read {_bytes(self.read_bytes / 2)}, {self.calib_samples} samples "
+                             f"({self.calib_tokens} tokens, {self.calib_flops / 1e12:.3g} TFLOP): "
+                             f"~{_dur(self.calibration_read_s + self.calibration_compute_s)}")
+            else:
+                lines.append("  calibration: none (data-free recipe)")
+            read = self.read_bytes / (2 if self.calib_samples else 1)
+            lines.append(f"  weights: read {_bytes(read)}, quantize {_bytes(self.float_bytes)}, "
+                         f"write {_bytes(self.write_bytes)}: ~{_dur(self.weights_s)}")
         lines.append(f"  total: ~{_dur(self.total_s)}" + (f" (Ray start-up ~{_dur(self.ray_s)} included)"
                                                           if self.ray_s else ""))
         return lines
@@ -175,9 +188,10 @@ def _dur(s: float) -> str:
 
 
 def estimate_job(reader: CheckpointReader, recipe, samples: Sequence[Sequence[int]], pr: Probe,
-                 actors: int = 0) -> Estimate:
+                 actors: int = 0, single_read: bool = False) -> Estimate:
     """The estimate of the module doc; ``samples`` empty for a data-free recipe; ``actors``: the
-    distributed job's stage actors (0: single process)."""
+    distributed job's stage actors (0: single process); ``single_read``: the layer-wise single-process
+    job (one read; only with samples and no actors)."""
     from pipeline.plan.costs import unit_costs
 
     tokens = sum(len(s) for s in samples)
@@ -193,25 +207,31 @@ def estimate_job(reader: CheckpointReader, recipe, samples: Sequence[Sequence[in
     write_rate = max(pr.write_gbps, 1e-3) * GB
     calib_read_s = stored / read_rate if samples else 0.0
     calib_s = flops / (max(pr.matmul_tflops, 1e-6) * 1e12 * FORWARD_EFFICIENCY) / share if samples else 0.0
-    weights_s = max(stored / read_rate + written / write_rate, floats / (max(pr.quantize_gbps, 1e-3) * GB) / share)
-    return Estimate(read_bytes=stored * (2 if samples else 1), float_bytes=floats, write_bytes=written,
-                    calib_samples=len(samples), calib_tokens=tokens, calib_flops=flops,
+    io_s = stored / read_rate + written / write_rate
+    quant_s = floats / (max(pr.quantize_gbps, 1e-3) * GB) / share
+    weights_s = max(io_s, quant_s)
+    single_read = bool(single_read and samples and not actors)
+    if single_read:
+        calib_read_s, weights_s = 0.0, max(io_s, calib_s + quant_s) - calib_s
+    return Estimate(read_bytes=stored * (2 if samples and not single_read else 1), float_bytes=floats,
+                    write_bytes=written, calib_samples=len(samples), calib_tokens=tokens, calib_flops=flops,
                     calibration_read_s=round(calib_read_s, 2), calibration_compute_s=round(calib_s, 2),
-                    weights_s=round(weights_s, 2), ray_s=RAY_START_S if actors else 0.0, actors=actors, probe=pr)
+                    weights_s=round(weights_s, 2), ray_s=RAY_START_S if actors else 0.0, actors=actors, probe=pr,
+                    single_read=single_read)
 
 
 def job_estimate(reader: CheckpointReader, recipe, samples: Sequence[Sequence[int]], device: Optional[str],
-                 actors: int = 0, dst: Optional[str] = None) -> Estimate:
+                 actors: int = 0, dst: Optional[str] = None, single_read: bool = False) -> Estimate:
     """Probe this machine, then estimate (what the jobs call)."""
     mean_len = math.ceil(sum(len(s) for s in samples) / len(samples)) if samples else 256
-    return estimate_job(reader, recipe, samples, probe(reader, device or "cpu", mean_len, dst), actors)
+    return estimate_job(reader, recipe, samples, probe(reader, device or "cpu", mean_len, dst), actors, single_read)
 
 
 def announce(reader: CheckpointReader, recipe, samples: Sequence[Sequence[int]], device: Optional[str],
-             log, actors: int = 0, dst: Optional[str] = None) -> Optional[Estimate]:
+             log, actors: int = 0, dst: Optional[str] = None, single_read: bool = False) -> Optional[Estimate]:
     """:func:`job_estimate`, its lines logged; a failure to estimate is one log line, never the job's."""
     try:
-        est = job_estimate(reader, recipe, samples, device, actors, dst)
+        est = job_estimate(reader, recipe, samples, device, actors, dst, single_read)
     except Exception as e:  # noqa: BLE001 - the estimate is advice; the job's own checks have run
         log(f"estimate: unavailable ({type(e).__name__}: {e})")
         return None

@@ -1,6 +1,12 @@
 """Single-process quantization of a checkpoint: calibrate, optionally smooth, quantize layer by layer, write.
 
-Two phases, so that the memory-heavy part is only the calibration forward:
+By default (``QuantizeOptions.layerwise``) the checkpoint is read ONCE: layer-wise calibration
+(:mod:`pipeline.quant.layerwise`) reads layer i, runs every sample's hidden state through it with its
+observers, quantizes layer i from the same tensors and streams it into the writer, with layer i+1 read on
+a thread meanwhile. Byte-identical to the reference below (tested), in about one layer plus one layer
+boundary of activations of memory.
+
+The reference (``layerwise=False``, ``jobs.quantize --two-pass``) runs two phases:
 
 1. calibration: the float model (model dtype, as msModelSlim runs it) over each calibration sample
    (batch of one); with ``recipe.smooth`` first the smoothing statistics and their fold into the model,
@@ -13,15 +19,17 @@ Two phases, so that the memory-heavy part is only the calibration forward:
    peak memory is about two layers as stored (the one being quantized and the next) plus a piece or two
    of int8 output.
 
+A data-free recipe (nothing reads a statistic) runs phase 2 alone. The summary's ``bytes_read`` counts
+the source's stored tensor bytes the job read (one read per unit per phase, from the headers) and
+``rchar`` the process's read bytes measured by the kernel (``/proc/self/io``; every file, None off Linux).
 The distributed pipeline runs the same two phases per layer range and must produce identical files.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -41,6 +49,7 @@ from pipeline.quant.recipe import Recipe
 from pipeline.quant.shard_layout import output_units
 from pipeline.quant.smooth import ChannelAbsMax, apply_smoothing, collect_smoothing_stats
 from pipeline.quant.unit_writer import read_layer
+from pipeline.quant.layerwise import calibrate_layerwise, prefetched, unit_bytes
 from pipeline.quant.writer import QuantizedWriter
 from pipeline.io.safetensors_io import TensorSpec
 
@@ -76,10 +85,19 @@ def quantize_checkpoint(src: str, dst: str, recipe: Recipe, opts: QuantizeOption
     ``dst`` looks complete until the very end, and an earlier output there (``opts.overwrite``) stays
     whole until the new shards are all written."""
     t0 = time.time()
+    rchar0 = _rchar()
     job = check_job(src, dst, recipe, opts)
     reader, cfg, md = job.reader, job.reader.config, job.model_dtype
-    est = announce(reader, recipe, job.samples, opts.device, log, dst=dst) if opts.estimate else None
-    if job.needs_calibration:
+    layerwise = job.needs_calibration and opts.layerwise
+    est = announce(reader, recipe, job.samples, opts.device, log, dst=dst, single_read=layerwise) \
+        if opts.estimate else None
+    source_bytes = sum(unit_bytes(reader).values())
+    summary = {"source": src, "recipe": recipe.to_dict()}
+    if layerwise:
+        log(f"calibrating {src} layer by layer, one read ({cfg.num_hidden_layers} layers + "
+            f"{len(cfg.mtp_layer_ids)} MTP, {md}, {opts.calib_batch} sample(s) per forward)")
+        stats, smooth_stats = Stats(), None  # computed layer by layer (quantize_layerwise)
+    elif job.needs_calibration:
         log(f"calibrating {src} ({cfg.num_hidden_layers} layers + {len(cfg.mtp_layer_ids)} MTP, {md})")
         stats, smooth_stats = calibrate(src, recipe, opts, job.samples)
     else:
@@ -87,18 +105,74 @@ def quantize_checkpoint(src: str, dst: str, recipe: Recipe, opts: QuantizeOption
             log(line)
         stats, smooth_stats = Stats(), None
     t1 = time.time()
-    summary = {"source": src, "recipe": recipe.to_dict(), "calibration_s": round(t1 - t0, 3),
-               "weight_kernel": native.status(), **({"estimate": est.to_dict()} if est else {})}
+    summary.update({"calibration_s": round(t1 - t0, 3), "weight_kernel": native.status(),
+                    **({"estimate": est.to_dict()} if est else {})})
     with QuantizedWriter(dst, recipe.dialect, model_dtype=md, shard_bytes=opts.shard_bytes,
                          overwrite=opts.overwrite, src=src) as writer:
-        quantize_weights(reader, writer, stats, recipe, smooth_stats, opts.smooth_alpha, prefetch=opts.prefetch,
-                         progress=opts.progress)
-        summary["quantize_write_s"] = round(time.time() - t1, 3)
+        if layerwise:
+            res = quantize_layerwise(reader, writer, recipe, job.samples, opts)
+            summary["calibration_s"] = round(t1 - t0 + res["calibration_s"], 3)
+            summary["quantize_write_s"] = round(time.time() - t1 - res["calibration_s"], 3)
+            summary["bytes_read"] = res["bytes_read"]
+        else:
+            quantize_weights(reader, writer, stats, recipe, smooth_stats, opts.smooth_alpha, prefetch=opts.prefetch,
+                             progress=opts.progress)
+            summary["quantize_write_s"] = round(time.time() - t1, 3)
+            summary["bytes_read"] = source_bytes * (2 if job.needs_calibration else 1)  # the float model, then phase 2
+        r = _rchar()
+        summary["rchar"] = r - rchar0 if r is not None and rchar0 is not None else None
         writer.finish(job.raw_config, src_dir=src, mindie_format=opts.mindie_format, job=summary)
     summary["total_s"] = round(time.time() - t0, 3)
     calib = f"calibration {summary['calibration_s']:.1f}s" if job.needs_calibration else "no calibration"
-    log(f"wrote {dst} in {summary['total_s']:.1f}s ({calib}; weights with {summary['weight_kernel'].split(' (')[0]})")
+    log(f"wrote {dst} in {summary['total_s']:.1f}s ({calib}; read {summary['bytes_read'] / 1e9:.3g} GB of the "
+        f"source; weights with {summary['weight_kernel'].split(' (')[0]})")
     return summary
+
+
+def _rchar() -> Optional[int]:
+    """This process's bytes read through read() and the like so far (/proc/self/io ``rchar``), or None."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("rchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def quantize_layerwise(reader: CheckpointReader, writer: QuantizedWriter, recipe: Recipe,
+                       samples: list[list[int]], opts: QuantizeOptions) -> dict:
+    """The one-read job into an open ``writer`` (not finished here): the globals, then each layer read,
+    calibrated and quantized (:func:`pipeline.quant.layerwise.calibrate_layerwise`). Returns its
+    {"calibration_s", "bytes_read"}."""
+    cfg = reader.config
+    units = output_units(reader, recipe)
+    writer.plan([specs for _, specs in units])
+    bar = weights_bar(opts.progress, sum(s.nbytes for _, specs in units for s in specs), len(units),
+                      desc="calibrate + quantize")
+    spec_of = {unit_layer_id: specs for unit_layer_id, specs in zip([None, *layout.all_layer_ids(cfg)],
+                                                                    [specs for _, specs in units])}
+    done = [0]
+
+    def write_globals(tensors: dict) -> None:
+        writer.add(*quantize_globals(cfg, tensors, recipe))
+        done[0] += 1
+        _advance(bar, spec_of[None], done[0], len(units))
+
+    def quantize(i: int, tensors: dict, stats: Stats) -> None:
+        # quantize_layer_pieces looked up here at each call (tests replace it to inject a failure)
+        for piece in quantize_layer_pieces(cfg, i, tensors, stats, recipe):
+            writer.add(*piece)
+        done[0] += 1
+        _advance(bar, spec_of[i], done[0], len(units))
+
+    try:
+        return calibrate_layerwise(reader, recipe, samples, write_globals=write_globals, quantize=quantize,
+                                   smooth_alpha=opts.smooth_alpha, device=opts.device or "cpu",
+                                   prefetch=opts.prefetch, batch=opts.calib_batch)
+    finally:
+        bar.close()
 
 
 def output_specs(reader: CheckpointReader, recipe: Recipe) -> list[TensorSpec]:
@@ -125,7 +199,7 @@ def quantize_weights(reader: CheckpointReader, writer: QuantizedWriter, stats: S
 
     layer_ids = layout.all_layer_ids(cfg)
     try:
-        with closing(_prefetched(layer_ids, load, prefetch)) as layers:
+        with closing(prefetched(layer_ids, load, prefetch)) as layers:
             for k, (i, tensors) in enumerate(layers, start=2):
                 for piece in quantize_layer_pieces(cfg, i, tensors, stats, recipe):
                     writer.add(*piece)  # written on the writer's thread while the next piece is computed
@@ -139,21 +213,3 @@ def _advance(bar, specs: list[TensorSpec], done: int, total: int) -> None:
     bar.update(sum(s.nbytes for s in specs))
     bar.set_postfix_str(f"{done}/{total} units")
 
-
-def _prefetched(ids: list[int], load: Callable[[int], dict], enabled: bool) -> Iterator[tuple[int, dict]]:
-    """(i, load(i)) for each id, the next one loading in a background thread while the caller works on
-    this one (one deep). Closing the generator waits for that thread; its errors surface here."""
-    if not enabled:
-        yield from ((i, load(i)) for i in ids)
-        return
-    with ThreadPoolExecutor(1, thread_name_prefix="prefetch-layer") as pool:
-        nxt = pool.submit(load, ids[0]) if ids else None
-        try:
-            for k, i in enumerate(ids):
-                tensors = nxt.result()
-                nxt = pool.submit(load, ids[k + 1]) if k + 1 < len(ids) else None
-                yield i, tensors
-                del tensors
-        finally:
-            if nxt is not None:
-                nxt.cancel()
