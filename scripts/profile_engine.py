@@ -87,7 +87,9 @@ def instrument(prof: Profiler) -> None:
         prof.wrap(engine_moe.Int8MoE, "forward", "moe")
     except ImportError:
         pass
-    for cls in (qlinear.W8A8StaticLinear, qlinear.W8A8DynamicLinear, torch.nn.Linear):
+    from pipeline.engine import cpu_float
+
+    for cls in (qlinear.W8A8StaticLinear, qlinear.W8A8DynamicLinear, torch.nn.Linear, cpu_float.NativeHeadLinear):
         prof.wrap(cls, "forward", "linears")
     prof.wrap(engine, "sample", "sampling")
     prof.wrap(engine.LLMEngine, "_check_stop", "stop/detok")

@@ -90,8 +90,19 @@ def load_quantized(path: str, dtype: torch.dtype = torch.float32, device: str = 
         raise ValueError(f"{path}: tensors missing for {missing[:5]}")
     if fuse_moe:
         fuse_moe_layers(model)
+    _native_float_ops(model, device)
     fa_k = {i: float(s.float().reshape(())) for i, s in fa_scales(tensors).items()}
     return LoadedModel(model.eval(), cfg, dict(types), fa_k, path)
+
+
+def _native_float_ops(model: nn.Module, device) -> None:
+    """Where the kernels backend is ``native``: the C lm_head / RMSNorm / router (engine.cpu_float)."""
+    from pipeline.engine.kernels.dispatch import NATIVE, backend
+
+    if backend(device) == NATIVE:
+        from pipeline.engine.cpu_float import use_native_float_ops
+
+        use_native_float_ops(model)
 
 
 def dir_kind(path: str) -> str:
@@ -139,6 +150,7 @@ def load_float(path: str, dtype=None, device: str = "cpu", with_mtp: bool = True
     dt = resolve_float_dtype(dtype, cfg, device)
     model = load_float_model(path, dtype=dt, device=device, with_mtp=with_mtp and bool(cfg.mtp_layer_ids))
     types = {n: FLOAT for n, _ in [*model.named_parameters(), *model.named_buffers()]}
+    _native_float_ops(model, device)
     return LoadedModel(model.eval(), model.config, types, {}, path)
 
 

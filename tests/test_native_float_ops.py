@@ -1,0 +1,291 @@
+"""pipeline.engine.cpu_float: the C lm_head GEMV from bf16 weights, RMSNorm and the MoE router against their
+torch modules (random shapes, and the embedded model's real weights and activations), the plain C build,
+the swaps the loader makes, the fallbacks, and the engine's greedy tokens with and without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline.cbuild import NativeLibrary
+from pipeline.engine import cpu_float
+from pipeline.engine.cpu_float import NativeHeadLinear, NativeRMSNorm, NativeRouter, use_native_float_ops
+from pipeline.engine.engine import LLMEngine
+from pipeline.engine.kernels import dispatch
+from pipeline.engine.loader import load_model, load_quantized
+from pipeline.engine.sampling import SamplingParams
+from pipeline.model.ffn import Router
+from pipeline.model.norm import RMSNorm
+
+# lm_head: the same float32 products (bf16 widened exactly), summed in another order (16 lanes, FMA):
+# measured max |diff| <= 1.2e-6 at max |logit| ~3 (k <= 300).
+HEAD_RTOL = 1e-5                    # of max |ref| (logits of size ~10: ~1e-4 absolute)
+# RMSNorm, float32 out: the sum of squares in another order moves 1/sqrt by ~1 ulp: elementwise 1e-6 relative.
+NORM_RTOL, NORM_ATOL = 1e-6, 1e-7
+# RMSNorm, bf16 out: the same, then rounded to bf16: a value at a rounding boundary may go one bf16 ulp the
+# other way (2^-8 relative at most); measured: none at these shapes, allowed in at most 1% of the values.
+BF16_ULP, BF16_FLIPS = 2.0 ** -7, 0.01
+# Router weights (up to routed_scaling_factor 2.5): the logits' sum order and expf against torch's
+# vectorized exp, a few float32 ulps. Measured on the embedded model's activations: 1.1e-6.
+ROUTER_ATOL = 4e-6
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+needs_native = pytest.mark.skipif(not dispatch.native_available() or cpu_float.library() is None,
+                                  reason=f"no native kernels here: {cpu_float.status()}")
+
+
+def _head(n, k, seed=0) -> nn.Linear:
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(k, n, bias=False)
+    lin.weight.data = (torch.randn(n, k, generator=g) * 0.1).bfloat16().float()
+    return lin
+
+
+def _head_close(got, ref):
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    if ref.numel():
+        assert (got - ref).abs().max().item() <= HEAD_RTOL * ref.abs().max().item() + 1e-7
+
+
+@needs_native
+@pytest.mark.parametrize("m,k,n", [(1, 256, 4096), (2, 37, 9), (5, 256, 13), (9, 300, 70), (4, 16, 4), (0, 8, 3),
+                                   (130, 64, 33)])          # > HEAD_C_ROWS: F.linear over the widened weight
+def test_head_linear_equals_torch(m, k, n):
+    lin = _head(n, k)
+    head = NativeHeadLinear(lin)
+    assert head.weight_bits.dtype == torch.int16 and not list(head.parameters())     # bf16 bits only
+    assert torch.equal(head.weight, lin.weight) and head.weight.dtype == torch.float32
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)) * 2
+    with torch.no_grad():
+        _head_close(head(x), lin(x))
+        wide = torch.randn(1, m, k + 5) * 2                    # evenly spaced rows, no copy; 3-D input
+        _head_close(head(wide[..., 3:3 + k]), lin(wide[..., 3:3 + k]))
+
+
+@needs_native
+def test_head_linear_state_dict_fallbacks_and_refusals():
+    lin = _head(40, 24)
+    head = NativeHeadLinear(lin)
+    sd = head.state_dict()
+    assert list(sd) == ["weight"] and torch.equal(sd["weight"], lin.weight)
+    other = _head(40, 24, seed=5)
+    head.load_state_dict(other.state_dict())
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        _head_close(head(x), other(x))
+        with pytest.raises(RuntimeError, match="dtype"):                 # not float32: F.linear, as nn.Linear
+            head(x.double())
+    with pytest.raises(RuntimeError, match="weight"):
+        head.load_state_dict({"weight": torch.randn(40, 24)})            # not bf16 values
+    with pytest.raises(ValueError, match="weight"):
+        NativeHeadLinear(nn.Linear(24, 40, bias=False))                   # random float32: not bf16 values
+    with pytest.raises(ValueError, match="bias"):
+        NativeHeadLinear(nn.Linear(24, 40))
+
+
+@needs_native
+@pytest.mark.parametrize("xdt,wdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                     (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("shape", [(4, 5, 72), (1, 512), (3, 7), (0, 16)])
+def test_rms_norm_equals_torch(xdt, wdt, shape):
+    g = torch.Generator().manual_seed(2)
+    ref_mod = RMSNorm(shape[-1], 1e-6, dtype=wdt)
+    ref_mod.weight.data = torch.randn(shape[-1], generator=g).to(wdt)
+    x = (torch.randn(shape, generator=g) * 3).to(xdt)
+    with torch.no_grad():
+        _norm_close(NativeRMSNorm(ref_mod)(x), ref_mod(x))
+        wide = (torch.randn(*shape[:-1], shape[-1] + 9, generator=g) * 3).to(xdt)[..., 4:4 + shape[-1]]
+        _norm_close(NativeRMSNorm(ref_mod)(wide), ref_mod(wide))         # a column slice (kv_a's split)
+
+
+def _norm_close(got, ref):
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    if not ref.numel():
+        return
+    d, r = (got.float() - ref.float()).abs(), ref.float().abs()
+    if ref.dtype == torch.bfloat16:
+        assert (d <= BF16_ULP * r).all() and (d > 0).float().mean().item() <= BF16_FLIPS
+    else:
+        assert (d <= NORM_RTOL * r + NORM_ATOL).all(), d.max().item()
+
+
+class _Cfg:
+    def __init__(self, E, H, n_group, topk_group, top_k, norm=True, scale=2.5):
+        self.n_routed_experts, self.hidden_size, self.n_group, self.topk_group = E, H, n_group, topk_group
+        self.num_experts_per_tok, self.norm_topk_prob, self.routed_scaling_factor = top_k, norm, scale
+
+
+def _router(cfg, dtype=torch.float32, seed=3) -> Router:
+    g = torch.Generator().manual_seed(seed)
+    r = Router(cfg, dtype=dtype)
+    r.weight.data = (torch.randn(r.weight.shape, generator=g) * 0.1).to(dtype)
+    r.e_score_correction_bias.copy_(torch.randn(cfg.n_routed_experts, generator=g) * 0.05)
+    return r
+
+
+def _router_close(got, ref):
+    (w, i), (w0, i0) = got, ref
+    assert i.dtype == torch.int64 and w.dtype == torch.float32 and w.shape == w0.shape
+    assert torch.equal(i, i0)
+    assert (w - w0).abs().max().item() <= ROUTER_ATOL if w.numel() else True
+
+
+@needs_native
+@pytest.mark.parametrize("cfg", [_Cfg(16, 256, 4, 2, 4), _Cfg(32, 40, 1, 1, 8, norm=False, scale=1.0),
+                                 _Cfg(64, 72, 8, 4, 6)])
+@pytest.mark.parametrize("xdt,wdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("n", [1, 7, 0, 40])                   # 40 > ROUTER_C_ROWS: torch's logits, C's rest
+def test_router_equals_torch(cfg, xdt, wdt, n):
+    r = _router(cfg, wdt)
+    x = (torch.randn(n, cfg.hidden_size, generator=torch.Generator().manual_seed(4)) * 2).to(xdt)
+    with torch.no_grad():
+        _router_close(NativeRouter(r)(x), r(x))
+
+
+@needs_native
+def test_router_ties_go_to_the_lower_index_and_bad_configs_are_refused():
+    """(torch.topk orders ties by its selection algorithm: [6, 5, 4] here, no rule to follow.)"""
+    r = _router(_Cfg(8, 16, 2, 2, 3))
+    r.weight.data.zero_()                          # every score sigmoid(0) = 0.5
+    r.e_score_correction_bias.zero_()
+    with torch.no_grad():
+        w, i = NativeRouter(r)(torch.randn(2, 16))
+    assert i.tolist() == [[0, 1, 2]] * 2 and torch.allclose(w, torch.full((2, 3), 2.5 / 3))
+    with pytest.raises(ValueError, match="top_k"):
+        NativeRouter(Router(_Cfg(8, 16, 4, 1, 3)))   # 3 experts from one group of 2
+    with pytest.raises(ValueError, match="n_group"):
+        NativeRouter(Router(_Cfg(8, 16, 8, 2, 2)))   # groups of one expert (torch's topk(2) fails too)
+
+
+@needs_native
+def test_plain_c_build_agrees(monkeypatch):
+    """The loops without AVX-512 (no -march=native)."""
+    plain = NativeLibrary(cpu_float.CSRC / "float_ops_cpu.c", cpu_float._declare, ("-O2", "-shared", "-fPIC"),
+                          what="plain C float ops")
+    assert plain.library() is not None, plain.status()
+    lin, norm, r = _head(70, 300), RMSNorm(72, 1e-6), _router(_Cfg(16, 256, 4, 2, 4))
+    norm.weight.data = torch.randn(72)
+    x, xn, xr = torch.randn(5, 300), torch.randn(3, 72), torch.randn(6, 256)
+    with torch.no_grad():
+        ref = lin(x), norm(xn), r(xr)
+        monkeypatch.setattr(cpu_float, "_LIB", plain)
+        _head_close(NativeHeadLinear(lin)(x), ref[0])
+        _norm_close(NativeRMSNorm(norm)(xn), ref[1])
+        _router_close(NativeRouter(r)(xr), ref[2])
+
+
+def _kinds(model) -> dict[str, int]:
+    return {k: sum(type(m) is t for m in model.modules())
+            for k, t in (("lm_head", NativeHeadLinear), ("rms_norm", NativeRMSNorm), ("router", NativeRouter))}
+
+
+@pytest.fixture(scope="module")
+def real(qdir):
+    """The embedded quantized model loaded with torch modules, and the inputs its lm_head, MTP head,
+    RMSNorms and routers see over 512 held-out tokens (one forward, MTP layer included)."""
+    from pipeline.assets import EMBEDDED_MODEL_DIR
+    from pipeline.text import corpus
+    from pipeline.text.tokenizer import Tokenizer
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv(dispatch.ENV, "torch")
+    model = load_quantized(qdir).model
+    mp.undo()
+    tok = Tokenizer.from_dir(EMBEDDED_MODEL_DIR)
+    ids: list[int] = []
+    for d in corpus.load_heldout(EMBEDDED_MODEL_DIR)[1]:
+        ids += tok.encode(d.text, add_bos=True)[:128]
+        if len(ids) >= 513:
+            break
+    ids_t = torch.tensor([ids[:513]])
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, a, n=n: seen.setdefault(n, a[0].detach().clone()))
+             for n, m in model.named_modules() if type(m) in (RMSNorm, Router) or n.endswith("head")]
+    with torch.no_grad():
+        logits, hidden = model(ids_t[:, :-1], return_hidden=True)
+        model.mtp(hidden, ids_t[:, 1:])
+    for h in hooks:
+        h.remove()
+    return model, seen
+
+
+@needs_native
+def test_kernels_on_the_embedded_models_weights_and_activations(real):
+    model, seen = real
+    torch_mods = {n: model.get_submodule(n) for n in seen}
+    assert sum(type(m) is Router for m in torch_mods.values()) == 3            # layers 1, 2 and MTP
+    assert {"lm_head", "model.layers.3.shared_head.head"} <= set(seen)
+    with torch.no_grad():
+        for name, mod in torch_mods.items():
+            x = seen[name]
+            if type(mod) is Router:
+                x = x.reshape(-1, x.shape[-1])
+                w0, i0 = mod(x)
+                w, i = NativeRouter(mod)(x)
+                assert torch.equal(i, i0), (name, (i != i0).any(1).sum().item())    # never another expert
+                assert (w - w0).abs().max().item() <= ROUTER_ATOL, name
+            elif type(mod) is RMSNorm:
+                _norm_close(NativeRMSNorm(mod)(x), mod(x))
+            else:
+                _head_close(NativeHeadLinear(mod)(x), mod(x))
+
+
+@needs_native
+def test_the_loader_swaps_them_where_native(qdir, monkeypatch):
+    monkeypatch.setenv(dispatch.ENV, "native")
+    model = load_quantized(qdir).model
+    kinds = _kinds(model)
+    assert kinds == {"lm_head": 2, "rms_norm": kinds["rms_norm"], "router": 3} and kinds["rms_norm"] >= 13
+    assert not any(type(m) in (RMSNorm, Router) for m in model.modules())
+    assert model.lm_head.weight.dtype == torch.float32                 # what reference.py builds its cache from
+    from pipeline.assets import EMBEDDED_MODEL_DIR
+
+    f32 = load_model(EMBEDDED_MODEL_DIR).model                         # load_float: the float model
+    assert _kinds(f32) == kinds
+    bf = load_model(EMBEDDED_MODEL_DIR, dtype="bfloat16").model        # bf16 head: stays nn.Linear
+    assert type(bf.lm_head) is nn.Linear and _kinds(bf)["rms_norm"] == kinds["rms_norm"]
+
+
+def test_torch_fallbacks(qdir, monkeypatch):
+    """DSQUANT_KERNELS=torch: nothing swapped; DSQUANT_NATIVE_FLOAT=0: no library, nothing swapped, the
+    other native kernels stay; an input the C code does not take runs the torch formula."""
+    monkeypatch.setenv(dispatch.ENV, "torch")
+    assert _kinds(load_quantized(qdir).model) == {"lm_head": 0, "rms_norm": 0, "router": 0}
+    monkeypatch.delenv(dispatch.ENV)
+    monkeypatch.setenv(cpu_float.SWITCH, "0")
+    cpu_float.reset()
+    try:
+        assert cpu_float.library() is None and "DSQUANT_NATIVE_FLOAT=0" in cpu_float.status()
+        model = load_quantized(qdir).model
+        assert _kinds(model) == {"lm_head": 0, "rms_norm": 0, "router": 0}
+        assert use_native_float_ops(model) == {"lm_head": 0, "rms_norm": 0, "router": 0}
+        assert dispatch.backend("cpu") == dispatch.NATIVE                # the other C kernels stay on
+    finally:
+        monkeypatch.delenv(cpu_float.SWITCH)
+        cpu_float.reset()
+    norm = RMSNorm(24, 1e-6, dtype=torch.float16)
+    x = torch.randn(3, 24).half()
+    with torch.no_grad():
+        assert torch.equal(NativeRMSNorm(norm)(x), norm(x))              # fp16: the torch formula itself
+
+
+QUESTIONS = ["What's deep learning?", "Explain list comprehensions.", "What is a decorator?"]
+
+
+def _greedy(qdir, tok, monkeypatch, native_float: bool):
+    monkeypatch.setenv(cpu_float.SWITCH, "1" if native_float else "0")
+    cpu_float.reset()
+    try:
+        eng = LLMEngine.from_dir(qdir, tokenizer=tok, num_blocks=64, block_size=16, nz=True, mtp=True)
+        assert _kinds(eng.loaded.model)["lm_head"] == (2 if native_float else 0)
+        prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+        return eng.generate(prompts, SamplingParams(max_new_tokens=16))
+    finally:
+        monkeypatch.delenv(cpu_float.SWITCH)
+        cpu_float.reset()
+
+
+@needs_native
+def test_engine_gives_the_same_greedy_tokens(qdir, tok, monkeypatch):
+    assert _greedy(qdir, tok, monkeypatch, True) == _greedy(qdir, tok, monkeypatch, False)
