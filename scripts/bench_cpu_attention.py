@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_io import write_result  # noqa: E402
+from bench_io import loadavg, write_result  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -38,13 +38,6 @@ from pipeline.engine.paged_cache import PagedLatentCache  # noqa: E402
 H, C, D_R, BLOCK = 4, 512, 64, 16
 SOFTMAX_SCALE = 0.1352338
 FA_K = 5.0 / 127
-
-
-def loadavg() -> str:
-    try:
-        return Path("/proc/loadavg").read_text().strip()
-    except OSError:
-        return "n/a"
 
 
 def make_cache(kind: str, batch: int, context: int, seed: int = 0):

@@ -17,37 +17,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_io import write_result  # noqa: E402
-
-
-def loadavg() -> str:
-    try:
-        return Path("/proc/loadavg").read_text().strip()
-    except OSError:
-        return "n/a"
-
-
-def median_us(fn, reps: int) -> float:
-    for _ in range(max(3, reps // 20)):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return round(1e6 * statistics.median(ts), 2)
+from bench_io import loadavg, median_us, write_result  # noqa: E402
 
 
 def pair(ref, new, x, reps: int, **what) -> dict:
-    t, n = median_us(lambda: ref(x), reps), median_us(lambda: new(x), reps)
+    t, n = median_us(lambda: ref(x), reps, 2), median_us(lambda: new(x), reps, 2)
     row = {**what, "torch_us": t, "native_us": n, "speedup": round(t / n, 2)}
     print(row, flush=True)
     return row

@@ -16,3 +16,26 @@ def write_result(path: str | Path, result: dict[str, Any], hide: Iterable[str] =
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def loadavg() -> str:
+    """/proc/loadavg as it reads (the 1, 5 and 15 minute loads first), or "n/a"."""
+    try:
+        return Path("/proc/loadavg").read_text().strip()
+    except OSError:
+        return "n/a"
+
+
+def median_us(fn, reps: int, digits: int = 1) -> float:
+    """The median wall time of ``reps`` calls of ``fn`` in microseconds, after a few warm-up calls."""
+    import statistics
+    import time
+
+    for _ in range(max(3, reps // 20)):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return round(1e6 * statistics.median(ts), digits)

@@ -70,6 +70,20 @@ def test_native_equals_batched_and_per_sequence(nz, int8, dtype, bs, lengths):
 
 
 @needs_native
+@pytest.mark.parametrize("nz,int8", [(True, True), (False, False)])
+def test_a_head_does_not_depend_on_the_others(nz, int8):
+    """Each head's output is the same bits whatever heads share the call (a tensor-parallel rank holds H/tp
+    of them, and its logits must be the one-rank engine's bit for bit: tests/test_sharded.py)."""
+    lengths = [1, 40, 77]
+    cache, tables, q, qp = _setup(lengths, nz, int8, H=6)
+    batch = DecodeBatch.build(tables, lengths, 16, cache.num_blocks)
+    full = cpu_attention.decode_attention(q, qp, cache, batch, SCALE)
+    for heads in (slice(0, 1), slice(0, 2), slice(2, 4), slice(1, 6), slice(5, 6)):
+        part = cpu_attention.decode_attention(q[:, heads].contiguous(), qp[:, heads].contiguous(), cache, batch, SCALE)
+        assert torch.equal(part, full[:, heads]), heads
+
+
+@needs_native
 @pytest.mark.parametrize("nz", [False, True])
 def test_plain_c_without_avx512_agrees(monkeypatch, nz):
     """The fallback loops (built without -march=native: no AVX-512, fp16 by bit manipulation)."""

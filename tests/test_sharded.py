@@ -12,6 +12,8 @@ within REDUCE_LOGIT_ATOL and greedy outputs token for token.
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -89,9 +91,31 @@ def tok(embedded_quantized):
     return Tokenizer.from_dir(embedded_quantized)
 
 
+@contextmanager
+def _env(**values):
+    """Environment variables set inside the block, restored after it."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _one_rank(path: str, cfg: EngineConfig, tok=None) -> LLMEngine:
+    """The one-rank reference with the torch lm_head / RMSNorm / router modules the ranks' shard loader
+    builds (the loader swaps C ones in on a CPU: within float32 rounding, not bit for bit)."""
+    with _env(DSQUANT_NATIVE_FLOAT="0"):
+        return LLMEngine(load_quantized(path), cfg, tok)
+
+
 @pytest.fixture(scope="module")
 def single(embedded_quantized, tok):
-    return LLMEngine(load_quantized(embedded_quantized), CFG, tok)
+    return _one_rank(embedded_quantized, CFG, tok)
 
 
 def _sharded(path, layout, tok, combine):
@@ -143,7 +167,8 @@ def test_exact_combine_is_bit_identical_to_one_rank(ray_cluster, embedded_quanti
         p = ParallelConfig(**layout)
         ids = tok.encode_chat([{"role": "user", "content": QUESTIONS[0]}])
         seen_single, seen_rank0 = _capture(single.loaded.model), _capture(eng.loaded.model)
-        want = _prefill_then_decode(single.runner, ids)
+        with _env(DSQUANT_NATIVE_LINEAR="0"):   # every expert linear of the reference runs (and is seen)
+            want = _prefill_then_decode(single.runner, ids)      # on the torch path: the same bits
         got = _prefill_then_decode(eng.runner, ids)
         for w, g in zip(want, got):
             assert torch.equal(w, g)
@@ -243,7 +268,7 @@ def test_msmodelslim_output_sharded(ray_cluster):
     """msModelSlim's own files for the tiny fixture (8 experts, 4 heads), tp 2 x moe_ep 2: the same logits."""
     path = str(MSMODELSLIM)
     cfg = EngineConfig(num_blocks=16, nz=True)
-    one = LLMEngine(load_quantized(path), cfg)
+    one = _one_rank(path, cfg)
     from actors.rank_group import build_sharded_engine
 
     eng = build_sharded_engine(path, ParallelConfig(tp=2, moe_ep=2), cfg, combine="exact", log=lambda m: None)

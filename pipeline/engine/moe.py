@@ -8,8 +8,11 @@ model's ``MoE`` over int8 experts, with less work per step.
 
 Every output equals the model's ``MoE`` with the same int8 linears bit for bit in the linears' reference
 mode (the same integers, scales and epilogue per output column; the same casts and the same order of
-the index_add), which the tests check. The experts still run one GEMM each in a Python loop over the
-experts that have tokens: on the CPU there is no grouped int8 GEMM to hand them to.
+the index_add), which the tests check. On the torch path the experts run one GEMM each in a
+Python loop over the experts that have tokens. Where the kernels backend is ``native`` (a CPU with a C
+compiler), the routed experts of all tokens run in two C calls instead (:mod:`pipeline.engine.cpu_moe`:
+the same arithmetic in the same order, the same bits) and the shared expert through the fused C linears;
+on CUDA with triton, the grouped Triton kernels (:mod:`pipeline.engine.kernels.moe_gemm`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.engine import cpu_moe
 from pipeline.engine.kernels.dispatch import TRITON, backend
 from pipeline.engine.qlinear import W8A8DynamicLinear, quantize_per_token
 from pipeline.model.ffn import MLP, MoE, combine_experts
@@ -74,8 +78,22 @@ class Int8MoE(nn.Module):
         self.experts = nn.ModuleList(Int8Expert(e) for e in moe.experts)
         self.shared_experts = Int8Expert(moe.shared_experts) if moe.shared_experts is not None else None
         self.last_load: Optional[torch.Tensor] = None
+        self.register_load_state_dict_post_hook(cpu_moe.drop_pack)    # the C path's packed experts
+
+    def _apply(self, fn, recurse=True):
+        cpu_moe.drop_pack(self)                         # .to(), .float(), ...: new expert tensors
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_moe.can_run(self, x):                    # the CPU's C kernels (cpu_moe)
+            shape, dtype = x.shape, x.dtype
+            flat = x.reshape(-1, shape[-1])
+            weights, idx = self.gate(flat)
+            out, self.last_load = cpu_moe.routed(self, flat, weights, idx)
+            out = out.to(dtype)
+            if self.shared_experts is not None:
+                out = out + cpu_moe.shared_forward(self.shared_experts, flat)
+            return out.view(shape)
         if backend(x.device) == TRITON:                 # the fused grouped int8 GEMM (kernels.moe_gemm)
             from pipeline.engine.kernels.moe_gemm import StackedExperts, int8_moe_forward
 

@@ -38,6 +38,16 @@ Kernels (:func:`select_kernel`; a module's ``kernel`` forces one, ``last_kernel`
   chunk is an integer of magnitude <= 128 * 128 * 1024 = 2^24, all of which float32 holds exactly, so each
   chunk's product is exact whatever order the GEMM sums in; chunks are summed in float64 (exact below 2^53).
 - ``float64``: one float64 GEMM, exact for k < 2^39; CUDA's fallback for shapes ``_int_mm`` refuses.
+- ``native``: the whole forward (quantize, int32 product, epilogue) in one C call on the CPU
+  (:mod:`pipeline.engine.cpu_linear`), bit-identical to the torch path in both epilogues. ``auto`` takes
+  it where :func:`cpu_linear.enabled` (the kernels backend is ``native`` and the library built) for
+  float32 / bf16 input (int8 rows for ``apply_quantized`` and ``_acc``) of any size when torch runs one
+  intra-op thread (``_int_mm`` then has no second core: the C kernel measured faster up to 2048 rows),
+  else of at most ``cpu_linear.max_rows(k, n)`` rows (64, fewer for wide weights); larger batches keep
+  ``select_kernel``'s. ``kernel="native"`` forces it (an error where it cannot run);
+  ``DSQUANT_KERNELS=torch``, ``DSQUANT_NATIVE=0`` or ``DSQUANT_NATIVE_LINEAR=0`` turn it off. The C
+  kernel keeps a packed copy of the weight, dropped on ``load_state_dict``, buffer assignment and
+  ``.to()`` (cpu_linear's docstring).
 
 Activations are not checked for NaN/Inf here (the hot path; runtimes do not either); every stored tensor
 is checked once, when the module is built (:func:`build_int8_linear`).
@@ -50,12 +60,15 @@ from typing import Mapping, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from pipeline.engine import cpu_linear
 from pipeline.format.description import FLOAT, QUANT_KINDS, W8A8, W8A8_DYNAMIC
 
 QMIN, QMAX = -128, 127
 F32_EPS = torch.finfo(torch.float32).eps
 INT_MM, FP32_CHUNKED, FLOAT64 = "int_mm", "fp32_chunked", "float64"
-KERNELS = (INT_MM, FP32_CHUNKED, FLOAT64)
+KERNELS = (INT_MM, FP32_CHUNKED, FLOAT64)         # int8_matmul's
+NATIVE = "native"                                 # the fused C forward (module docstring)
+_FLOAT_DTYPES, _INT8 = (torch.float32, torch.bfloat16), (torch.int8,)   # the C kernel's inputs
 AUTO = "auto"
 EXACT, FAST = "exact", "fast"                     # epilogues (module docstring)
 EPILOGUES = (EXACT, FAST)
@@ -219,20 +232,52 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight)
         self.register_buffer("bias", bias)
-        if kernel != AUTO and kernel not in KERNELS:
-            raise Int8LinearError(f"{name}: unknown kernel {kernel!r} (known: auto, {', '.join(KERNELS)})")
+        if kernel not in (AUTO, NATIVE) + KERNELS:
+            raise Int8LinearError(f"{name}: unknown kernel {kernel!r} (known: auto, {', '.join(KERNELS)}, native)")
         self.kernel = kernel
         self.last_kernel: Optional[str] = None
+        self._native_rows = cpu_linear.max_rows(self.in_features, self.out_features)   # auto, several threads
+        self.register_load_state_dict_post_hook(cpu_linear.drop)     # the C kernel's packed copy is stale
         self._w_f32: Optional[Tensor] = None  # float32 copy of weight for fp32_chunked, made on first use
         self._w_f32_key: Optional[tuple] = None  # (device, storage, version) of the weight it was made from
 
+    def __setattr__(self, name: str, value) -> None:
+        if name in self.__dict__.get("_buffers", ()):     # a buffer replaced: the packed copy is stale
+            cpu_linear.drop(self)
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, recurse=True):
+        cpu_linear.drop(self)                             # .to(), .float(), ...: new tensors
+        return super()._apply(fn, recurse)
+
     def kernel_for(self, device: DeviceLike) -> str:
-        """The kernel a forward on ``device`` uses."""
-        if self.kernel == AUTO:
+        """The integer-product kernel of the torch path on ``device`` (``native`` is chosen per call:
+        :meth:`_native`)."""
+        if self.kernel in (AUTO, NATIVE):
             return select_kernel(device, self.out_features, self.in_features)
         if self.kernel not in KERNELS:
-            raise Int8LinearError(f"{self.name}: unknown kernel {self.kernel!r} (known: auto, {', '.join(KERNELS)})")
+            raise Int8LinearError(f"{self.name}: unknown kernel {self.kernel!r} (known: auto, {', '.join(KERNELS)}, "
+                                  f"native)")
         return self.kernel
+
+    def _native(self, x, dtypes: tuple = _FLOAT_DTYPES) -> bool:
+        """Whether this call runs the C kernel (module docstring): ``x`` a CPU tensor [..., in_features] of
+        one of ``dtypes``; for ``auto``, at most ``cpu_linear.max_rows`` rows unless torch runs one thread.
+        Records it in ``last_kernel``.
+        Anything else is left to the torch path (which names what is wrong with the input)."""
+        kernel = self.kernel
+        if kernel != AUTO and kernel != NATIVE:
+            return False
+        ok = isinstance(x, Tensor) and x.dim() > 0 and x.shape[-1] == self.in_features <= cpu_linear.MAX_K
+        if not (ok and x.dtype in dtypes and cpu_linear.enabled(x.device)):
+            if kernel == NATIVE and ok:
+                raise Int8LinearError(f"{self.name}: kernel 'native' cannot run on {x.device} for {x.dtype} "
+                                      f"input ({cpu_linear.status()}; it takes {', '.join(map(str, dtypes))})")
+            return False
+        if kernel == AUTO and x.numel() > self._native_rows * self.in_features and torch.get_num_threads() > 1:
+            return False
+        self.__dict__["last_kernel"] = NATIVE       # (nn.Module.__setattr__ costs a microsecond)
+        return True
 
     def _flat(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() == 0 or x.shape[-1] != self.in_features:
@@ -243,6 +288,8 @@ class Int8Linear(nn.Module):
     def _acc(self, x_q: Tensor) -> Tensor:
         """Exact x_q @ weight.T [m, n]: int32 from ``int_mm``, float64 from the other kernels; records the
         kernel in ``last_kernel``."""
+        if x_q.dim() == 2 and self._native(x_q, _INT8):
+            return cpu_linear.apply_quantized(self, x_q, None)
         kernel = self.kernel_for(x_q.device)
         if kernel == INT_MM:
             self.last_kernel = kernel
@@ -280,6 +327,8 @@ class W8A8StaticLinear(Int8Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         # the small tensors are converted on every call (n values), so load_state_dict is always honoured
+        if self._native(x):
+            return cpu_linear.forward(self, x)
         x2 = self._flat(x)
         y = self.finish(self._acc(self.quantize_input(x2)))
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -312,6 +361,8 @@ class W8A8DynamicLinear(Int8Linear):
         self.register_buffer("weight_scale", weight_scale)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self._native(x):
+            return cpu_linear.forward(self, x)
         x2 = self._flat(x)
         y = self.apply_quantized(*quantize_per_token(x2))
         if self.bias is not None:
@@ -321,6 +372,8 @@ class W8A8DynamicLinear(Int8Linear):
     def apply_quantized(self, x_q: Tensor, s_tok: Tensor) -> Tensor:
         """The float32 output [m, n] (no bias, not cast) for activations already quantized per token
         (``quantize_per_token``: several linears reading the same input quantize it once)."""
+        if x_q.dim() == 2 and self._native(x_q, _INT8):
+            return cpu_linear.apply_quantized(self, x_q, s_tok)
         return self.finish(self._acc(x_q), s_tok)
 
     def finish(self, acc: Tensor, s_tok: Tensor) -> Tensor:

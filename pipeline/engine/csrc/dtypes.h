@@ -16,6 +16,14 @@ static inline float bf16_to_float(uint16_t h) {
     return f;
 }
 
+/* float32 -> bfloat16 bits, round to nearest even (NaN stays a quiet NaN): torch's c10::BFloat16(float). */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 /* IEEE half bits -> float32 (exact, subnormals and inf/NaN included). */
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;

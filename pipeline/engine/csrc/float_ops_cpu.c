@@ -22,14 +22,6 @@
 
 #include "dtypes.h"
 
-/* float32 -> bf16 bits, round to nearest even (NaN stays a quiet NaN): torch's c10::BFloat16(float). */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if (f != f) return 0x7fc0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 static inline float load_elem(const void *p, int dtype, int64_t i) {
     return dtype == DT_BF16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }

@@ -93,7 +93,9 @@ static void load_rows(float *restrict dst, int64_t ld, const store_t *st, int64_
     }
 }
 
-/* s[h * T + i] += <q[h], x[i]> * mul for heads h < H, tokens i < n; rows padded to np (multiple of 16). */
+/* s[h * T + i] += <q[h], x[i]> * mul for heads h < H, tokens i < n; rows padded to np (multiple of 16).
+ * A head's result does not depend on H or on its place among the heads (the heads of a tensor-parallel
+ * rank give the one-rank engine's bits): heads outside a block of 4 take the block's per-head operations. */
 static void dots(float *restrict s, int64_t T, const float *restrict q, const float *restrict x, int64_t H,
                  int64_t n, int64_t np, float mul, int accumulate) {
     for (int64_t i = 0; i < n; i++) {
@@ -114,6 +116,13 @@ static void dots(float *restrict s, int64_t T, const float *restrict q, const fl
                           _mm512_reduce_add_ps(a3)};
             for (int k = 0; k < 4; k++)
                 s[(h + k) * T + i] = (accumulate ? s[(h + k) * T + i] : 0.0f) + d[k] * mul;
+        }
+        for (; h < H; h++) {                        /* the same lanes and sums as one head of the block above */
+            const float *qh = q + h * np;
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t j = 0; j < np; j += 16)
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + j), _mm512_loadu_ps(xi + j), a);
+            s[h * T + i] = (accumulate ? s[h * T + i] : 0.0f) + _mm512_reduce_add_ps(a) * mul;
         }
 #endif
         for (; h < H; h++) {
@@ -149,6 +158,17 @@ static void accumulate_v(float *restrict acc, const float *restrict alpha, const
             _mm512_storeu_ps(c1 + j, a1);
             _mm512_storeu_ps(c2 + j, a2);
             _mm512_storeu_ps(c3 + j, a3);
+        }
+    }
+    for (; h < H; h++) {                            /* the same operations as one head of the block above */
+        const float *ph = p + h * T;
+        float *ch = acc + h * np;
+        __m512 sh = _mm512_set1_ps(alpha[h]);
+        for (int64_t j = 0; j < np; j += 16) {
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(ch + j), sh);
+            for (int64_t i = 0; i < n; i++)
+                a = _mm512_fmadd_ps(_mm512_set1_ps(ph[i]), _mm512_loadu_ps(x + i * np + j), a);
+            _mm512_storeu_ps(ch + j, a);
         }
     }
 #endif

@@ -1,0 +1,364 @@
+/* The engine's int8 linears and routed MoE experts on the CPU: quantize the rows, multiply in int32
+ * (exact), apply the epilogue, in one call (pipeline/engine/cpu_linear.py and cpu_moe.py load this file).
+ *
+ * The float32 arithmetic is torch's (pipeline/engine/qlinear.py), op for op, so the results are the same
+ * bits; built with -ffp-contract=off (no a*b+c fused into one rounding) and without -ffast-math:
+ *   W8A8 (static):  q = clamp(rint(x / scale + offset), -128, 127)
+ *                   exact: y = (float)(((double)acc + (double)quant_bias) * (double)deq)
+ *                   fast:  y = (float)(acc + quant_bias) * deq
+ *   W8A8_DYNAMIC:   s = max(max|x| / 127, eps),  q = clamp(rint(x / s), -128, 127)
+ *                   exact: y = (float)(((double)acc * (double)s) * (double)wscale)   (+ bias, float32)
+ *                   fast:  y = ((float)acc * s) * wscale                                (+ bias, float32)
+ *   bf16 output: round to nearest even from the float32 value (c10::BFloat16's rule).
+ * rint rounds half to even in the default rounding mode (torch.round's rule).
+ *
+ * The integer product: the activations are stored shifted to unsigned (u = q + 128) and the weights are
+ * packed once per linear into blocks of 16 output columns x 4 inputs ([np/16][kp/4][16][4] int8, zero
+ * padded to np = n rounded up to 64 and kp = k rounded up to 4), the layout of AVX-512 VNNI's vpdpbusd
+ * (u8 x s8, four products summed into each int32 lane). sum_j u_j w_j = sum_j q_j w_j + 128 sum_j w_j,
+ * so acc = that - wsum with wsum = 128 * row sum of W, computed at packing. Everything is modulo 2^32
+ * (vpdpbusd wraps, the subtraction is unsigned) and the true |acc| <= 128 * 128 * k < 2^31 for k <= 131071,
+ * so the int32 result is exact. Without VNNI the same layout is summed by plain C loops.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "dtypes.h"
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define HAVE_VNNI 1
+#else
+#define HAVE_VNNI 0
+#endif
+
+enum { KIND_STATIC = 0, KIND_DYNAMIC = 1 };
+enum { EPI_EXACT = 0, EPI_FAST = 1 };
+#define COLS 16   /* output columns per packed block */
+#define PANEL 4   /* blocks per panel: 64 columns */
+#define MR 4      /* rows per register tile */
+
+typedef struct {            /* one linear; filled once by cpu_linear.py (must match LinearParams) */
+    int64_t n, k, np, kp;
+    const int8_t *wpack;    /* [np/16][kp/4][16][4] */
+    const int32_t *wsum;    /* [np]: 128 * sum_j W[i, j] */
+    int32_t kind, epilogue;
+    float in_scale, in_offset;
+    const int32_t *quant_bias;  /* static: [n] */
+    const float *deq;           /* static: [n] */
+    const float *wscale;        /* dynamic: [n] (float32, exact from bf16 / fp16) */
+    const float *bias;          /* dynamic: [n] or NULL */
+} linear_t;
+
+int native_has_vnni(void) { return HAVE_VNNI; }
+
+static inline float load_x(const void *x, int32_t dt, int64_t i) {
+    return dt == DT_BF16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+static inline float clampq(float t) { return t < -128.0f ? -128.0f : (t > 127.0f ? 127.0f : t); }
+
+/* ----- activations ------------------------------------------------------------------------------- */
+static void quant_static(const void *x, int32_t dt, int64_t m, int64_t k, int64_t ldx, float sc, float off,
+                         uint8_t *u, int64_t kp) {
+    for (int64_t r = 0; r < m; r++) {
+        uint8_t *ur = u + r * kp;
+        for (int64_t j = 0; j < k; j++)
+            ur[j] = (uint8_t)((int32_t)clampq(rintf(load_x(x, dt, r * ldx + j) / sc + off)) + 128);
+        for (int64_t j = k; j < kp; j++) ur[j] = 128;
+    }
+}
+
+static void quant_dynamic_row(const float *xf, int64_t k, uint8_t *ur, int64_t kp, float *s_out) {
+    float amax = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        float a = fabsf(xf[j]);
+        amax = a > amax ? a : amax;
+    }
+    float s = amax / 127.0f;
+    const float eps = 1.1920928955078125e-07f;          /* torch.finfo(float32).eps */
+    s = s < eps ? eps : s;
+    for (int64_t j = 0; j < k; j++) ur[j] = (uint8_t)((int32_t)clampq(rintf(xf[j] / s)) + 128);
+    for (int64_t j = k; j < kp; j++) ur[j] = 128;
+    *s_out = s;
+}
+
+static void quant_dynamic(const void *x, int32_t dt, int64_t m, int64_t k, int64_t ldx, uint8_t *u, int64_t kp,
+                          float *s, float *row) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *xf = (const float *)x + r * ldx;
+        if (dt == DT_BF16) {
+            for (int64_t j = 0; j < k; j++) row[j] = bf16_to_float(((const uint16_t *)x)[r * ldx + j]);
+            xf = row;
+        }
+        quant_dynamic_row(xf, k, u + r * kp, kp, s + r);
+    }
+}
+
+static void shift_int8(const int8_t *q, int64_t m, int64_t k, uint8_t *u, int64_t kp) {
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t j = 0; j < k; j++) u[r * kp + j] = (uint8_t)((int32_t)q[r * k + j] + 128);
+        for (int64_t j = k; j < kp; j++) u[r * kp + j] = 128;
+    }
+}
+
+/* ----- weights ------------------------------------------------------------------------------------ */
+void int8_pack(const int8_t *w, int64_t n, int64_t k, int64_t np, int64_t kp, int8_t *pack, int32_t *wsum) {
+    int64_t ks = kp / 4;
+    memset(pack, 0, (size_t)(np * kp));
+    for (int64_t i = 0; i < np; i++) {
+        int64_t sum = 0;
+        if (i < n) {
+            int8_t *blk = pack + (i / COLS) * ks * 64 + (i % COLS) * 4;
+            for (int64_t j = 0; j < k; j++) {
+                blk[(j / 4) * 64 + (j % 4)] = w[i * k + j];
+                sum += w[i * k + j];
+            }
+        }
+        wsum[i] = (int32_t)(uint32_t)(128 * sum);
+    }
+}
+
+/* ----- the exact product: c[r][0..np) = sum_j (a[r][j] - 128) * W[i][j] ------------------------------ */
+#if HAVE_VNNI
+/* One register tile: mr (<= 4) rows x 64 columns, all of k; c = acc - wsum, stored. Accumulators for
+ * even and odd k steps apart when mr <= 2, so that enough independent vpdpbusd chains are in flight. */
+static inline __attribute__((always_inline)) void tile(const int mr, const uint8_t *const *ar, const int8_t *wb,
+                                                       int64_t ks, const int32_t *sb, int32_t *c, int64_t ldc) {
+    const int split = mr <= 2;
+    __m512i acc[2][MR][PANEL];
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < mr; i++)
+            for (int b = 0; b < PANEL; b++) acc[h][i][b] = _mm512_setzero_si512();
+    int64_t s = 0;
+    if (split)
+        for (; s + 1 < ks; s += 2)
+            for (int h = 0; h < 2; h++) {
+                __m512i w[PANEL];
+                for (int b = 0; b < PANEL; b++)
+                    w[b] = _mm512_loadu_si512((const void *)(wb + (b * ks + s + h) * 64));
+                for (int i = 0; i < mr; i++) {
+                    int32_t a4;
+                    memcpy(&a4, ar[i] + 4 * (s + h), 4);
+                    __m512i av = _mm512_set1_epi32(a4);
+                    for (int b = 0; b < PANEL; b++) acc[h][i][b] = _mm512_dpbusd_epi32(acc[h][i][b], av, w[b]);
+                }
+            }
+    for (; s < ks; s++) {
+        __m512i w[PANEL];
+        for (int b = 0; b < PANEL; b++) w[b] = _mm512_loadu_si512((const void *)(wb + (b * ks + s) * 64));
+        for (int i = 0; i < mr; i++) {
+            int32_t a4;
+            memcpy(&a4, ar[i] + 4 * s, 4);
+            __m512i av = _mm512_set1_epi32(a4);
+            for (int b = 0; b < PANEL; b++) acc[0][i][b] = _mm512_dpbusd_epi32(acc[0][i][b], av, w[b]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int b = 0; b < PANEL; b++) {
+            __m512i v = split ? _mm512_add_epi32(acc[0][i][b], acc[1][i][b]) : acc[0][i][b];
+            v = _mm512_sub_epi32(v, _mm512_loadu_si512((const void *)(sb + b * COLS)));
+            _mm512_storeu_si512((void *)(c + i * ldc + b * COLS), v);
+        }
+}
+#endif
+
+static void gemm(const uint8_t *a, int64_t lda, const int64_t *rows, int64_t m, const int8_t *wpack,
+                 const int32_t *wsum, int64_t np, int64_t kp, int32_t *c) {
+    int64_t ks = kp / 4;
+    for (int64_t p = 0; p < np / (COLS * PANEL); p++) {
+        const int8_t *wb = wpack + p * PANEL * ks * 64;
+        const int32_t *sb = wsum + p * COLS * PANEL;
+        for (int64_t r0 = 0; r0 < m; r0 += MR) {
+            int mr = (int)(m - r0 < MR ? m - r0 : MR);
+            const uint8_t *ar[MR];
+            for (int i = 0; i < mr; i++) ar[i] = a + (rows ? rows[r0 + i] : r0 + i) * lda;
+            int32_t *cp = c + r0 * np + p * COLS * PANEL;
+#if HAVE_VNNI
+            switch (mr) {
+            case 4: tile(4, ar, wb, ks, sb, cp, np); break;
+            case 3: tile(3, ar, wb, ks, sb, cp, np); break;
+            case 2: tile(2, ar, wb, ks, sb, cp, np); break;
+            default: tile(1, ar, wb, ks, sb, cp, np); break;
+            }
+#else
+            for (int i = 0; i < mr; i++)
+                for (int b = 0; b < PANEL; b++) {
+                    uint32_t acc[COLS] = {0};
+                    const int8_t *wbb = wb + b * ks * 64;
+                    for (int64_t s = 0; s < ks; s++)
+                        for (int col = 0; col < COLS; col++)
+                            for (int t = 0; t < 4; t++)
+                                acc[col] += (uint32_t)((int32_t)ar[i][4 * s + t] * wbb[s * 64 + col * 4 + t]);
+                    for (int col = 0; col < COLS; col++)
+                        cp[i * np + b * COLS + col] = (int32_t)(acc[col] - (uint32_t)sb[b * COLS + col]);
+                }
+#endif
+        }
+    }
+}
+
+/* ----- epilogues ---------------------------------------------------------------------------------- */
+static inline float epi_dynamic(int32_t epi, int32_t acc, float s, float ws) {
+    if (epi == EPI_EXACT) return (float)(((double)acc * (double)s) * (double)ws);
+    return ((float)acc * s) * ws;
+}
+
+static void store_row(void *y, int32_t dt, int64_t off, const float *v, int64_t n) {
+    if (dt == DT_BF16)
+        for (int64_t j = 0; j < n; j++) ((uint16_t *)y)[off + j] = float_to_bf16(v[j]);
+    else
+        memcpy((float *)y + off, v, (size_t)n * sizeof(float));
+}
+
+static void epilogue(const linear_t *L, const int32_t *c, const float *s, int64_t m, int use_bias, void *y,
+                     int32_t dt, float *row) {
+    int64_t n = L->n;
+    for (int64_t r = 0; r < m; r++) {
+        const int32_t *cr = c + r * L->np;
+        if (L->kind == KIND_STATIC) {
+            if (L->epilogue == EPI_EXACT)
+                for (int64_t j = 0; j < n; j++)
+                    row[j] = (float)(((double)cr[j] + (double)L->quant_bias[j]) * (double)L->deq[j]);
+            else
+                for (int64_t j = 0; j < n; j++)
+                    row[j] = (float)(int32_t)((uint32_t)cr[j] + (uint32_t)L->quant_bias[j]) * L->deq[j];
+        } else {
+            for (int64_t j = 0; j < n; j++) row[j] = epi_dynamic(L->epilogue, cr[j], s[r], L->wscale[j]);
+            if (use_bias && L->bias)
+                for (int64_t j = 0; j < n; j++) row[j] = row[j] + L->bias[j];
+        }
+        store_row(y, dt, r * n, row, n);
+    }
+}
+
+/* scratch for m rows: u8 activations [m][kp], int32 products [m][np], scales [m], two float rows */
+typedef struct { uint8_t *u; int32_t *c; float *s, *row; } scratch_t;
+
+static int scratch(scratch_t *t, int64_t m, int64_t kp, int64_t np, int64_t wide) {
+    size_t cb = (size_t)(m * np) * 4, ub = (size_t)(m * kp), sb = (size_t)m * 4, rb = (size_t)wide * 8;
+    char *p = malloc(cb + ub + sb + rb + 64);
+    if (!p) return -1;
+    t->c = (int32_t *)p;
+    t->s = (float *)(p + cb);
+    t->row = (float *)(p + cb + sb);
+    t->u = (uint8_t *)(p + cb + sb + rb);
+    return 0;
+}
+
+/* y [m, n] (x's dtype) = the linear of x [m, k] (row stride ldx). Returns 0, or -1 when out of memory. */
+int int8_linear(const linear_t *L, const void *x, int64_t m, int64_t ldx, int32_t dt, void *y) {
+    scratch_t t = {0};
+    int64_t wide = L->k > L->n ? L->k : L->n;
+    if (scratch(&t, m, L->kp, L->np, wide)) return -1;
+    if (L->kind == KIND_STATIC)
+        quant_static(x, dt, m, L->k, ldx, L->in_scale, L->in_offset, t.u, L->kp);
+    else
+        quant_dynamic(x, dt, m, L->k, ldx, t.u, L->kp, t.s, t.row);
+    gemm(t.u, L->kp, NULL, m, L->wpack, L->wsum, L->np, L->kp, t.c);
+    epilogue(L, t.c, t.s, m, 1, y, dt, t.row);
+    free(t.c);
+    return 0;
+}
+
+/* Already quantized rows q int8 [m, k]: the exact product int32 [m, n] (s == NULL), or the dynamic
+ * epilogue with the per-token scales s [m] into float32 y [m, n] (no bias: Int8Linear.apply_quantized). */
+int int8_linear_q(const linear_t *L, const int8_t *q, const float *s, int64_t m, void *y) {
+    scratch_t t = {0};
+    if (scratch(&t, m, L->kp, L->np, L->n)) return -1;
+    shift_int8(q, m, L->k, t.u, L->kp);
+    gemm(t.u, L->kp, NULL, m, L->wpack, L->wsum, L->np, L->kp, t.c);
+    if (s == NULL)
+        for (int64_t r = 0; r < m; r++) memcpy((int32_t *)y + r * L->n, t.c + r * L->np, (size_t)L->n * 4);
+    else
+        epilogue(L, t.c, s, m, 0, y, DT_F32, t.row);
+    free(t.c);
+    return 0;
+}
+
+/* ----- the routed experts (cpu_moe.py) ------------------------------------------------------------ */
+typedef struct {            /* must match cpu_moe.MoEParams */
+    int64_t E, H, I;
+    int64_t gu_np, gu_kp, dn_np, dn_kp;   /* gate+up [2I, H] and down [H, I], padded */
+    const int8_t *gu_pack;  /* E x [gu_np * gu_kp] */
+    const int32_t *gu_sum;  /* E x [gu_np] */
+    const float *gu_scale;  /* E x [2I] */
+    const int8_t *dn_pack;  /* E x [dn_np * dn_kp] */
+    const int32_t *dn_sum;  /* E x [dn_np] */
+    const float *dn_scale;  /* E x [H] */
+    int32_t epilogue;
+} moe_t;
+
+/* Routes the N * top_k slots: order [S] (slot ids sorted by expert, stable: torch.argsort(stable=True)),
+ * load [E] (slots per expert); and gu [S, 2I] float32 = expert idx[slot]'s stacked gate and up projections
+ * of the slot's token, the tokens x [N, H] quantized per token once. Returns 0, -1 (out of memory) or
+ * -2 (an expert id outside [0, E)). */
+int moe_gate_up(const moe_t *M, const void *x, int32_t dt, int64_t N, int64_t top_k, const int64_t *idx,
+                int64_t *order, int64_t *load, float *gu) {
+    int64_t S = N * top_k, I2 = 2 * M->I;
+    for (int64_t e = 0; e < M->E; e++) load[e] = 0;
+    for (int64_t i = 0; i < S; i++) {
+        if (idx[i] < 0 || idx[i] >= M->E) return -2;
+        load[idx[i]]++;
+    }
+    int64_t *start = malloc((size_t)(M->E + 1) * 8 + (size_t)S * 8);
+    if (!start) return -1;
+    int64_t *tok = start + M->E + 1;
+    start[0] = 0;
+    for (int64_t e = 0; e < M->E; e++) start[e + 1] = start[e] + load[e];
+    for (int64_t i = 0; i < S; i++) order[start[idx[i]]++] = i;   /* counting sort: stable */
+    for (int64_t e = M->E; e > 0; e--) start[e] = start[e - 1];
+    start[0] = 0;
+    for (int64_t i = 0; i < S; i++) tok[i] = order[i] / top_k;
+    scratch_t t = {0};
+    int64_t rows = N > S ? N : S, wide = M->H > I2 ? M->H : I2;
+    if (scratch(&t, rows, M->gu_kp, M->gu_np, wide)) { free(start); return -1; }
+    quant_dynamic(x, dt, N, M->H, M->H, t.u, M->gu_kp, t.s, t.row);
+    for (int64_t e = 0; e < M->E; e++) {
+        int64_t n_e = start[e + 1] - start[e];
+        if (!n_e) continue;
+        gemm(t.u, M->gu_kp, tok + start[e], n_e, M->gu_pack + e * M->gu_np * M->gu_kp, M->gu_sum + e * M->gu_np,
+             M->gu_np, M->gu_kp, t.c);
+        const float *ws = M->gu_scale + e * I2;
+        for (int64_t r = 0; r < n_e; r++) {
+            float s = t.s[tok[start[e] + r]];
+            float *g = gu + (start[e] + r) * I2;
+            for (int64_t j = 0; j < I2; j++) g[j] = epi_dynamic(M->epilogue, t.c[r * M->gu_np + j], s, ws[j]);
+        }
+    }
+    free(t.c);
+    free(start);
+    return 0;
+}
+
+/* out [N, H] float32 = sum over each token's slots, in slot order (by expert, stable), of
+ * w[slot] * (float)cast_dt(down_e(h[row])), h [S, I] (dtype dt) the SiLU(gate) * up rows in that order:
+ * index_add_'s additions, one per slot, starting from 0. Returns 0 or -1 (out of memory). */
+int moe_down(const moe_t *M, const void *h, int32_t dt, int64_t N, int64_t top_k, const int64_t *order,
+             const int64_t *load, const float *weights, float *out) {
+    int64_t S = N * top_k, H = M->H;
+    scratch_t t = {0};
+    int64_t wide = M->I > H ? M->I : H;
+    if (scratch(&t, S, M->dn_kp, M->dn_np, wide)) return -1;
+    quant_dynamic(h, dt, S, M->I, M->I, t.u, M->dn_kp, t.s, t.row);
+    memset(out, 0, (size_t)(N * H) * sizeof(float));
+    for (int64_t e = 0, r0 = 0; e < M->E; r0 += load[e], e++) {
+        if (!load[e]) continue;
+        gemm(t.u + r0 * M->dn_kp, M->dn_kp, NULL, load[e], M->dn_pack + e * M->dn_np * M->dn_kp,
+             M->dn_sum + e * M->dn_np, M->dn_np, M->dn_kp, t.c);
+        const float *ws = M->dn_scale + e * H;
+        for (int64_t r = 0; r < load[e]; r++) {
+            int64_t slot = order[r0 + r];
+            float w = weights[slot], s = t.s[r0 + r], *o = out + (slot / top_k) * H;
+            const int32_t *cr = t.c + r * M->dn_np;
+            for (int64_t j = 0; j < H; j++) {
+                float v = epi_dynamic(M->epilogue, cr[j], s, ws[j]);
+                if (dt == DT_BF16) v = bf16_to_float(float_to_bf16(v));
+                o[j] = o[j] + v * w;
+            }
+        }
+    }
+    free(t.c);
+    return 0;
+}
