@@ -24,7 +24,7 @@ from pipeline.io.safetensors_io import read_header
 from tiny import FIXTURES, TINY_FIXTURE, fail_quantize_layer
 
 OPTS = QuantizeOptions(calib_path=str(FIXTURES / "calib.json"), shard_bytes=400_000)  # ~4 shards + index
-TIMING_KEYS = ("calibration_s", "quantize_write_s", "total_s")
+TIMING_KEYS = ("calibration_s", "quantize_write_s", "total_s", "rchar")  # rchar: the process's reads (S3: sockets)
 
 
 def quiet(_msg: str) -> None:

@@ -41,7 +41,7 @@ _ERRORS = {1: "out of memory", 2: "bad sizes"}
 #: C call does the rest: the C logits read W once per 16 rows; measured (load ~5) at 256 x 7168 the C
 #: logits win up to 16 rows, torch's from 32. The lm_head likewise: above HEAD_C_ROWS rows (a full-sequence
 #: forward) F.linear over the widened weight (the same products; a blocked GEMM).
-ROUTER_C_ROWS, HEAD_C_ROWS = 16, 128
+ROUTER_C_ROWS, HEAD_C_ROWS = 0, 128
 log = logging.getLogger("dsquant.kernels")
 
 

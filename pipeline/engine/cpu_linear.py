@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 
 from pipeline.cbuild import EXACT_FLAGS, NativeLibrary
+from pipeline.format.description import W8A8
 
 SOURCE = Path(__file__).with_name("csrc") / "int8_linear_cpu.c"
 #: With several torch threads, ``kernel="auto"`` uses the C kernel for at most max_rows(k, n) rows
@@ -150,8 +151,6 @@ class Packed:
     """A linear's packed weight and float32 scales and the ``LinearParams`` pointing at them."""
 
     def __init__(self, mod):
-        from pipeline.engine.qlinear import W8A8StaticLinear, _bits_to_float32
-
         self.weight = mod._buffers["weight"]          # held: its identity and version are the key
         self.version = self.weight._version
         n, k = mod.out_features, mod.in_features
@@ -160,12 +159,12 @@ class Packed:
                            epilogue=EPILOGUES[mod.epilogue])
         prm.np, prm.kp = padded(n, k)
         self.keep: list[torch.Tensor] = []
-        if isinstance(mod, W8A8StaticLinear):
+        if mod.kind == W8A8:                           # qlinear.W8A8StaticLinear (not imported: it imports us)
             prm.kind = STATIC
             prm.in_scale = float(mod.input_scale.float().reshape(()))
             prm.in_offset = float(mod.input_offset.float().reshape(()))
             prm.quant_bias = self._hold(mod.quant_bias.to(torch.int32))
-            prm.deq = self._hold(_bits_to_float32(mod.deq_scale).float())
+            prm.deq = self._hold(mod.deq_float32().float())
         else:
             prm.kind = DYNAMIC
             prm.wscale = self._hold(mod.weight_scale.float().reshape(-1))

@@ -333,6 +333,10 @@ class W8A8StaticLinear(Int8Linear):
         y = self.finish(self._acc(self.quantize_input(x2)))
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
+    def deq_float32(self) -> Tensor:
+        """deq_scale as float32 values (either stored form: :func:`decode_deq_scale`'s reading)."""
+        return _bits_to_float32(self.deq_scale)
+
     def quantize_input(self, x2: Tensor) -> Tensor:
         """The int8 activations [m, k] of float rows ``x2`` (elementwise: a slice of the columns quantizes
         to the same slice of the int8 row)."""

@@ -106,23 +106,29 @@ class NativeLibrary:
         self._state["path"] = str(lib)
         return dll
 
+    def _off(self) -> Optional[str]:
+        """The switch variable that turns this library off now (read on every call), or None."""
+        return next((v for v in ("DSQUANT_NATIVE", self.switch) if v and os.environ.get(v, "1") == "0"), None)
+
     def library(self) -> Optional[ctypes.CDLL]:
-        """The compiled library, or None (the reason in :meth:`status`); built once per process."""
+        """The compiled library, or None (the reason in :meth:`status`); built once per process. The switch
+        variables are read on every call, so turning one off later (a test, a user) takes effect."""
+        if self._off():
+            return None
         with self._lock:
             if "lib" not in self._state:
-                off = [v for v in ("DSQUANT_NATIVE", self.switch) if v and os.environ.get(v, "1") == "0"]
-                if off:
-                    self._state["lib"], self._state["why"] = None, f"disabled by {off[0]}=0"
-                else:
-                    try:
-                        self._state["lib"] = self._build()
-                    except OSError as e:
-                        self._state["lib"], self._state["why"] = None, str(e)
-                        warnings.warn(f"{self.what} unavailable, using torch ops: {e}")
+                try:
+                    self._state["lib"] = self._build()
+                except OSError as e:
+                    self._state["lib"], self._state["why"] = None, str(e)
+                    warnings.warn(f"{self.what} unavailable, using torch ops: {e}")
             return self._state["lib"]  # type: ignore[return-value]
 
     def status(self) -> str:
         """``native (<path>)`` or ``torch ops (<why>)``, for logs, metrics and benchmark records."""
+        off = self._off()
+        if off:
+            return f"torch ops (disabled by {off}=0)"
         return f"native ({self._state['path']})" if self.library() is not None else f"torch ops ({self._state['why']})"
 
     def reset(self) -> None:
