@@ -115,6 +115,9 @@ class NativeLibrary:
         variables are read on every call, so turning one off later (a test, a user) takes effect."""
         if self._off():
             return None
+        built = self._state.get("lib", self)      # built (or failed) already: no lock on the hot path
+        if built is not self:
+            return built  # type: ignore[return-value]
         with self._lock:
             if "lib" not in self._state:
                 try:
