@@ -67,6 +67,10 @@ class ServeConfig:
     # no interpreter lock shared with HTTP and streaming); False: on a thread of the replica (a sharded
     # replica always does: its ranks are Ray actors of the replica)
     engine_process: bool = True
+    # each ingress replica builds its own engine (an LLMServer in its process: no Ray hop per token between
+    # the engine and the HTTP stream); None: when the llm replica is one process and there are as many
+    # ingress replicas as llm replicas. False: a separate LLMServer deployment behind the ingress.
+    engine_in_ingress: Optional[bool] = None
     host: str = "127.0.0.1"
     port: int = 8000
     app_name: str = "dsquant"
@@ -96,6 +100,14 @@ class ServeConfig:
             raise ValueError(f"moe_combine must be 'reduce' or 'exact', got {self.moe_combine!r}")
         if not isinstance(self.engine_process, bool):
             raise ValueError(f"engine_process must be true or false, got {self.engine_process!r}")
+        if self.engine_in_ingress not in (None, True, False):
+            raise ValueError(f"engine_in_ingress must be true, false or null, got {self.engine_in_ingress!r}")
+        if self.engine_in_ingress and not self.parallel_of("llm").single:
+            raise ValueError("engine_in_ingress: a sharded llm replica (parallel "
+                             f"{self.parallel_of('llm').describe()}) runs as a deployment of its own")
+        if self.engine_in_ingress and self.ingress.num_replicas != self.llm.num_replicas:
+            raise ValueError(f"engine_in_ingress: each ingress replica owns one engine, so ingress.num_replicas "
+                             f"({self.ingress.num_replicas}) must equal llm.num_replicas ({self.llm.num_replicas})")
         for f in ("prefill_timeout_s", "body_timeout_s"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"{f} must be > 0, got {getattr(self, f)!r}")
@@ -105,6 +117,24 @@ class ServeConfig:
         if deployment == "prefill" and self.prefill_parallel is not None:
             return ParallelConfig(**self.prefill_parallel)
         return ParallelConfig(**self.parallel)
+
+    @property
+    def fused(self) -> bool:
+        """Whether each ingress replica owns its engine (``engine_in_ingress``, None resolved)."""
+        if self.engine_in_ingress is not None:
+            return self.engine_in_ingress
+        return self.parallel_of("llm").single and self.ingress.num_replicas == self.llm.num_replicas
+
+    def fused_ingress(self) -> DeploymentOptions:
+        """The ingress deployment's options when it owns the engine: llm's replicas, the CPUs (and other
+        resources) of both."""
+        opts = dict(self.llm.ray_actor_options)
+        for k, v in self.ingress.ray_actor_options.items():
+            if k in ("num_cpus", "num_gpus", "memory") and isinstance(v, (int, float)):
+                opts[k] = opts.get(k, 0) + v
+            else:
+                opts.setdefault(k, v)
+        return DeploymentOptions(self.llm.num_replicas, opts)
 
     @property
     def model_name(self) -> str:
@@ -160,7 +190,7 @@ class ServeConfig:
 
     def deployments(self) -> dict[str, DeploymentOptions]:
         """The deployments this config starts, by option name (``llm``, ``ingress``, ``prefill``)."""
-        out = {"llm": self.llm, "ingress": self.ingress}
+        out = {"llm": self.fused_ingress()} if self.fused else {"llm": self.llm, "ingress": self.ingress}
         if self.mode == "disaggregated":
             out["prefill"] = self.prefill
         return out

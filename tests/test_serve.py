@@ -40,9 +40,10 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, qdir):
-    """Serve on a free port with three apps: ``main`` (colocated, no key, 32 in flight) at /, ``keyed`` (API
-    key, 2 in flight) at /keyed, ``disagg`` (prefill and decode deployments apart) at /disagg. Yields the
-    base URL."""
+    """Serve on a free port with these apps: ``main`` (colocated, no key, 32 in flight; the ingress replica
+    owns the engine) at /, ``keyed`` (API key, 2 in flight) at /keyed, ``disagg`` (prefill and decode
+    deployments apart) at /disagg, ``slowprefill`` (its prefill always too late), ``split`` (main with the
+    engine in an LLMServer deployment behind the ingress) at /split. Yields the base URL."""
     from ray import serve
 
     from actors.serve_app import DeploymentOptions, ServeConfig, build_app
@@ -62,6 +63,8 @@ def server(ray_cluster, qdir):
         serve.run(build_app(disagg), name="disagg", route_prefix="/disagg")
         slow = dataclasses.replace(disagg, prefill_timeout_s=0.001, prefill=small, llm=small)  # prefill always late
         serve.run(build_app(slow), name="slowprefill", route_prefix="/slowprefill")
+        split = dataclasses.replace(main, engine_in_ingress=False, llm=small)  # an LLMServer deployment apart
+        serve.run(build_app(split), name="split", route_prefix="/split")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -169,6 +172,28 @@ def test_disaggregated_answers_equal_colocated(server, reference):
     stats = metrics(server, "/disagg")
     assert stats["dsquant_engine_kv_handoffs_total"] >= 3 and stats["dsquant_engine_kv_handoff_bytes_total"] > 0
     assert stats["dsquant_engine_cache_blocks_used"] == 0
+
+
+def test_split_engine_deployment_answers_equal_and_frees_blocks_on_disconnect(server, reference):
+    """engine_in_ingress false: the engine is an LLMServer deployment and every event crosses a Serve
+    streaming call. Same greedy text as the in-ingress engine, streamed or not; a client that goes away
+    mid-stream aborts its sequence there too."""
+    text, n, _ = reference["chat"]
+    msgs = [{"role": "user", "content": QUESTION}]
+    c = client(server, "/split")
+    assert c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=MAX_TOKENS,
+                                     temperature=0).choices[0].message.content == text
+    chunks = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    aborted0 = wait_metric(server, "dsquant_engine_running", 0, "/split")["dsquant_engine_aborted_total"]
+    stream = c.completions.create(model=MODEL, prompt=RAW, max_tokens=900, temperature=0, stream=True)
+    it = iter(stream)
+    for _ in range(3):
+        next(it)
+    stream.close()
+    m = wait_metric(server, "dsquant_engine_aborted_total", aborted0 + 1, "/split", timeout=15)
+    assert m["dsquant_engine_aborted_total"] == aborted0 + 1
+    assert (m["dsquant_engine_running"], m["dsquant_engine_cache_blocks_used"]) == (0, 0)
 
 
 def test_prefill_timeout_is_503_for_the_request(server):
@@ -427,13 +452,14 @@ def test_config_file_json_and_yaml(tmp_path):
 
 
 def test_a_killed_decode_replica_is_replaced_and_the_service_keeps_answering(server, reference):
-    """Kill the engine replica of the main app (as a crash would): Serve starts a new one, and requests
-    answer again, with the same greedy text. (Last in the module: it disturbs the main app.)"""
+    """Kill the replica that holds the main app's engine (as a crash would; by default the ingress replica
+    owns it, engine_in_ingress): Serve starts a new one, and requests answer again, with the same greedy
+    text. (Last in the module: it disturbs the main app.)"""
     import ray
 
     def replicas() -> list[str]:
         return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                      if a["namespace"] == "serve" and "main#LLMServer" in a["name"])
+                      if a["namespace"] == "serve" and "main#OpenAIIngress" in a["name"])
 
     before = replicas()
     assert len(before) == 1, before

@@ -242,6 +242,10 @@ def test_default_deployments_fit_a_two_cpu_machine_and_too_much_is_refused():
     check_fits(ServeConfig("/m"), 1.0, [1.0])
     with pytest.raises(ValueError, match=r"^the disaggregated app needs 2\.5 CPUs \(llm 1 x 1, ingress 1 x 0\.5, "
                                          r"prefill 1 x 1\) but the Ray cluster has 2: lower num_cpus"):
+        check_fits(ServeConfig("/m", mode="disaggregated", ingress=DeploymentOptions(1, {"num_cpus": 0.5}),
+                               engine_in_ingress=False), 2.0, [2.0])
+    with pytest.raises(ValueError, match=r"^the disaggregated app needs 2\.5 CPUs \(llm 1 x 1\.5, prefill 1 x 1\) "
+                                         r"but the Ray cluster has 2"):   # the ingress replica owns the engine
         check_fits(ServeConfig("/m", mode="disaggregated", ingress=DeploymentOptions(1, {"num_cpus": 0.5})),
                    2.0, [2.0])
     with pytest.raises(ValueError, match=r"^prefill\.ray_actor_options\.num_cpus is 3 but the largest Ray node "

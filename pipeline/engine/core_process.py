@@ -24,7 +24,7 @@ import threading
 import traceback
 from typing import Any, Callable, Optional
 
-from pipeline.engine.engine_loop import EngineDead, Sink, TokenEvent, deliver
+from pipeline.engine.engine_loop import EngineDead, Sink, TokenEvent, deliver, deliver_all
 
 START_TIMEOUT_S = 600.0      # building the engine (loading the checkpoint) may take this long
 
@@ -190,13 +190,15 @@ class EngineCoreClient:
                 continue
             _, events, snapshot = msg
             self.snapshot = snapshot
-            for key, ev in events:
-                with self._sinks_lock:
+            pairs = []
+            with self._sinks_lock:
+                for key, ev in events:
                     sink = self._sinks.get(key)
-                    if sink is not None and _terminal(ev):
-                        del self._sinks[key]
-                if sink is not None:
-                    deliver(sink, ev)
+                    if sink is not None:
+                        pairs.append((sink, ev))
+                        if _terminal(ev):
+                            del self._sinks[key]
+            deliver_all(pairs)      # one wake-up per event loop for the whole step
             if not snapshot.get("alive", True):
                 self._die(EngineDead(f"the engine loop stopped in the engine core process (pid {self.pid})"))
         self.proc.join(1.0)

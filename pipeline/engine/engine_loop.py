@@ -241,3 +241,26 @@ def deliver(sink: Sink, item) -> None:
         pass
 
 
+
+
+def deliver_all(pairs) -> None:
+    """Give each ``(sink, item)`` of one step its item. Sinks bound to an event loop (a ``loop`` attribute
+    and an in-loop ``put(item)``, as actors/llm_server.LoopSink) get theirs in ONE call per loop (one
+    wake-up of the loop per step, not per request); the others are called one by one."""
+    by_loop: dict = {}
+    for sink, item in pairs:
+        loop = getattr(sink, "loop", None)
+        if loop is None:
+            deliver(sink, item)
+        else:
+            by_loop.setdefault(loop, []).append((sink.put, item))
+    for loop, puts in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_each, puts)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
+            pass
+
+
+def _put_each(puts) -> None:
+    for put, item in puts:
+        put(item)
