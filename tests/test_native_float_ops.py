@@ -1,16 +1,21 @@
-"""pipeline.engine.cpu_float: the C lm_head GEMV from bf16 weights, RMSNorm and the MoE router against their
-torch modules (random shapes, and the embedded model's real weights and activations), the plain C build,
-the swaps the loader makes, the fallbacks, and the engine's greedy tokens with and without them."""
+"""pipeline.engine.cpu_float: the C float linears (lm_head and the float model's others) from bf16 weights,
+RMSNorm and the MoE router against their torch modules (random shapes, and the embedded model's real
+weights and activations), a linear row's result independent of the other rows of the call, the plain C
+build, the swaps the loader makes (a quantized model's float parts but the heads untouched), the
+fallbacks, and the engine's greedy tokens with and without them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pipeline.cbuild import NativeLibrary
 from pipeline.engine import cpu_float
-from pipeline.engine.cpu_float import NativeHeadLinear, NativeRMSNorm, NativeRouter, use_native_float_ops
+from pipeline.engine.cpu_float import (LINEAR_C_ROWS, NativeHeadLinear, NativeLinear, NativeRMSNorm, NativeRouter,
+                                       use_native_float_ops)
+from pipeline.engine.cpu_float_ffn import NativeFloatMLP, NativeFloatMoE
 from pipeline.engine.engine import LLMEngine
 from pipeline.engine.kernels import dispatch
 from pipeline.engine.loader import load_model, load_quantized
@@ -18,8 +23,8 @@ from pipeline.engine.sampling import SamplingParams
 from pipeline.model.ffn import Router
 from pipeline.model.norm import RMSNorm
 
-# lm_head: the same float32 products (bf16 widened exactly), summed in another order (16 lanes, FMA):
-# measured max |diff| <= 1.2e-6 at max |logit| ~3 (k <= 300).
+# Linears: the same float32 products (bf16 widened exactly), summed in another order (one FMA chain per
+# output): measured max |diff| <= 7e-7 of max |ref| (k <= 768; 1.2e-6 absolute at max |logit| ~3).
 HEAD_RTOL = 1e-5                    # of max |ref| (logits of size ~10: ~1e-4 absolute)
 # RMSNorm, float32 out: the sum of squares in another order moves 1/sqrt by ~1 ulp: elementwise 1e-6 relative.
 NORM_RTOL, NORM_ATOL = 1e-6, 1e-7
@@ -50,38 +55,67 @@ def _head_close(got, ref):
 
 @needs_native
 @pytest.mark.parametrize("m,k,n", [(1, 256, 4096), (2, 37, 9), (5, 256, 13), (9, 300, 70), (4, 16, 4), (0, 8, 3),
-                                   (130, 64, 33)])          # > HEAD_C_ROWS: F.linear over the widened weight
-def test_head_linear_equals_torch(m, k, n):
+                                   (3, 1, 17), (16, 768, 256), (7, 129, 130),
+                                   (LINEAR_C_ROWS + 3, 64, 33)])   # > LINEAR_C_ROWS: F.linear itself
+def test_linear_equals_torch(m, k, n):
     lin = _head(n, k)
-    head = NativeHeadLinear(lin)
-    assert head.weight_bits.dtype == torch.int16 and not list(head.parameters())     # bf16 bits only
-    assert torch.equal(head.weight, lin.weight) and head.weight.dtype == torch.float32
+    nat = NativeLinear(lin)
+    assert NativeHeadLinear is NativeLinear and isinstance(nat, nn.Linear)
+    assert nat.weight is lin.weight and list(nat.state_dict()) == ["weight"]         # the same parameter
+    assert nat.packed().dtype == torch.int32 and nat.packed().numel() == -(-n // 16) * 16 * -(-k // 2)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)) * 2
     with torch.no_grad():
-        _head_close(head(x), lin(x))
+        _head_close(nat(x), lin(x))
         wide = torch.randn(1, m, k + 5) * 2                    # evenly spaced rows, no copy; 3-D input
-        _head_close(head(wide[..., 3:3 + k]), lin(wide[..., 3:3 + k]))
+        _head_close(nat(wide[..., 3:3 + k]), lin(wide[..., 3:3 + k]))
+        if m > LINEAR_C_ROWS:
+            assert torch.equal(nat(x), lin(x))
 
 
 @needs_native
-def test_head_linear_state_dict_fallbacks_and_refusals():
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    """Bit for bit: each row alone, the rows in another order, and inside a larger call (a prefix-cache hit's
+    entries against recomputed ones, decode rows against prefill rows)."""
+    lin = NativeLinear(_head(70, 300, seed=7))
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(LINEAR_C_ROWS, 300, generator=g)
+    with torch.no_grad():
+        full = lin(x)
+        alone = torch.cat([lin(x[i:i + 1]) for i in range(0, LINEAR_C_ROWS, 37)])
+        assert torch.equal(alone, full[::37])
+        perm = torch.randperm(LINEAR_C_ROWS, generator=g)
+        assert torch.equal(lin(x[perm]), full[perm])
+        for m in (1, 2, 3, 5, 6, 7):
+            assert torch.equal(lin(x[3:3 + m]), full[3:3 + m]), m
+
+
+@needs_native
+def test_linear_state_dict_edits_fallbacks_and_refusals():
     lin = _head(40, 24)
-    head = NativeHeadLinear(lin)
-    sd = head.state_dict()
+    nat = NativeLinear(lin)
+    sd = nat.state_dict()
     assert list(sd) == ["weight"] and torch.equal(sd["weight"], lin.weight)
     other = _head(40, 24, seed=5)
-    head.load_state_dict(other.state_dict())
+    nat.load_state_dict(other.state_dict())                              # in place: re-packed on next use
     x = torch.randn(3, 24)
     with torch.no_grad():
-        _head_close(head(x), other(x))
+        _head_close(nat(x), other(x))
+        nat.weight.mul_(2)                                               # an in-place edit: re-packed too
+        _head_close(nat(x), other(x) * 2)
         with pytest.raises(RuntimeError, match="dtype"):                 # not float32: F.linear, as nn.Linear
-            head(x.double())
-    with pytest.raises(RuntimeError, match="weight"):
-        head.load_state_dict({"weight": torch.randn(40, 24)})            # not bf16 values
-    with pytest.raises(ValueError, match="weight"):
-        NativeHeadLinear(nn.Linear(24, 40, bias=False))                   # random float32: not bf16 values
+            nat(x.double())
+        nat.load_state_dict({"weight": torch.randn(40, 24)})             # not bf16 values: F.linear
+        assert nat.packed() is None and torch.equal(nat(x), F.linear(x, nat.weight))
+    with pytest.raises(ValueError, match="weight: float32 values that are not bf16"):
+        NativeLinear(nn.Linear(24, 40, bias=False))                       # random float32: not bf16 values
     with pytest.raises(ValueError, match="bias"):
-        NativeHeadLinear(nn.Linear(24, 40))
+        NativeLinear(nn.Linear(24, 40))
+    with pytest.raises(ValueError, match="float32"):
+        NativeLinear(nn.Linear(24, 40, bias=False).bfloat16())
+    xg = torch.randn(2, 24, requires_grad=True)                          # autograd: F.linear, gradients flow
+    lin2 = NativeLinear(_head(8, 24))
+    lin2(xg).sum().backward()
+    assert torch.allclose(xg.grad, lin2.weight.sum(0).expand(2, 24))
 
 
 @needs_native
@@ -164,20 +198,24 @@ def test_plain_c_build_agrees(monkeypatch):
     plain = NativeLibrary(cpu_float.CSRC / "float_ops_cpu.c", cpu_float._declare, ("-O2", "-shared", "-fPIC"),
                           what="plain C float ops")
     assert plain.library() is not None, plain.status()
-    lin, norm, r = _head(70, 300), RMSNorm(72, 1e-6), _router(_Cfg(16, 256, 4, 2, 4))
+    lin, norm, r = _head(70, 301), RMSNorm(72, 1e-6), _router(_Cfg(16, 256, 4, 2, 4))
     norm.weight.data = torch.randn(72)
-    x, xn, xr = torch.randn(5, 300), torch.randn(3, 72), torch.randn(6, 256)
+    x, xn, xr = torch.randn(5, 301), torch.randn(3, 72), torch.randn(6, 256)
     with torch.no_grad():
         ref = lin(x), norm(xn), r(xr)
         monkeypatch.setattr(cpu_float, "_LIB", plain)
-        _head_close(NativeHeadLinear(lin)(x), ref[0])
+        _head_close(NativeLinear(lin)(x), ref[0])
         _norm_close(NativeRMSNorm(norm)(xn), ref[1])
         _router_close(NativeRouter(r)(xr), ref[2])
 
 
+KINDS = (("linear", NativeLinear), ("rms_norm", NativeRMSNorm), ("router", NativeRouter), ("moe", NativeFloatMoE),
+         ("mlp", NativeFloatMLP))
+NONE = {k: 0 for k, _ in KINDS}
+
+
 def _kinds(model) -> dict[str, int]:
-    return {k: sum(type(m) is t for m in model.modules())
-            for k, t in (("lm_head", NativeHeadLinear), ("rms_norm", NativeRMSNorm), ("router", NativeRouter))}
+    return {k: sum(type(m) is t for m in model.modules()) for k, t in KINDS}
 
 
 @pytest.fixture(scope="module")
@@ -233,33 +271,47 @@ def test_kernels_on_the_embedded_models_weights_and_activations(real):
 
 @needs_native
 def test_the_loader_swaps_them_where_native(qdir, monkeypatch):
+    """A quantized model: the two heads, the norms and routers only (its kv_b_proj and float MTP layer stay
+    torch); the float model: also every other bias-free linear, its MoEs and dense MLP."""
+    from pipeline.model.ffn import MoE
+
     monkeypatch.setenv(dispatch.ENV, "native")
     model = load_quantized(qdir).model
     kinds = _kinds(model)
-    assert kinds == {"lm_head": 2, "rms_norm": kinds["rms_norm"], "router": 3} and kinds["rms_norm"] >= 13
+    assert kinds == {**NONE, "linear": 2, "rms_norm": kinds["rms_norm"], "router": 3} and kinds["rms_norm"] >= 13
+    assert type(model.lm_head) is NativeLinear and type(model.model.layers[3].shared_head.head) is NativeLinear
+    assert type(model.model.layers[3].mlp) is MoE and type(model.model.layers[0].self_attn.kv_b_proj) is nn.Linear
     assert not any(type(m) in (RMSNorm, Router) for m in model.modules())
     assert model.lm_head.weight.dtype == torch.float32                 # what reference.py builds its cache from
     from pipeline.assets import EMBEDDED_MODEL_DIR
 
     f32 = load_model(EMBEDDED_MODEL_DIR).model                         # load_float: the float model
-    assert _kinds(f32) == kinds
-    bf = load_model(EMBEDDED_MODEL_DIR, dtype="bfloat16").model        # bf16 head: stays nn.Linear
-    assert type(bf.lm_head) is nn.Linear and _kinds(bf)["rms_norm"] == kinds["rms_norm"]
+    # 5 attention linears x 4 layers, eh_proj, 2 heads; layers 1, 2, 3 MoE; layer 0's MLP
+    assert _kinds(f32) == {**kinds, "linear": 23, "moe": 3, "mlp": 1}
+    monkeypatch.setenv(dispatch.ENV, "torch")
+    ref = load_model(EMBEDDED_MODEL_DIR).model.state_dict()            # the torch modules' state dict
+    got = f32.state_dict()
+    assert list(got) == list(ref) and all(torch.equal(got[n], ref[n]) and got[n].dtype == ref[n].dtype for n in ref)
+    assert all(isinstance(f32.get_submodule(n[:-len(".weight")]), nn.Linear)
+               for n, w in f32.named_parameters() if w.dim() == 2 and "embed_tokens" not in n and ".gate." not in n)
+    monkeypatch.setenv(dispatch.ENV, "native")
+    bf = load_model(EMBEDDED_MODEL_DIR, dtype="bfloat16").model        # bf16: linears, MoE, MLP stay torch
+    assert type(bf.lm_head) is nn.Linear and _kinds(bf) == {**NONE, "rms_norm": kinds["rms_norm"], "router": 3}
 
 
 def test_torch_fallbacks(qdir, monkeypatch):
     """DSQUANT_KERNELS=torch: nothing swapped; DSQUANT_NATIVE_FLOAT=0: no library, nothing swapped, the
     other native kernels stay; an input the C code does not take runs the torch formula."""
     monkeypatch.setenv(dispatch.ENV, "torch")
-    assert _kinds(load_quantized(qdir).model) == {"lm_head": 0, "rms_norm": 0, "router": 0}
+    assert _kinds(load_quantized(qdir).model) == NONE
     monkeypatch.delenv(dispatch.ENV)
     monkeypatch.setenv(cpu_float.SWITCH, "0")
     cpu_float.reset()
     try:
         assert cpu_float.library() is None and "DSQUANT_NATIVE_FLOAT=0" in cpu_float.status()
         model = load_quantized(qdir).model
-        assert _kinds(model) == {"lm_head": 0, "rms_norm": 0, "router": 0}
-        assert use_native_float_ops(model) == {"lm_head": 0, "rms_norm": 0, "router": 0}
+        assert _kinds(model) == NONE
+        assert set(use_native_float_ops(model).values()) == {0}
         assert dispatch.backend("cpu") == dispatch.NATIVE                # the other C kernels stay on
     finally:
         monkeypatch.delenv(cpu_float.SWITCH)
@@ -278,7 +330,7 @@ def _greedy(qdir, tok, monkeypatch, native_float: bool):
     cpu_float.reset()
     try:
         eng = LLMEngine.from_dir(qdir, tokenizer=tok, num_blocks=64, block_size=16, nz=True, mtp=True)
-        assert _kinds(eng.loaded.model)["lm_head"] == (2 if native_float else 0)
+        assert _kinds(eng.loaded.model)["linear"] == (2 if native_float else 0)
         prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
         return eng.generate(prompts, SamplingParams(max_new_tokens=16))
     finally:

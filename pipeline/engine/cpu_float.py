@@ -1,13 +1,19 @@
 """The engine's float work besides attention and the int8 linears as C kernels on the CPU
 (csrc/float_ops_cpu.c), swapped in by :func:`use_native_float_ops` where the kernels backend is ``native``:
 
-- :class:`NativeHeadLinear` for the lm_head (and the MTP layer's ``shared_head.head``): a bias-free float32
-  ``nn.Linear`` whose weight is exactly a bf16 tensor widened (the checkpoint's bf16 values; checked) keeps
-  only the bf16 bits (half the bytes: the decode GEMV is memory-bound) and computes ``x @ W.T`` in float32
-  from them: the bf16 -> float32 shift is exact, so the products are the float32 model's; only the sum's
-  order differs from torch's GEMM (logits agree within float32 rounding of that order).
+- :class:`NativeLinear` (alias ``NativeHeadLinear``) for the lm_head (and the MTP layer's ``shared_head.head``)
+  of any model, and for every other bias-free float linear of a float model (the attention projections,
+  kv_b_proj, o_proj, the MTP layer's eh_proj; not a quantized model's float parts; a dense MLP's and a
+  MoE's linears run inside cpu_float_ffn's C calls): a float32 ``nn.Linear``
+  whose weight is exactly a bf16 tensor widened (the checkpoint's bf16 values; checked) keeps that weight
+  and its bf16 bits packed (half the bytes read per decode GEMV) and computes ``x @ W.T`` in float32 from
+  them for up to LINEAR_C_ROWS rows: the bf16 -> float32 shift is exact, so the products are the float32
+  model's; only the sum's order differs from torch's GEMM (outputs agree within float32 rounding of that
+  order; a row's result never depends on the other rows of the call).
 - :class:`NativeRMSNorm` for every ``RMSNorm``: one C call, the same formula and casts (x and weight float32
   or bf16); the sum of squares in another order.
+- :class:`pipeline.engine.cpu_float_ffn.NativeFloatMoE` for every MoE of a float model (its routed and
+  shared experts in one C call) and ``NativeFloatMLP`` for its dense MLPs (see there).
 - :class:`NativeRouter` for every MoE's ``gate``: ``Router.forward``'s weights and expert ids in one call
   (the expert order is torch.topk's, descending biased score; ties, which torch leaves unspecified, go to
   the lower index). The logits' order of summation and C's ``expf`` can move a score by an ulp. (For
@@ -30,7 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.cbuild import EXACT_FLAGS, NativeLibrary
-from pipeline.model.ffn import Router
+from pipeline.engine import cpu_float_ffn
+from pipeline.engine.bf16_pack import bf16_representable, pack_bf16
+from pipeline.model.ffn import MLP, MoE, Router
 from pipeline.model.norm import RMSNorm
 
 CSRC = Path(__file__).with_name("csrc")
@@ -39,23 +47,28 @@ _DT = {torch.bfloat16: 1, torch.float32: 3}   # csrc/dtypes.h
 _ERRORS = {1: "out of memory", 2: "bad sizes"}
 #: Above this many rows the router's logits come from torch's GEMM (F.linear, as Router.forward) and the
 #: C call does the rest: the C logits read W once per 16 rows; measured (load ~5) at 256 x 7168 the C
-#: logits win up to 16 rows, torch's from 32. The lm_head likewise: above HEAD_C_ROWS rows (a full-sequence
-#: forward) F.linear over the widened weight (the same products; a blocked GEMM).
-ROUTER_C_ROWS, HEAD_C_ROWS = 0, 128
+#: logits win up to 16 rows, torch's from 32. The linears: above LINEAR_C_ROWS rows F.linear over the
+#: float32 weight (the same products; MKL's blocked GEMM). Measured on the embedded model's shapes (one
+#: torch thread, load 1.2-2.3; C / MKL us): 576 x 256 at 16 rows 53 / 69, 128: 387 / 478, 256: 794 / 964,
+#: 512: 1512 / 1866, 1024: 5211 / 4493; lm_head 4096 x 256 at 256 rows 5372 / 6583; 256 x 768 at 256
+#: rows 1025 / 1276: the C kernel is no slower up to 512 rows. 256 is the engine's default
+#: max_batched_tokens, so every step's rows take the C path (a row's result then never depends on the
+#: step it was computed in: prefill and decode, prefix-cache hits and recomputed entries agree).
+ROUTER_C_ROWS, LINEAR_C_ROWS = 0, 256
 log = logging.getLogger("dsquant.kernels")
 
 
 def _declare(dll: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    dll.bf16_gemv.argtypes = [p, i64, i64, i64, p, i64, p]
+    dll.bf16_linear.argtypes = [p, i64, i64, i64, p, i64, p]
     dll.rms_norm.argtypes = [p, i32, i64, i64, i64, p, i32, f32, p, i32]
     dll.moe_router.argtypes = [p, i32, i64, i64, i64, p, i32, i64, p, i64, i64, i64, i32, f32, p, p, p]
-    for f in (dll.bf16_gemv, dll.rms_norm, dll.moe_router):
+    for f in (dll.bf16_linear, dll.rms_norm, dll.moe_router):
         f.restype = i32
 
 
 _LIB = NativeLibrary(CSRC / "float_ops_cpu.c", _declare, EXACT_FLAGS, switch=SWITCH,
-                     what="native lm_head / RMSNorm / router (torch ops give the same within float32 rounding)")
+                     what="native float linears / RMSNorm / router (torch ops give the same within float32 rounding)")
 
 
 def library() -> Optional[ctypes.CDLL]:
@@ -106,63 +119,61 @@ def _autograd(*ts: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
-def bf16_representable(w: torch.Tensor) -> bool:
-    """Whether a float32 tensor holds bf16 values only (widening its bf16 rounding gives it back)."""
-    return w.dtype == torch.float32 and torch.equal(w.to(torch.bfloat16).float(), w)
-
-
-class NativeHeadLinear(nn.Module):
-    """Drop-in for a bias-free ``nn.Linear`` with a bf16-representable float32 weight [n, k], holding its
-    bf16 bits only (``weight_bits``, int16: ``.to(dtype)`` leaves it alone). ``weight`` widens them on
-    access (float32, exact; the state dict keeps the ``weight`` key). forward: float32 x [..., k] on the CPU
-    -> x @ W.T in C (float32 accumulation); anything else: F.linear with the widened weight."""
+class NativeLinear(nn.Linear):
+    """Drop-in for a bias-free ``nn.Linear`` with a float32 weight [n, k] of bf16 values: the same
+    ``weight`` parameter (same state dict), plus its bf16 bits packed for the C GEMM (bf16_pack: half the
+    bytes; re-packed when the weight changes, in place or replaced). forward: float32 x [..., k] on the CPU
+    with at most LINEAR_C_ROWS rows -> x @ W.T in C (float32 accumulation, csrc/bf16_gemm.h); anything else
+    (more rows, another dtype or device, autograd, torch.compile tracing, a weight no longer of bf16
+    values) -> F.linear with the float32 weight, nn.Linear's own op."""
 
     def __init__(self, linear: nn.Linear):
-        super().__init__()
+        nn.Module.__init__(self)
         w = linear.weight
-        if linear.bias is not None or w.dim() != 2 or not bf16_representable(w.detach()):
-            raise ValueError("NativeHeadLinear: a bias-free linear whose weight is float32 holding bf16 values "
-                             f"is needed (weight {w.dtype} {tuple(w.shape)}, bias {linear.bias is not None})")
+        if linear.bias is not None or w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
+            raise ValueError(f"{type(self).__name__}: a bias-free linear whose weight is float32 on the CPU is "
+                             f"needed (weight {w.dtype} {tuple(w.shape)} on {w.device}, bias {linear.bias is not None})")
         self.out_features, self.in_features = w.shape
-        self.bias = None
-        self.register_buffer("weight_bits", self._bits(w.detach()), persistent=False)
+        self.weight = w
+        self.register_parameter("bias", None)
+        self._packed = (w, w._version, pack_bf16(w, f"{type(self).__name__} weight"))   # ValueError: not bf16
 
-    @staticmethod
-    def _bits(w: torch.Tensor) -> torch.Tensor:
-        return w.to(torch.bfloat16).contiguous().view(torch.int16)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.weight_bits.view(torch.bfloat16).float()
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "weight"] = self.weight
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        w = state_dict.get(prefix + "weight")
-        if w is None:
-            missing.append(prefix + "weight")
-        elif tuple(w.shape) != tuple(self.weight_bits.shape) or not bf16_representable(w.float()):
-            errors.append(f"{prefix}weight: {tuple(w.shape)} {w.dtype}: a {tuple(self.weight_bits.shape)} weight "
-                          "of bf16 values is needed")
-        else:
-            self.weight_bits = self._bits(w.float()).to(self.weight_bits.device)
+    def packed(self) -> Optional[torch.Tensor]:
+        """The weight's packed bf16 bits, None when it holds other values (then forward is F.linear)."""
+        w = self.weight
+        src, version, bits = self._packed
+        if src is not w or version != w._version:
+            wd = w.detach()
+            ok = wd.dtype == torch.float32 and wd.device.type == "cpu" and bf16_representable(wd)
+            bits = pack_bf16(wd) if ok else None
+            self._packed = (w, w._version, bits)
+        return bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lib = _LIB.library()
-        bits = self.weight_bits
-        if lib is None or x.dtype != torch.float32 or not _cpu(x, bits) or x.shape[-1] != self.in_features \
-                or x.numel() > HEAD_C_ROWS * self.in_features:
-            return F.linear(x, self.weight)
-        x, m, ldx = _rows(x)
-        out = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
+        w, k = self.weight, self.in_features
+        if x.dtype != torch.float32 or not x.is_cpu or x.shape[-1] != k or torch.compiler.is_compiling() \
+                or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+            return F.linear(x, w)
+        if x.is_contiguous():
+            m, ldx = x.numel() // k, k
+        else:
+            x, m, ldx = _rows(x)
+        bits = self.packed() if m <= LINEAR_C_ROWS else None
+        lib = _LIB.library() if bits is not None else None
+        if lib is None:
+            return F.linear(x, w)
+        out = torch.empty(x.shape[:-1] + (self.out_features,), dtype=torch.float32)
         if m:
-            _check(lib.bf16_gemv(x.data_ptr(), m, self.in_features, ldx, bits.data_ptr(), self.out_features,
-                                 out.data_ptr()), "lm_head")
+            _check(lib.bf16_linear(x.data_ptr(), m, k, ldx, bits.data_ptr(), self.out_features, out.data_ptr()),
+                   "linear")
         return out
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias=False, weight=bf16"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias=False, C=bf16 bits"
+
+
+#: The lm_head's former name (the same module: every bias-free bf16-valued float linear).
+NativeHeadLinear = NativeLinear
 
 
 class NativeRMSNorm(RMSNorm):
@@ -231,28 +242,59 @@ def _is_head(name: str) -> bool:
     return name == "lm_head" or name.endswith("shared_head.head")
 
 
+def _quantized(model: nn.Module) -> bool:
+    from pipeline.engine.qlinear import Int8Linear
+
+    return any(isinstance(m, Int8Linear) for m in model.modules())
+
+
+def _swap(name: str, mod: nn.Module, float_model: bool) -> Optional[tuple[nn.Module, str]]:
+    """The C module for ``mod`` and its kind, or None (it stays)."""
+    try:
+        if type(mod) is nn.Linear and mod.bias is None and mod.weight.dtype == torch.float32 \
+                and (float_model or _is_head(name)):
+            return NativeLinear(mod), "lm_head" if _is_head(name) else "linear"
+        if type(mod) is RMSNorm and mod.weight.dtype in _DT:
+            return NativeRMSNorm(mod), "rms_norm"
+        if type(mod) is Router and mod.weight.dtype in _DT:
+            return NativeRouter(mod), "router"
+        if type(mod) is MoE and float_model and cpu_float_ffn.supported(mod):
+            return cpu_float_ffn.NativeFloatMoE(mod), "moe"
+        if type(mod) is MLP and float_model and cpu_float_ffn.plain_mlp(mod):
+            return cpu_float_ffn.NativeFloatMLP(mod), "mlp"
+    except ValueError as e:                     # e.g. a linear of other values than bf16's
+        log.info("%s stays torch: %s", name, e)
+    return None
+
+
 def use_native_float_ops(model: nn.Module) -> dict[str, int]:
-    """Swap the C modules into ``model`` (in place): the lm_head / MTP head when a float32 linear of bf16
-    values, every RMSNorm of a float32 or bf16 weight, every Router that fits (groups of >= 2 experts);
-    the counts per kind. Nothing when the library is not available (:func:`status` says why)."""
-    counts = {"lm_head": 0, "rms_norm": 0, "router": 0}
+    """Swap the C modules into ``model`` (in place); the counts per kind. Any model: the lm_head / MTP head
+    when a float32 linear of bf16 values, every RMSNorm of a float32 or bf16 weight, every Router that fits
+    (groups of >= 2 experts). A float model (no int8 linear) also: every MoE whose experts fit and every
+    dense MLP (cpu_float_ffn: their linears, and a MoE's shared expert, run inside the C call and stay
+    nn.Linear for the torch fallback), and every other bias-free float32 linear of bf16 values. A quantized
+    model's other float parts (kv_b_proj, the float MTP layer's linears and MoE) stay torch, as they were.
+    Nothing when the library is not available (:func:`status` says why)."""
+    counts = dict.fromkeys(("lm_head", "linear", "rms_norm", "router", "moe", "mlp"), 0)
     if _LIB.library() is None:
         return counts
-    swaps = []
+    float_model = not _quantized(model) and cpu_float_ffn.library() is not None
+    swaps, inside = [], []                       # inside: prefixes computed within a swapped C block
     for name, mod in model.named_modules():
-        if not name:
+        if not name or any(name == p or name.startswith(p + ".") for p in inside):
             continue
-        if type(mod) is nn.Linear and _is_head(name) and mod.bias is None and bf16_representable(mod.weight.detach()):
-            swaps.append((name, NativeHeadLinear(mod), "lm_head"))
-        elif type(mod) is RMSNorm and mod.weight.dtype in _DT:
-            swaps.append((name, NativeRMSNorm(mod), "rms_norm"))
-        elif type(mod) is Router and mod.weight.dtype in _DT:
-            try:
-                swaps.append((name, NativeRouter(mod), "router"))
-            except ValueError as e:
-                log.info("%s stays torch: %s", name, e)
-    for name, new, kind in swaps:
-        parent, _, child = name.rpartition(".")
+        new = _swap(name, mod, float_model)
+        if new is None:
+            continue
+        swaps.append((name, *new))
+        if new[1] == "mlp":
+            inside.append(name)
+        elif new[1] == "moe":
+            inside.append(name + ".experts")
+            if cpu_float_ffn.plain_mlp(mod.shared_experts):
+                inside.append(name + ".shared_experts")
+    for name, new, kind in swaps:                # parents first (named_modules' order): a MoE's router is
+        parent, _, child = name.rpartition(".")  # then set on the NativeFloatMoE, which holds it
         setattr(model.get_submodule(parent), child, new)
         counts[kind] += 1
     log.info("native float ops: %s", counts)

@@ -1,12 +1,13 @@
 /* The engine's float work outside the int8 linears and attention, on the CPU (pipeline.engine.cpu_float):
  *
- *   bf16_gemv   y[i, j] = sum_k x[i, k] * W[j, k]           x float32 [m, k] (row stride ldx), W bf16 [n, k]
+ *   bf16_linear y[i, j] = sum_k x[i, k] * W[j, k]           x float32 [m, k] (row stride ldx), W bf16 packed
+ *               (bf16_gemm.h: the float model's bias-free linears and its lm_head)
  *   rms_norm    y[i] = w * cast(x[i] * 1/sqrt(sum_k x[i,k]^2 / dim + eps))     (pipeline.model.norm.RMSNorm)
  *   moe_router  Router.forward (pipeline.model.ffn): sigmoid scores, grouped top-2 group scores, the best
  *               topk_group groups, the top_k experts by biased score among them, normalised weights
  *
- * bf16 -> float32 is a 16-bit shift (exact), so the lm_head's products are the float32 model's products;
- * sums accumulate in float32 (16 lanes, FMA) in another order than torch's GEMMs and reductions: results
+ * bf16 -> float32 is a 16-bit shift (exact), so the linears' products are the float32 model's products;
+ * sums accumulate in float32 (FMA) in another order than torch's GEMMs and reductions: results
  * agree within float32 rounding of the summation order, not bit for bit. The element-wise steps (the
  * normalisation's products, the bf16 rounding to nearest even, sigmoid, the weights' division) are
  * torch's operations in torch's order; built with -ffp-contract=off so no a*b+c is fused there.
@@ -21,6 +22,7 @@
 #endif
 
 #include "dtypes.h"
+#include "bf16_gemm.h"
 
 static inline float load_elem(const void *p, int dtype, int64_t i) {
     return dtype == DT_BF16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -102,9 +104,14 @@ static void gemv(const float *x, int64_t m, int64_t k, int64_t ldx, const void *
     }
 }
 
-int bf16_gemv(const float *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *w, int64_t n, float *y) {
-    if (m < 0 || n < 0 || k < 1 || ldx < k) return 2;
-    gemv(x, m, k, ldx, w, DT_BF16, n, y);
+/* y [m, n] (contiguous) = x [m, k] (rows ldx apart, float32) @ W.T, W packed (bf16_gemm.h) */
+int bf16_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const uint32_t *pack, int64_t n, float *y) {
+    if (m < 0 || n < 1 || k < 1 || ldx < k) return 2;
+    const float **xr = (const float **)malloc((size_t)(m ? m : 1) * sizeof(float *));
+    if (!xr) return 1;
+    for (int64_t i = 0; i < m; i++) xr[i] = x + i * ldx;
+    bf16_gemm(xr, m, k, pack, n, y, n);
+    free(xr);
     return 0;
 }
 
