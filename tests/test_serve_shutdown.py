@@ -17,17 +17,18 @@ import urllib.request
 
 import pytest
 
-from ray_head import free_port, kill_under, ray_tmpdir, wait_gone
+from ray_head import free_port, kill_under, processes_under, ray_tmpdir, wait_gone
 
 REPO = Path(__file__).resolve().parents[1]
 STOP_S = 5.0                       # the issue's bound, signal to exit
 START_STOP_S = 20.0                # during start-up: Ray's start is let finish first (seconds on a loaded CPU)
+HAPROXY_STOP_S = 10.0              # --http-proxy haproxy: the app's deletion also reloads HAProxy (~0.5-1 s)
 ALARMS = ("Controller failed to shut down", "killed by ray.kill", "Connecting to existing Serve app",
           "Traceback", "\x1b[")
 
 
 class Served:
-    def __init__(self, qdir: str, tmp: Path):
+    def __init__(self, qdir: str, tmp: Path, extra: tuple[str, ...] = ()):
         self.ray_tmp, self.port = ray_tmpdir(), free_port()
         self.log_path = tmp / "serve.log"
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_COLOR_PREFIX")}
@@ -36,7 +37,7 @@ class Served:
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jobs.serve", "--model-path", qdir, "--port", str(self.port),
-             "--num-blocks", "32", "--max-num-seqs", "4", "--llm-num-cpus", "0.5"],
+             "--num-blocks", "32", "--max-num-seqs", "4", "--llm-num-cpus", "0.5", *extra],
             cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)
 
@@ -104,3 +105,35 @@ def test_sigterm_during_start_up_leaves_nothing(served):
     assert served.proc.returncode == 0, log[-3000:]
     assert took < START_STOP_S, f"stopping took {took:.1f}s:\n{log[-3000:]}"
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_the_haproxy_front_door_answers_and_stops_clean(embedded_quantized, tmp_path):
+    """``--http-proxy haproxy``: Ray's HAProxy listens on the port and forwards to the ingress replica's own
+    HTTP server; a completion answers through it, and a signal stops everything, HAProxy included."""
+    s = Served(embedded_quantized, tmp_path, ("--http-proxy", "haproxy"))
+    try:
+        s.wait_for("serving ")
+        assert any("haproxy" in cmd for _, cmd in processes_under(s.ray_tmp))
+        base = f"http://127.0.0.1:{s.port}"
+        deadline, out = time.time() + 30, None
+        while out is None:      # HAProxy may still be reloading its routes
+            try:
+                with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as r:
+                    model = json.load(r)["data"][0]["id"]
+                body = json.dumps({"model": model, "prompt": "The os module", "max_tokens": 4,
+                                   "temperature": 0}).encode()
+                req = urllib.request.Request(f"{base}/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    out = json.load(r)
+            except OSError:
+                assert time.time() < deadline, s.text()[-3000:]
+                time.sleep(0.5)
+        assert out["usage"]["completion_tokens"] == 4 and out["choices"][0]["finish_reason"] == "length"
+        took = s.stop(signal.SIGINT)
+        left = wait_gone(s.ray_tmp, 2.0)
+        assert s.proc.returncode == 0, s.text()[-3000:]
+        assert took < HAPROXY_STOP_S, f"stopping took {took:.1f}s:\n{s.text()[-3000:]}"
+        assert left == [], left
+    finally:
+        s.cleanup()
