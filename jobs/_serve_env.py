@@ -15,7 +15,8 @@ cluster's (set them where its raylets start).
   (the app's deletion reloads HAProxy; tests/test_serve_shutdown.py allows 10 s).
   Caveat: HAProxy waits for a request head up to its client timeout (``RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S``,
   3600 s) instead of the 10 s header limit ``actors.serve_proxy`` puts on Serve's proxy; slow heads hold
-  HAProxy connections (up to its maxconn, 4096) while normal requests keep answering.
+  HAProxy connections (up to its maxconn, 4096) while normal requests keep answering; and ``/-/routes``
+  (Serve's route table) answers without the API key (the guard sits in Serve's proxy).
 Variables already set in the environment win over these.
 """
 
