@@ -25,10 +25,10 @@ from __future__ import annotations
 from typing import Any, Mapping, Union
 
 from actors.engine_replica import placement
-from actors.llm_server import PREFILL_FAILURES_UNHEALTHY, LLMServer, build_engine, engine_info  # noqa: F401
+from actors.llm_server import LLMServer
 from actors.serve_config import DEFAULT_ENGINE, DeploymentOptions, ServeConfig, check_fits  # noqa: F401
 from actors.serve_ingress import OpenAIIngress
-from pipeline.engine.engine_loop import EngineDead, EngineLoop, PrefillFailed, TokenEvent  # noqa: F401
+from pipeline.engine.engine_loop import EngineDead, EngineLoop, PrefillFailed  # noqa: F401
 
 ADMIN_HEADROOM = 16     # calls beyond max_in_flight a replica accepts: health, metrics, stats, refusals
 
@@ -50,7 +50,7 @@ FAST_STOP = {"graceful_shutdown_wait_loop_s": 0.1, "graceful_shutdown_timeout_s"
 
 
 def build_app(config: Union[ServeConfig, Mapping[str, Any]]):
-    """The bound application (ingress -> LLMServer) for ``serve.run``. ``config``: a ServeConfig or its
+    """The bound application (the ingress owning its engine, or ingress -> LLMServer) for ``serve.run``. ``config``: a ServeConfig or its
     mapping (so ``serve run actors.serve_app:build_app model_path=...`` works too)."""
     from ray.serve.config import BackpressureConfig
 
@@ -67,19 +67,16 @@ def build_app(config: Union[ServeConfig, Mapping[str, Any]]):
             max_ongoing_requests=in_flight + ADMIN_HEADROOM, **FAST_STOP, **placement(config, "prefill"),
         ).bind(config)
     if config.fused:    # each ingress replica owns its engine: no Ray hop per token
-        opts = config.fused_ingress()
-        return OpenAIIngress.options(
-            num_replicas=opts.num_replicas, ray_actor_options=dict(opts.ray_actor_options),
-            max_ongoing_requests=config.max_in_flight + ADMIN_HEADROOM, max_queued_requests=config.max_in_flight,
-            backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1), **FAST_STOP,
-        ).bind(None, config, prefill)
-    llm = LLMServer.options(
-        num_replicas=config.llm.num_replicas, ray_actor_options=dict(config.llm.ray_actor_options),
-        max_ongoing_requests=in_flight + ADMIN_HEADROOM, **FAST_STOP, **placement(config, "llm"),
-    ).bind(config, prefill)
+        ingress, bound = config.fused_ingress(), (None, config, prefill)
+    else:
+        llm = LLMServer.options(
+            num_replicas=config.llm.num_replicas, ray_actor_options=dict(config.llm.ray_actor_options),
+            max_ongoing_requests=in_flight + ADMIN_HEADROOM, **FAST_STOP, **placement(config, "llm"),
+        ).bind(config, prefill)
+        ingress, bound = config.ingress, (llm, config)
     return OpenAIIngress.options(
-        num_replicas=config.ingress.num_replicas, ray_actor_options=dict(config.ingress.ray_actor_options),
+        num_replicas=ingress.num_replicas, ray_actor_options=dict(ingress.ray_actor_options),
         max_ongoing_requests=config.max_in_flight + ADMIN_HEADROOM,
         max_queued_requests=config.max_in_flight,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1), **FAST_STOP,
-    ).bind(llm, config)
+    ).bind(*bound)

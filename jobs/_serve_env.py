@@ -54,8 +54,7 @@ def serve_environment(http_proxy: str = "serve", throughput: bool = True) -> dic
     return env
 
 
-def apply(env: dict[str, str]) -> dict[str, str]:
-    """Set each variable not already set; returns what the environment now holds for them."""
+def apply(env: dict[str, str]) -> None:
+    """Set each variable not already set."""
     for k, v in env.items():
         os.environ.setdefault(k, v)
-    return {k: os.environ[k] for k in env}

@@ -241,8 +241,6 @@ def deliver(sink: Sink, item) -> None:
         pass
 
 
-
-
 def deliver_all(pairs) -> None:
     """Give each ``(sink, item)`` of one step its item. Sinks bound to an event loop (a ``loop`` attribute
     and an in-loop ``put(item)``, as actors/llm_server.LoopSink) get theirs in ONE call per loop (one
