@@ -1,6 +1,6 @@
 """The float model's weights as the CPU's bf16 GEMM reads them (csrc/bf16_gemm.h; used by
-:mod:`pipeline.engine.cpu_float` for the linears and :mod:`pipeline.engine.cpu_float_moe` for the routed
-experts).
+:mod:`pipeline.engine.cpu_float` for the linears and :mod:`pipeline.engine.cpu_float_ffn` for the MLPs
+and MoEs).
 
 The float model on the CPU computes in float32 from the checkpoint's bf16 values widened (exact), so a
 float32 weight [n, k] holds bf16 values only (:func:`bf16_representable`); its bf16 bits carry all of it

@@ -16,8 +16,8 @@
   shared experts in one C call) and ``NativeFloatMLP`` for its dense MLPs (see there).
 - :class:`NativeRouter` for every MoE's ``gate``: ``Router.forward``'s weights and expert ids in one call
   (the expert order is torch.topk's, descending biased score; ties, which torch leaves unspecified, go to
-  the lower index). The logits' order of summation and C's ``expf`` can move a score by an ulp. (For
-  more than ROUTER_C_ROWS rows the logits are torch's F.linear, the rest C.)
+  the lower index), from the logits of torch's F.linear (Router.forward's own op: a row's logits never
+  depend on the call's other rows); C's ``expf`` can move a score by an ulp.
 
 Each module falls back to its torch formula for inputs the C code does not take (another dtype or
 device). The library is built on first use (pipeline.cbuild); without it (no compiler, ``DSQUANT_NATIVE=0``
@@ -45,16 +45,14 @@ CSRC = Path(__file__).with_name("csrc")
 SWITCH = "DSQUANT_NATIVE_FLOAT"             # 0: none of these swaps (the other native kernels stay on)
 _DT = {torch.bfloat16: 1, torch.float32: 3}   # csrc/dtypes.h
 _ERRORS = {1: "out of memory", 2: "bad sizes"}
-#: Above this many rows the router's logits come from torch's GEMM (F.linear, as Router.forward) and the
-#: C call does the rest: the C logits read W once per 16 rows; measured (load ~5) at 256 x 7168 the C
-#: logits win up to 16 rows, torch's from 32. The linears: above LINEAR_C_ROWS rows F.linear over the
+#: The linears: above LINEAR_C_ROWS rows F.linear over the
 #: float32 weight (the same products; MKL's blocked GEMM). Measured on the embedded model's shapes (one
 #: torch thread, load 1.2-2.3; C / MKL us): 576 x 256 at 16 rows 53 / 69, 128: 387 / 478, 256: 794 / 964,
 #: 512: 1512 / 1866, 1024: 5211 / 4493; lm_head 4096 x 256 at 256 rows 5372 / 6583; 256 x 768 at 256
 #: rows 1025 / 1276: the C kernel is no slower up to 512 rows. 256 is the engine's default
 #: max_batched_tokens, so every step's rows take the C path (a row's result then never depends on the
 #: step it was computed in: prefill and decode, prefix-cache hits and recomputed entries agree).
-ROUTER_C_ROWS, LINEAR_C_ROWS = 0, 256
+LINEAR_C_ROWS = 256
 log = logging.getLogger("dsquant.kernels")
 
 
@@ -62,7 +60,7 @@ def _declare(dll: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     dll.bf16_linear.argtypes = [p, i64, i64, i64, p, i64, p]
     dll.rms_norm.argtypes = [p, i32, i64, i64, i64, p, i32, f32, p, i32]
-    dll.moe_router.argtypes = [p, i32, i64, i64, i64, p, i32, i64, p, i64, i64, i64, i32, f32, p, p, p]
+    dll.moe_router.argtypes = [p, i64, i64, p, i64, i64, i64, i32, f32, p, p]
     for f in (dll.bf16_linear, dll.rms_norm, dll.moe_router):
         f.restype = i32
 
@@ -222,18 +220,15 @@ class NativeRouter(Router):
         if lib is None or x.dtype not in _DT or w.dtype not in _DT or not _cpu(x, w, b) or x.dim() != 2 \
                 or x.shape[1] != w.shape[1] or _autograd(x, w):
             return super().forward(x)
-        x, n, ldx = _rows(x)
-        w, b = w.detach().contiguous(), b.detach().float().contiguous()
-        # many rows: the logits by torch's GEMM (Router.forward's own op), the rest in C
-        logits = F.linear(x.float(), w.float()).contiguous() if n > ROUTER_C_ROWS else None
+        n = x.shape[0]
+        logits = F.linear(x.float(), w.detach().float()).contiguous()   # Router.forward's own op
+        b = b.detach().float().contiguous()
         top_k = self.top_k
         weights = torch.empty(n, top_k, dtype=torch.float32)
         idx = torch.empty(n, top_k, dtype=torch.int64)
         if n:
-            _check(lib.moe_router(x.data_ptr(), _DT[x.dtype], n, w.shape[1], ldx, w.data_ptr(), _DT[w.dtype],
-                                  w.shape[0], b.data_ptr(), self.n_group, self.topk_group, top_k,
-                                  int(bool(self.norm_topk_prob)), self.scaling,
-                                  None if logits is None else logits.data_ptr(), weights.data_ptr(),
+            _check(lib.moe_router(logits.data_ptr(), n, w.shape[0], b.data_ptr(), self.n_group, self.topk_group,
+                                  top_k, int(bool(self.norm_topk_prob)), self.scaling, weights.data_ptr(),
                                   idx.data_ptr()), "router")
         return weights, idx
 

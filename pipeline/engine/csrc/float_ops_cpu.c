@@ -3,8 +3,9 @@
  *   bf16_linear y[i, j] = sum_k x[i, k] * W[j, k]           x float32 [m, k] (row stride ldx), W bf16 packed
  *               (bf16_gemm.h: the float model's bias-free linears and its lm_head)
  *   rms_norm    y[i] = w * cast(x[i] * 1/sqrt(sum_k x[i,k]^2 / dim + eps))     (pipeline.model.norm.RMSNorm)
- *   moe_router  Router.forward (pipeline.model.ffn): sigmoid scores, grouped top-2 group scores, the best
- *               topk_group groups, the top_k experts by biased score among them, normalised weights
+ *   moe_router  Router.forward (pipeline.model.ffn) from its logits (torch's GEMM): sigmoid scores, grouped
+ *               top-2 group scores, the best topk_group groups, the top_k experts by biased score among
+ *               them, normalised weights
  *
  * bf16 -> float32 is a 16-bit shift (exact), so the linears' products are the float32 model's products;
  * sums accumulate in float32 (FMA) in another order than torch's GEMMs and reductions: results
@@ -42,67 +43,6 @@ static inline __m512 ld_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
 }
 #endif
-
-/* y[i * ldy + j] = <x[i], W[j]> for i < MB, j < NB (NB, MB <= 4 and the weight dtype wdt: constants after
- * inlining): each 16-wide chunk of the NB weight rows is loaded (and widened) once for all MB rows. */
-static inline __attribute__((always_inline)) void gemv_block(const float *x, int64_t ldx, const void *w, int64_t k,
-                                                              float *y, int64_t ldy, const int nb, const int mb,
-                                                              const int wdt) {
-    int64_t c = 0;
-    float acc[4][4] = {{0.0f}};
-#ifdef __AVX512F__
-    __m512 a[4][4];
-#pragma GCC unroll 4
-    for (int j = 0; j < nb; j++)
-#pragma GCC unroll 4
-        for (int i = 0; i < mb; i++) a[j][i] = _mm512_setzero_ps();
-    for (; c + 16 <= k; c += 16) {
-        __m512 wv[4], xv[4];
-#pragma GCC unroll 4
-        for (int j = 0; j < nb; j++)
-            wv[j] = wdt == DT_BF16 ? ld_bf16((const uint16_t *)w + j * k + c) : _mm512_loadu_ps((const float *)w + j * k + c);
-#pragma GCC unroll 4
-        for (int i = 0; i < mb; i++) xv[i] = _mm512_loadu_ps(x + i * ldx + c);
-#pragma GCC unroll 4
-        for (int j = 0; j < nb; j++)
-#pragma GCC unroll 4
-            for (int i = 0; i < mb; i++) a[j][i] = _mm512_fmadd_ps(wv[j], xv[i], a[j][i]);
-    }
-    for (int j = 0; j < nb; j++)
-        for (int i = 0; i < mb; i++) acc[j][i] = _mm512_reduce_add_ps(a[j][i]);
-#endif
-    for (; c < k; c++)
-        for (int j = 0; j < nb; j++) {
-            const float wf = load_elem(w, wdt, j * k + c);
-            for (int i = 0; i < mb; i++) acc[j][i] += wf * x[i * ldx + c];
-        }
-    for (int j = 0; j < nb; j++)
-        for (int i = 0; i < mb; i++) y[i * ldy + j] = acc[j][i];
-}
-
-typedef void (*block_fn)(const float *, int64_t, const void *, int64_t, float *, int64_t);
-#define BLOCK(NB, MB, WT) static void block_##WT##_##NB##_##MB(const float *x, int64_t ldx, const void *w, int64_t k, \
-                                                        float *y, int64_t ldy) { gemv_block(x, ldx, w, k, y, ldy, NB, MB, WT); }
-#define BLOCKS(NB, WT) BLOCK(NB, 1, WT) BLOCK(NB, 2, WT) BLOCK(NB, 3, WT) BLOCK(NB, 4, WT)
-#define TABLE(NB, WT) {block_##WT##_##NB##_1, block_##WT##_##NB##_2, block_##WT##_##NB##_3, block_##WT##_##NB##_4}
-BLOCKS(1, 1) BLOCKS(2, 1) BLOCKS(3, 1) BLOCKS(4, 1) BLOCKS(1, 3) BLOCKS(2, 3) BLOCKS(3, 3) BLOCKS(4, 3)
-static const block_fn BLOCK_BF16[4][4] = {TABLE(1, 1), TABLE(2, 1), TABLE(3, 1), TABLE(4, 1)};
-static const block_fn BLOCK_F32[4][4] = {TABLE(1, 3), TABLE(2, 3), TABLE(3, 3), TABLE(4, 3)};
-
-/* y [m, n] (contiguous) = x [m, k] (rows ldx apart) @ W.T, W [n, k] contiguous, bf16 bits (DT_BF16) or
- * float32 (DT_F32). Outputs 4 at a time, rows 4 at a time within them: each weight row is read from memory
- * once whatever m (the 4 rows' k elements stay in L1/L2 for the next rows). */
-static void gemv(const float *x, int64_t m, int64_t k, int64_t ldx, const void *w, int wdt, int64_t n, float *y) {
-    const size_t es = dtype_size(wdt);
-    for (int64_t j = 0; j < n; j += 4) {
-        const int nb = n - j < 4 ? (int)(n - j) : 4;
-        for (int64_t i = 0; i < m; i += 4) {
-            const int mb = m - i < 4 ? (int)(m - i) : 4;
-            (wdt == DT_BF16 ? BLOCK_BF16 : BLOCK_F32)[(nb - 1) & 3][(mb - 1) & 3](x + i * ldx, ldx, (const char *)w + j * k * es,
-                                                                     k, y + i * n + j, n);
-        }
-    }
-}
 
 /* y [m, n] (contiguous) = x [m, k] (rows ldx apart, float32) @ W.T, W packed (bf16_gemm.h) */
 int bf16_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const uint32_t *pack, int64_t n, float *y) {
@@ -172,66 +112,54 @@ static int64_t argmax_free(const float *v, const unsigned char *taken, int64_t n
     return best;
 }
 
-/* Router.forward for N rows of x [N, H] (rows ldx apart, DT_F32 / DT_BF16) against W [E, H] (DT_F32 /
- * DT_BF16) and the float32 correction bias [E]: weights [N, top_k] float32, idx [N, top_k] int64 (experts
- * in descending biased score, as torch.topk returns them; ties to the lower index). With `logits` (float32
- * [N, E], x @ W.T computed by the caller) x and W are not read. */
-#define ROUTER_ROWS 16
-int moe_router(const void *x, int xdt, int64_t N, int64_t H, int64_t ldx, const void *w, int wdt, int64_t E,
-               const float *bias, int64_t n_group, int64_t topk_group, int64_t top_k, int norm, float scaling,
-               const float *logits, float *weights, int64_t *idx) {
-    if (N < 0 || H < 1 || ldx < H || n_group < 1 || E % n_group || E / n_group < 2 || topk_group < 1 ||
+/* Router.forward's selection for N rows of its float32 logits [N, E] (x @ W.T, computed by the caller with
+ * torch's GEMM: a row's logits then never depend on the call's other rows) and the float32 correction
+ * bias [E]: weights [N, top_k] float32, idx [N, top_k] int64 (experts in descending biased score, as
+ * torch.topk returns them; ties to the lower index). */
+int moe_router(const float *logits, int64_t N, int64_t E, const float *bias, int64_t n_group, int64_t topk_group,
+               int64_t top_k, int norm, float scaling, float *weights, int64_t *idx) {
+    if (N < 0 || n_group < 1 || E % n_group || E / n_group < 2 || topk_group < 1 ||
         topk_group > n_group || top_k < 1 || top_k > topk_group * (E / n_group))
         return 2;
     const int64_t gs = E / n_group;
-    float *buf = (float *)malloc((size_t)(ROUTER_ROWS * (H + E) + 2 * E + n_group) * 4);
+    float *buf = (float *)malloc((size_t)(2 * E + n_group) * 4);
     unsigned char *taken = (unsigned char *)malloc((size_t)(E + n_group));
     if (!buf || !taken) { free(buf); free(taken); return 1; }
-    float *xf = buf, *z = xf + ROUTER_ROWS * H, *score = z + ROUTER_ROWS * E, *masked = score + E,
-          *gscore = masked + E;
+    float *score = buf, *masked = score + E, *gscore = masked + E;
     unsigned char *gtaken = taken + E;
-    const size_t xs = dtype_size(xdt);
-    for (int64_t r0 = 0; r0 < N; r0 += ROUTER_ROWS) {
-        const int64_t nr = N - r0 < ROUTER_ROWS ? N - r0 : ROUTER_ROWS;
-        const float *zr = logits ? logits + r0 * E : z;
-        if (!logits) {                   /* the chunk's logits: its rows in float32, one pass over W */
-            for (int64_t i = 0; i < nr; i++) row_to_f32(xf + i * H, (const char *)x + (size_t)((r0 + i) * ldx) * xs, xdt, H);
-            gemv(xf, nr, H, H, w, wdt, E, z);
+    const float *zr = logits;
+    for (int64_t r = 0; r < N; r++, zr += E) {
+        float *biased = masked;      /* (overwritten by the masked scores below) */
+        for (int64_t e = 0; e < E; e++) {
+            score[e] = 1.0f / (1.0f + expf(-zr[e]));
+            biased[e] = score[e] + bias[e];
         }
-        for (int64_t i = 0; i < nr; i++, zr += E) {
-            const int64_t r = r0 + i;
-            float *biased = masked;      /* (overwritten by the masked scores below) */
-            for (int64_t e = 0; e < E; e++) {
-                score[e] = 1.0f / (1.0f + expf(-zr[e]));
-                biased[e] = score[e] + bias[e];
-            }
-            for (int64_t g = 0; g < n_group; g++) {       /* the sum of the group's two best biased scores */
-                const float *v = biased + g * gs;
-                int64_t a = 0;
-                for (int64_t e = 1; e < gs; e++) if (v[e] > v[a]) a = e;
-                int64_t b = a == 0 ? 1 : 0;
-                for (int64_t e = 0; e < gs; e++) if (e != a && v[e] > v[b]) b = e;
-                gscore[g] = v[a] + v[b];
-            }
-            memset(gtaken, 0, (size_t)n_group);
-            for (int64_t t = 0; t < topk_group; t++) gtaken[argmax_free(gscore, gtaken, n_group)] = 1;
-            for (int64_t e = 0; e < E; e++) if (!gtaken[e / gs]) masked[e] = -INFINITY;
-            memset(taken, 0, (size_t)E);
-            float *wr = weights + r * top_k, sum = 0.0f;
-            int64_t *ir = idx + r * top_k;
-            for (int64_t t = 0; t < top_k; t++) {
-                const int64_t e = argmax_free(masked, taken, E);
-                taken[e] = 1;
-                ir[t] = e;
-                wr[t] = score[e];
-            }
-            if (norm) {
-                for (int64_t t = 0; t < top_k; t++) sum += wr[t];
-                const float den = sum + 1e-20f;
-                for (int64_t t = 0; t < top_k; t++) wr[t] = wr[t] / den;
-            }
-            for (int64_t t = 0; t < top_k; t++) wr[t] = wr[t] * scaling;
+        for (int64_t g = 0; g < n_group; g++) {       /* the sum of the group's two best biased scores */
+            const float *v = biased + g * gs;
+            int64_t a = 0;
+            for (int64_t e = 1; e < gs; e++) if (v[e] > v[a]) a = e;
+            int64_t b = a == 0 ? 1 : 0;
+            for (int64_t e = 0; e < gs; e++) if (e != a && v[e] > v[b]) b = e;
+            gscore[g] = v[a] + v[b];
         }
+        memset(gtaken, 0, (size_t)n_group);
+        for (int64_t t = 0; t < topk_group; t++) gtaken[argmax_free(gscore, gtaken, n_group)] = 1;
+        for (int64_t e = 0; e < E; e++) if (!gtaken[e / gs]) masked[e] = -INFINITY;
+        memset(taken, 0, (size_t)E);
+        float *wr = weights + r * top_k, sum = 0.0f;
+        int64_t *ir = idx + r * top_k;
+        for (int64_t t = 0; t < top_k; t++) {
+            const int64_t e = argmax_free(masked, taken, E);
+            taken[e] = 1;
+            ir[t] = e;
+            wr[t] = score[e];
+        }
+        if (norm) {
+            for (int64_t t = 0; t < top_k; t++) sum += wr[t];
+            const float den = sum + 1e-20f;
+            for (int64_t t = 0; t < top_k; t++) wr[t] = wr[t] / den;
+        }
+        for (int64_t t = 0; t < top_k; t++) wr[t] = wr[t] * scaling;
     }
     free(buf);
     free(taken);
