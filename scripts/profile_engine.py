@@ -1,6 +1,11 @@
 """Where an engine step's time goes: a per-step profile of the engine on the embedded model, quantized.
 
     python scripts/profile_engine.py [--batch 8] [--prompt-len 128] [--new-tokens 64] [--mtp] [--out FILE]
+    python scripts/profile_engine.py --rounds 3 --batches 1,8,16 --kernels torch,native [--out FILE]
+
+The second form runs the first once per (round, batch, kernels) in a fresh process (``DSQUANT_KERNELS``
+set), alternating, and writes the medians and ranges of every configuration to one JSON
+(benchmarks/engine_profile.json).
 
 A batch of ``--batch`` held-out texts cut to ``--prompt-len`` tokens, greedy, ``--new-tokens`` each (the
 load of ``vllm bench serve --random-input-len 128 --random-output-len 64`` at that concurrency), run to the
@@ -14,7 +19,8 @@ times are exclusive (a region's own time, less the regions it calls), so the col
   attention   paged decode / prefill attention over the cache
   moe         MoE.forward's own work: routing, the per-expert loop, gathering and combining
   linears     every int8 (W8A8, W8A8_DYNAMIC) and float linear
-  sampling    sampling the next token(s)
+  sampling    LLMEngine.sampled: the next token(s) of every piece (one argmax for the plain greedy
+              ones), the scheduler's update
   stop/detok  stop-string checks
 
 Decode steps (every piece one token) and steps holding prefill are reported apart; per-step medians are
@@ -91,7 +97,7 @@ def instrument(prof: Profiler) -> None:
 
     for cls in (qlinear.W8A8StaticLinear, qlinear.W8A8DynamicLinear, torch.nn.Linear, cpu_float.NativeHeadLinear):
         prof.wrap(cls, "forward", "linears")
-    prof.wrap(engine, "sample", "sampling")
+    prof.wrap(engine.LLMEngine, "sampled", "sampling")
     prof.wrap(engine.LLMEngine, "_check_stop", "stop/detok")
 
 
@@ -135,7 +141,13 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the layers' work around attention (EngineConfig.compile)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "engine_profile.json"), help="JSON output")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="> 0: alternating rounds of every --batches x --kernels run, each in a fresh process")
+    ap.add_argument("--batches", default="1,8,16", help="batch sizes of the --rounds form")
+    ap.add_argument("--kernels", default="torch,native", help="DSQUANT_KERNELS values of the --rounds form")
     args = ap.parse_args()
+    if args.rounds > 0:
+        return rounds(args)
 
     import torch
 
@@ -169,6 +181,55 @@ def main() -> int:
            "new_tokens": args.new_tokens, "mtp": args.mtp, "threads": args.threads, "wall_s": round(wall, 3),
            "output_tok_s": round((eng.stats.generated_tokens - generated) / wall, 1),
            "kernels": eng.runner.kernels, "decode": summarize(decode), "prefill": summarize(prefill)}
+    write_result(args.out, res)
+    return 0
+
+
+def rounds(args) -> int:
+    """The --rounds form: every (batch, kernels) run once per round in a fresh process, rounds alternating;
+    per configuration the median and range of the decode step and tokens/s, the regions' medians."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    from bench_io import loadavg
+
+    batches = [int(b) for b in args.batches.split(",")]
+    kernels = args.kernels.split(",")
+    got: dict = {str(b): {k: [] for k in kernels} for b in batches}
+    flags = ["--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--threads",
+             str(args.threads), "--model-dir", args.model_dir] + (["--mtp"] if args.mtp else []) \
+        + (["--compile"] if args.compile else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for b in batches:
+                for k in kernels:
+                    out = Path(tmp) / f"{r}-{b}-{k}.json"
+                    print(f"round {r + 1}/{args.rounds}: batch {b}, kernels {k} (load {loadavg()})", flush=True)
+                    subprocess.run([sys.executable, __file__, "--batch", str(b), "--out", str(out), *flags],
+                                   check=True, stdout=subprocess.DEVNULL, env={**os.environ, "DSQUANT_KERNELS": k})
+                    got[str(b)][k].append(json.loads(out.read_text()))
+
+    def spread(xs: list[float]) -> dict:
+        return {"median": round(statistics.median(xs), 3), "range": [round(min(xs), 3), round(max(xs), 3)]}
+
+    res = {"what": f"scripts/profile_engine.py --rounds {args.rounds}: decode-step regions (exclusive ms, "
+                   f"medians per run), {Path(args.model_dir).name}, B sequences x {args.prompt_len} prompt tokens "
+                   f"x {args.new_tokens} new, greedy, {args.threads} torch thread(s); alternating rounds of "
+                   f"DSQUANT_KERNELS = {', '.join(kernels)} per batch size, each run a fresh process",
+           "load_at_end": loadavg(), "runs": {}}
+    for b, per in got.items():
+        res["runs"][b] = {}
+        for k, runs in per.items():
+            res["runs"][b][k] = {
+                "decode_step_ms": spread([x["decode"]["median_step_ms"] for x in runs]),
+                "output_tok_s": spread([x["output_tok_s"] for x in runs]),
+                "regions_ms_median": {reg: round(statistics.median(x["decode"]["median_ms"][reg] for x in runs), 3)
+                                      for reg in REGIONS},
+                "prefill_step_ms_median": round(statistics.median(
+                    x["prefill"].get("median_step_ms", 0.0) for x in runs), 3),
+                "kernels": runs[0]["kernels"]}
     write_result(args.out, res)
     return 0
 

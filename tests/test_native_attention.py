@@ -83,6 +83,11 @@ def test_a_head_does_not_depend_on_the_others(nz, int8):
         assert torch.equal(part, full[:, heads]), heads
 
 
+def _absorbed_weights(H, dn, C, dv, seed=11):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(H, dn, C, generator=g) * 0.2, torch.randn(H, C, dv, generator=g) * 0.2)
+
+
 @needs_native
 @pytest.mark.parametrize("nz", [False, True])
 def test_plain_c_without_avx512_agrees(monkeypatch, nz):
@@ -94,10 +99,55 @@ def test_plain_c_without_avx512_agrees(monkeypatch, nz):
         cache, tables, q, qp = _setup([1, 40, 3], nz, int8, dtype, C=64, R=16, H=4)
         batch = DecodeBatch.build(tables, [1, 40, 3], 16, cache.num_blocks)
         ref = batched_decode_attention(q, qp, cache, batch, SCALE)
+        w_uk, w_uv_t = _absorbed_weights(4, 8, 64, 24)
+        q_nope = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(2))
+        q_abs = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1).contiguous()
+        ref_o = torch.bmm(batched_decode_attention(q_abs, qp, cache, batch, SCALE).transpose(0, 1), w_uv_t).transpose(0, 1)
         monkeypatch.setattr(cpu_attention, "_ATTENTION", plain)
         got = cpu_attention.decode_attention(q, qp, cache, batch, SCALE)
+        got_o = cpu_attention.decode_attention(q_nope, qp, cache, batch, SCALE, w_uk=w_uk, w_uv_t=w_uv_t)
         monkeypatch.undo()
         _close(got, ref)
+        _close(got_o, ref_o)
+
+
+@needs_native
+@pytest.mark.parametrize("nz,int8,dtype", KINDS[:4])
+def test_absorbed_call_equals_attention_between_the_bmms(nz, int8, dtype):
+    """With W_UK / W_UV^T the C call takes q_nope and returns o: the torch path's q_nope @ W_UK, attention,
+    o_lat @ W_UV^T (ModelRunner's reference form) within float32 rounding; a head's bits do not depend on
+    the other heads of the call (a tensor-parallel rank's heads)."""
+    lengths = [1, 5, 16, 17, 64, 200, 33]
+    H, dn, C, dv = 5, 24, 72, 40
+    cache, tables, _, qp = _setup(lengths, nz, int8, dtype, C=C, R=24, H=H)
+    w_uk, w_uv_t = _absorbed_weights(H, dn, C, dv)
+    q_nope = torch.randn(len(lengths), H, dn, generator=torch.Generator().manual_seed(4))
+    batch = DecodeBatch.build(tables, lengths, 16, cache.num_blocks)
+    q_abs = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1).contiguous()
+    ref = torch.bmm(batched_decode_attention(q_abs, qp, cache, batch, SCALE).transpose(0, 1), w_uv_t).transpose(0, 1)
+    got = cpu_attention.decode_attention(q_nope, qp, cache, batch, SCALE, w_uk=w_uk, w_uv_t=w_uv_t)
+    assert got.shape == (len(lengths), H, dv)
+    _close(got, ref)
+    for heads in (slice(0, 1), slice(1, 3), slice(4, 5)):
+        part = cpu_attention.decode_attention(q_nope[:, heads].contiguous(), qp[:, heads].contiguous(), cache, batch,
+                                              SCALE, w_uk=w_uk[heads], w_uv_t=w_uv_t[heads])
+        assert torch.equal(part, got[:, heads]), heads
+
+
+@needs_native
+def test_absorbed_call_refuses_mismatched_weights():
+    cache, tables, _, qp = _setup([20, 3], nz=False, int8=True)
+    batch = DecodeBatch.build(tables, [20, 3], 16, cache.num_blocks)
+    w_uk, w_uv_t = _absorbed_weights(4, 8, 64, 16)
+    q_nope = torch.randn(2, 4, 8)
+    with pytest.raises(ValueError, match="go together"):
+        cpu_attention.decode_attention(q_nope, qp, cache, batch, SCALE, w_uk=w_uk)
+    with pytest.raises(ValueError, match="w_uk"):
+        cpu_attention.decode_attention(q_nope, qp, cache, batch, SCALE, w_uk=w_uk[:, :4], w_uv_t=w_uv_t)
+    with pytest.raises(ValueError, match="w_uk"):
+        cpu_attention.decode_attention(q_nope, qp, cache, batch, SCALE, w_uk=w_uk.double(), w_uv_t=w_uv_t)
+    with pytest.raises(ValueError, match="q_nope"):
+        cpu_attention.decode_attention(q_nope, qp[:1], cache, batch, SCALE, w_uk=w_uk, w_uv_t=w_uv_t)
 
 
 @needs_native

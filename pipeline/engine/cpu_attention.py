@@ -9,8 +9,11 @@ what :func:`pipeline.engine.batched_attention.batched_decode_attention` computes
 
 reading the int8 / bf16 / fp16 / float32 latent and k_pe straight from the cache storage (ND or NZ)
 through the block table, each token converted to float32 once per layer and used for all heads' scores
-and the V sum while in cache; online softmax in float32 over tiles of ``tile`` tokens. It agrees with the
-torch path within float32 rounding (the sums run in another order), not bit for bit. Why: the torch
+and the V sum while in cache; online softmax in float32 over tiles of ``tile`` tokens. Given the layer's
+absorbed weights it also does the absorption around it (``q_abs = q_nope @ W_UK`` before, ``o = o_lat @
+W_UV^T`` after, each a small GEMM over all the rows of a head): the engine's decode rows take one call per
+layer from q_nope to o. It agrees with the torch path within float32 rounding (the sums run in another
+order), not bit for bit; a head's and a row's bits never depend on the other heads or rows of the call. Why: the torch
 path is bound by per-op overhead and the float32 copy of each tile; this one is bound by its FMAs
 (scripts/bench_cpu_attention.py: ~4-8x faster per layer at the embedded model's shapes).
 
@@ -45,6 +48,8 @@ def _declare_attention(dll: ctypes.CDLL) -> None:
     dll.mla_decode.argtypes = [p, p, i64, i64, i64, i64, p, i32, i64, i64, i64, i64, p, i32, i64, i64, i64, i64,
                                p, i64, p, i64, i64, f32, f32, i64, p]
     dll.mla_decode.restype = i32
+    dll.mla_decode_absorbed.argtypes = [p, i64, p, p, i64] + dll.mla_decode.argtypes[1:]
+    dll.mla_decode_absorbed.restype = i32
 
 
 def _declare_write(dll: ctypes.CDLL) -> None:
@@ -98,34 +103,55 @@ def _dtype(t: torch.Tensor, what: str) -> int:
 
 
 def decode_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, cache, batch, softmax_scale: float,
-                     tile: int = DEFAULT_TILE) -> torch.Tensor:
+                     tile: int = DEFAULT_TILE, w_uk: Optional[torch.Tensor] = None,
+                     w_uv_t: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``q_abs`` [B, H, C], ``q_pe`` [B, H, d_r] float32 of ``batch``'s rows (a DecodeBatch) -> ``o_lat``
-    [B, H, C] float32 (module docstring). RuntimeError when the library is not available."""
+    [B, H, C] float32 (module docstring). With the absorbed weights ``w_uk`` [H, d_n, C] and ``w_uv_t``
+    [H, C, d_v] (float32, as ModelRunner keeps them) the absorption is folded into the same call: the first
+    argument is then ``q_nope`` [B, H, d_n] (q_abs = q_nope @ W_UK per head, computed in C) and the result
+    ``o`` = o_lat @ W_UV^T [B, H, d_v]. RuntimeError when the library is not available."""
     lib = _ATTENTION.library()
     if lib is None:
         raise RuntimeError(f"native decode attention unavailable: {_ATTENTION.status()}")
-    B, H, C = q_abs.shape
+    B, H, width = q_abs.shape
     table, lengths = batch.table, batch.lengths
+    absorbed = w_uk is not None
+    if absorbed != (w_uv_t is not None):
+        raise ValueError("native decode attention: w_uk and w_uv_t go together")
+    C, name = (w_uk.shape[2], "q_nope") if absorbed else (width, "q_abs")
     if C != cache.C or q_pe.shape != (B, H, cache.d_r) or table.shape[0] != B or lengths.shape != (B,):
-        raise ValueError(f"native decode attention: q_abs {tuple(q_abs.shape)}, q_pe {tuple(q_pe.shape)}, table "
+        raise ValueError(f"native decode attention: {name} {tuple(q_abs.shape)}, q_pe {tuple(q_pe.shape)}, table "
                          f"{tuple(table.shape)}, lengths {tuple(lengths.shape)} for C={cache.C}, d_r={cache.d_r}")
+    if absorbed and (w_uk.shape != (H, width, C) or w_uv_t.dim() != 3 or w_uv_t.shape[:2] != (H, C)
+                     or w_uk.dtype != torch.float32 or w_uv_t.dtype != torch.float32):
+        raise ValueError(f"native decode attention: w_uk {tuple(w_uk.shape)} {w_uk.dtype} / w_uv_t "
+                         f"{tuple(w_uv_t.shape)} {w_uv_t.dtype} for {name} {tuple(q_abs.shape)}: float32 "
+                         f"[H, d_n, C] and [H, C, d_v] expected")
     if q_abs.device.type != "cpu" or cache.c.device.type != "cpu":
-        raise ValueError(f"native decode attention: CPU tensors needed, got q_abs on {q_abs.device}, the cache "
-                         f"on {cache.c.device}")
+        raise ValueError(f"native decode attention: CPU tensors needed, got {name} on {q_abs.device}, the "
+                         f"cache on {cache.c.device}")
     if q_abs.dtype != torch.float32 or q_pe.dtype != torch.float32:
-        raise ValueError(f"native decode attention: q_abs / q_pe must be float32, got {q_abs.dtype} / {q_pe.dtype}")
+        raise ValueError(f"native decode attention: {name} / q_pe must be float32, got {q_abs.dtype} / "
+                         f"{q_pe.dtype}")
     if table.dtype != torch.long or lengths.dtype != torch.long:
         raise ValueError("native decode attention: the block table and lengths must be int64")
     if not isinstance(tile, int) or tile < 1:
         raise ValueError(f"native decode attention: tile must be an integer >= 1, got {tile!r}")
     q_abs, q_pe, table, lengths = q_abs.contiguous(), q_pe.contiguous(), table.contiguous(), lengths.contiguous()
     c, pe = cache.c, cache.pe
-    out = torch.empty(B, H, C, dtype=torch.float32)
-    rc = lib.mla_decode(q_abs.data_ptr(), q_pe.data_ptr(), B, H, C, cache.d_r,
-                        c.data_ptr(), _dtype(c, "the cache latent"), *_strides(c, cache.nz),
-                        pe.data_ptr(), _dtype(pe, "the cache k_pe"), *_strides(pe, cache.nz),
-                        table.data_ptr(), table.shape[1], lengths.data_ptr(), cache.block_size, cache.num_blocks,
-                        cache.scale_value, softmax_scale, tile, out.data_ptr())
+    args = (q_pe.data_ptr(), B, H, C, cache.d_r,
+            c.data_ptr(), _dtype(c, "the cache latent"), *_strides(c, cache.nz),
+            pe.data_ptr(), _dtype(pe, "the cache k_pe"), *_strides(pe, cache.nz),
+            table.data_ptr(), table.shape[1], lengths.data_ptr(), cache.block_size, cache.num_blocks,
+            cache.scale_value, softmax_scale, tile)
+    if absorbed:
+        w_uk, w_uv_t = w_uk.contiguous(), w_uv_t.contiguous()
+        out = torch.empty(B, H, w_uv_t.shape[2], dtype=torch.float32)
+        rc = lib.mla_decode_absorbed(q_abs.data_ptr(), width, w_uk.data_ptr(), w_uv_t.data_ptr(), w_uv_t.shape[2],
+                                     *args, out.data_ptr())
+    else:
+        out = torch.empty(B, H, C, dtype=torch.float32)
+        rc = lib.mla_decode(q_abs.data_ptr(), *args, out.data_ptr())
     if rc:
         raise ValueError(f"native decode attention: {_ERRORS.get(rc, f'error {rc}')}")
     return out

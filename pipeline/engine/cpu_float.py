@@ -40,6 +40,7 @@ from pipeline.engine import cpu_float_ffn
 from pipeline.engine.bf16_pack import bf16_representable, pack_bf16
 from pipeline.model.ffn import MLP, MoE, Router
 from pipeline.model.norm import RMSNorm
+from pipeline.model.rope import apply_rope
 
 CSRC = Path(__file__).with_name("csrc")
 SWITCH = "DSQUANT_NATIVE_FLOAT"             # 0: none of these swaps (the other native kernels stay on)
@@ -49,10 +50,11 @@ _ERRORS = {1: "out of memory", 2: "bad sizes"}
 #: float32 weight (the same products; MKL's blocked GEMM). Measured on the embedded model's shapes (one
 #: torch thread, load 1.2-2.3; C / MKL us): 576 x 256 at 16 rows 53 / 69, 128: 387 / 478, 256: 794 / 964,
 #: 512: 1512 / 1866, 1024: 5211 / 4493; lm_head 4096 x 256 at 256 rows 5372 / 6583; 256 x 768 at 256
-#: rows 1025 / 1276: the C kernel is no slower up to 512 rows. 256 is the engine's default
-#: max_batched_tokens, so every step's rows take the C path (a row's result then never depends on the
-#: step it was computed in: prefill and decode, prefix-cache hits and recomputed entries agree).
-LINEAR_C_ROWS = 256
+#: rows 1025 / 1276: the C kernel is no slower up to 512 rows, ~16% slower at 1024. 2048 is a served
+#: engine's max_batched_tokens (actors.serve_config.DEFAULT_ENGINE; the engine's own default is 256), so
+#: every step's rows take the C path (a row's result then never depends on the step it was computed in:
+#: prefill and decode, prefix-cache hits and recomputed entries agree), at that cost for big prefills.
+LINEAR_C_ROWS = 2048
 log = logging.getLogger("dsquant.kernels")
 
 
@@ -61,7 +63,8 @@ def _declare(dll: ctypes.CDLL) -> None:
     dll.bf16_linear.argtypes = [p, i64, i64, i64, p, i64, p]
     dll.rms_norm.argtypes = [p, i32, i64, i64, i64, p, i32, f32, p, i32]
     dll.moe_router.argtypes = [p, i64, i64, p, i64, i64, i64, i32, f32, p, p]
-    for f in (dll.bf16_linear, dll.rms_norm, dll.moe_router):
+    dll.rope.argtypes = [p, i32, i64, i64, i64, i64, i64, p, p, p]
+    for f in (dll.bf16_linear, dll.rms_norm, dll.moe_router, dll.rope):
         f.restype = i32
 
 
@@ -172,6 +175,32 @@ class NativeLinear(nn.Linear):
 
 #: The lm_head's former name (the same module: every bias-free bf16-valued float linear).
 NativeHeadLinear = NativeLinear
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``pipeline.model.rope.apply_rope`` in one C call, the same bits: x [..., S, (heads,) d] float32 or bf16
+    (any strides that give evenly spaced rows and heads, e.g. the q_pe part of q), cos / sin [..., S, d/2]
+    float32 of x's leading shape; anything else goes to apply_rope."""
+    lib = _LIB.library()
+    heads = x.dim() == cos.dim() + 1
+    lead = x.shape[:-2] if heads else x.shape[:-1]
+    if lib is None or x.dtype not in _DT or cos.dtype != torch.float32 or sin.dtype != torch.float32 \
+            or not _cpu(x, cos, sin) or x.shape[-1] % 2 or cos.shape != lead + (x.shape[-1] // 2,) \
+            or sin.shape != cos.shape or _autograd(x) or torch.compiler.is_compiling() or x.stride(-1) != 1:
+        return apply_rope(x, cos, sin)
+    d = x.shape[-1]
+    try:
+        xs = x.view(-1, x.shape[-2] if heads else 1, d)
+    except RuntimeError:                        # leading dims not evenly spaced: a copy that is
+        xs = x.reshape(-1, x.shape[-2] if heads else 1, d)
+    if xs.stride(-1) != 1:
+        return apply_rope(x, cos, sin)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    if xs.shape[0]:
+        _check(lib.rope(xs.data_ptr(), _DT[x.dtype], xs.shape[0], xs.shape[1], xs.stride(0), xs.stride(1), d,
+                        cos.data_ptr(), sin.data_ptr(), out.data_ptr()), "rope")
+    return out
 
 
 class NativeRMSNorm(RMSNorm):

@@ -46,8 +46,8 @@ _ERRORS = {1: "out of memory", 2: "bad sizes"}
 #: path is a Python loop over experts: slower at every size measured). Measured (the embedded model, one
 #: torch thread, load ~1.8; C / torch us): the dense MLP (768 wide) at 1 row 44 / 111, 16: 249 / 347,
 #: 128: 1761 / 2051, 256: 3862 / 3709; a MoE layer at 1 row 84 / 430, 16: 295 / 2143, 256: 3699 / 7010.
-#: 256 = the engine's default max_batched_tokens (cpu_float.LINEAR_C_ROWS: the same reasoning).
-FFN_C_ROWS = 256
+#: 2048 = a served engine's max_batched_tokens (cpu_float.LINEAR_C_ROWS: the same reasoning).
+FFN_C_ROWS = 2048
 
 
 class FFNParams(ctypes.Structure):

@@ -27,7 +27,7 @@ from pipeline.engine.runner import ModelRunner, Span
 from pipeline.engine.scheduler import FINISHED, RUNNING, Scheduler
 from pipeline.engine.scheduler import Sequence as Seq
 from pipeline.engine.sampling import (SamplingParams, StopText, TokenLogprobs, adjust_logits, cut_at_stop,
-                                      generator_on, piece_logprobs, sample)
+                                      generator_on, piece_logprobs, plain_greedy, sample)
 
 
 @dataclass(frozen=True)
@@ -205,13 +205,16 @@ class LLMEngine:
         sampled: dict[int, list[int]] = {}
         failed: list[Seq] = []
         asking: list[tuple[Seq, int]] = []     # (sequence, its first logit row) of those that want logprobs
+        # every plain greedy row's token from ONE argmax over all rows (the same ids as row by row)
+        best = logits.argmax(-1).tolist() if any(p.samples and plain_greedy(p.seq) for p in batch.pieces) else None
         r = 0
         for p in batch.pieces:
             if not p.samples:
                 continue
             rows_of = 1 if p.draft is None else 2
             try:
-                sampled[p.seq.seq_id] = self._sample_piece(p, logits[r:r + rows_of])
+                sampled[p.seq.seq_id] = self._sample_piece(
+                    p, logits[r:r + rows_of], best[r:r + rows_of] if best and plain_greedy(p.seq) else None)
             except Exception as e:  # noqa: BLE001 - one request's sampling failure fails that request only
                 self.errors[p.seq.seq_id] = f"sampling failed: {type(e).__name__}: {e}"
                 failed.append(p.seq)
@@ -245,14 +248,16 @@ class LLMEngine:
         self.stats.step_seconds.append(time.perf_counter() - st.t0)
         return events
 
-    def _sample_piece(self, p, logits: torch.Tensor) -> list[int]:
+    def _sample_piece(self, p, logits: torch.Tensor, best: Optional[list[int]] = None) -> list[int]:
         """The tokens a sampling piece yields: one, or with an MTP draft the verification and, when the
-        draft is accepted, one more."""
+        draft is accepted, one more. ``best``: the rows' argmax, already known (a plain greedy sequence)."""
         seq = p.seq
         out = list(seq.output)
-        generator = generator_on(seq, logits.device)
+        generator = generator_on(seq, logits.device) if best is None else None
 
         def next_token(row: int) -> int:
+            if best is not None:
+                return best[row]
             x = adjust_logits(logits[row:row + 1], seq.params, seq.prompt, out, seq.eos_id)
             return int(sample(x, seq.params, generator)[0])
 

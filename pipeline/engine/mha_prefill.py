@@ -36,9 +36,10 @@ def mha_prefill_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: Paged
     v = torch.matmul(c, w_uv_t)                                                     # [H, T, d_v]
     q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)                           # [H, S, d_n + d_r]
     k = torch.cat([k_nope, pe.unsqueeze(0).expand(H, T, pe.shape[1])], dim=-1)
-    if start == 0:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale)
-    else:
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(S, T, start, q.device),
-                                           scale=softmax_scale)
+    d_v, d_qk = v.shape[-1], q.shape[-1]
+    if d_v < d_qk:      # v zero-padded to the keys' width: torch's fused (flash) CPU kernel takes equal widths
+        v = F.pad(v, (0, d_qk - d_v))             # (the math fallback otherwise: 1.1-1.8x slower, 16-512 tokens)
+    mask = None if start == 0 else causal_mask(S, T, start, q.device)
+    o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=start == 0,
+                                       scale=softmax_scale)[0, ..., :d_v]
     return o.transpose(0, 1)                                                        # [S, H, d_v]

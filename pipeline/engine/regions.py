@@ -19,20 +19,24 @@ one graph per region, the parameters being inputs; sizes are dynamic (a second g
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 
+from pipeline.model.rope import apply_rope
 
-def attn_in(layer, h: torch.Tensor, cos, sin, w_uk: torch.Tensor):
-    """h [1, N, hidden] -> (q_nope [N, H, d_n], q_abs [N, H, C], q_pe [N, H, d_r] (float32), c [N, C],
-    k_pe [N, d_r])."""
+
+def attn_in(layer, h: torch.Tensor, cos, sin, w_uk: torch.Tensor | None, rope=apply_rope):
+    """h [1, N, hidden] -> (q_nope [N, H, d_n], q_abs [N, H, C] (None without ``w_uk``: a caller that
+    absorbs it itself), q_pe [N, H, d_r] (float32), c [N, C], k_pe [N, d_r]). ``rope``: apply_rope or a
+    function with its bits."""
     attn = layer.self_attn
     x = layer.input_layernorm(h)
-    q_nope, q_pe = attn.query(x, cos, sin)
-    c, k_pe = attn.latent(x, cos, sin)
+    q_nope, q_pe = attn.query(x, cos, sin, rope)
+    c, k_pe = attn.latent(x, cos, sin, rope)
     q_nope = q_nope[0].float()
-    q_abs = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1).contiguous()
+    q_abs = None if w_uk is None else torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1).contiguous()
     return q_nope, q_abs, q_pe[0].float().contiguous(), c[0], k_pe[0]
 
 
@@ -48,9 +52,11 @@ def mlp(layer, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 class Regions:
-    """The three region functions, eager or compiled (``compile=True``; ``mode`` for torch.compile)."""
+    """The three region functions, eager or compiled (``compile=True``; ``mode`` for torch.compile). ``rope``:
+    eager attn_in's rotary embedding (apply_rope by default; the engine passes its C one, the same bits);
+    compiled regions keep apply_rope, which torch.compile fuses."""
 
-    def __init__(self, compile: bool = False, mode: str | None = None):
+    def __init__(self, compile: bool = False, mode: str | None = None, rope: Callable | None = None):
         self.compiled = bool(compile)
         wrap: Callable = (lambda f: torch.compile(f, dynamic=True, mode=mode)) if compile else (lambda f: f)
         if compile:
@@ -59,4 +65,6 @@ class Regions:
             # one graph per region serves every layer (parameters as inputs); leave room for the sizes
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         self.attn_in, self.attn_out, self.dense_mlp = wrap(attn_in), wrap(attn_out), wrap(mlp)
+        if rope is not None and not compile:
+            self.attn_in = functools.partial(attn_in, rope=rope)
         self.moe_mlp = mlp

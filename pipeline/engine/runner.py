@@ -25,7 +25,7 @@ from pipeline.engine.mha_prefill import mha_prefill_attention
 from pipeline.engine.batched_attention import DecodeBatch, batched_decode_attention
 from pipeline.engine.regions import Regions
 from pipeline.engine.kernels.dispatch import NATIVE, TRITON, backend
-from pipeline.engine import cpu_attention
+from pipeline.engine import cpu_attention, cpu_float
 from pipeline.engine.cpu_attention import decode_attention as native_decode_attention
 from pipeline.engine.loader import LoadedModel
 from pipeline.engine.paged_cache import PagedLatentCache
@@ -81,7 +81,7 @@ class ModelRunner:
         self.mtp_id = ids[-1] if mtp else None
         self.kernels = backend(device)      # decode attention: Triton on CUDA, the C kernel on a CPU, else torch
         self._w_abs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}    # id(attn) -> absorbed weights
-        self.regions = Regions(compile)
+        self.regions = Regions(compile, rope=cpu_float.rope if self.kernels == NATIVE else None)
         self.mha_prefill = mha_prefill
         self.caches = {
             i: PagedLatentCache(num_blocks, block_size, self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim,
@@ -102,15 +102,18 @@ class ModelRunner:
     def _layer(self, layer, cache: PagedLatentCache, h: torch.Tensor, st: "StepInputs") -> torch.Tensor:
         attn, rg = layer.self_attn, self.regions
         w_uk, w_uv_t = self._absorbed(attn)
-        q_nope, q_abs, qp, c, k_pe = rg.attn_in(layer, h, st.cos, st.sin, w_uk)
+        native = self.kernels == NATIVE and cpu_attention.library() is not None   # absorbs in its own call
+        need_abs = not native or bool(st.multi and not self.mha_prefill)
+        q_nope, q_abs, qp, c, k_pe = rg.attn_in(layer, h, st.cos, st.sin, w_uk if need_abs else None)
         cache.write_slots(st.slots, c, k_pe)                     # the step's tokens, one write per layer
         if st.decode is not None and st.all_decode:                # every token a decode row, in order
-            o = self._absorbed_out(self._decode(q_abs, qp, cache, attn, st), w_uv_t)
+            o = self._decode_out(native, q_nope, q_abs, qp, cache, attn, st, w_uk, w_uv_t)
         else:
-            o = torch.empty(*q_abs.shape[:2], w_uv_t.shape[2], dtype=torch.float32, device=self.device)
+            o = torch.empty(*q_nope.shape[:2], w_uv_t.shape[2], dtype=torch.float32, device=self.device)
             if st.decode is not None:
                 rows = st.decode_rows
-                o[rows] = self._absorbed_out(self._decode(q_abs[rows], qp[rows], cache, attn, st), w_uv_t)
+                o[rows] = self._decode_out(native, q_nope[rows], None if q_abs is None else q_abs[rows], qp[rows],
+                                           cache, attn, st, w_uk, w_uv_t)
             for sp, a, b in st.multi:
                 if self.mha_prefill:
                     o[a:b] = mha_prefill_attention(q_nope[a:b], qp[a:b], cache, sp.blocks, sp.start, w_uk, w_uv_t,
@@ -126,14 +129,20 @@ class ModelRunner:
         """o_lat [n, H, C] -> o = o_lat @ W_UV^T [n, H, d_v] (float32)."""
         return torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
 
+    def _decode_out(self, native: bool, q_nope, q_abs, qp, cache: PagedLatentCache, attn, st: "StepInputs",
+                    w_uk: torch.Tensor, w_uv_t: torch.Tensor) -> torch.Tensor:
+        """The decode rows' attention output before o_proj, o [B, H, d_v] float32: the C kernel takes q_nope
+        and does the absorption itself; the other backends attend with q_abs, then o_lat @ W_UV^T."""
+        if native:
+            return native_decode_attention(q_nope, qp, cache, st.decode, attn.scale, w_uk=w_uk, w_uv_t=w_uv_t)
+        return self._absorbed_out(self._decode(q_abs, qp, cache, attn, st), w_uv_t)
+
     def _decode(self, q_abs, qp, cache: PagedLatentCache, attn, st: "StepInputs") -> torch.Tensor:
         if self.kernels == TRITON:
             from pipeline.engine.kernels.mla_decode import paged_mla_decode_cache
 
             return paged_mla_decode_cache(q_abs, qp, cache, st.decode.table.to(torch.int32),
                                           st.decode.lengths.to(torch.int32), attn.scale)
-        if self.kernels == NATIVE and cpu_attention.library() is not None:
-            return native_decode_attention(q_abs, qp, cache, st.decode, attn.scale)
         return batched_decode_attention(q_abs, qp, cache, st.decode, attn.scale)
 
     def _positions(self, spans: Sequence[Span]) -> "StepInputs":

@@ -180,6 +180,13 @@ def restored_generator(state: torch.Tensor, state_device: Optional[str], device:
     return gen
 
 
+def plain_greedy(seq) -> bool:
+    """Whether ``seq``'s next tokens are the raw logits' argmax: greedy, no penalty, and no eos to block
+    (``min_tokens`` reached; it stays reached as the output grows)."""
+    p = seq.params
+    return p.greedy and not p.penalized and (seq.eos_id is None or len(seq.output) >= p.min_tokens)
+
+
 def adjust_logits(logits: torch.Tensor, p: SamplingParams, prompt: Sequence[int], output: Sequence[int],
                   eos_id: int | None) -> torch.Tensor:
     """The logits [1, V] of a sequence's next token after its penalties and ``min_tokens`` (see

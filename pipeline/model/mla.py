@@ -53,16 +53,17 @@ class MLA(nn.Module):
         self.o_proj = nn.Linear(H * self.d_v, h, **kw)
 
     # ----- projections ------------------------------------------------------------------------------
-    def query(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, S, h] -> q_nope [B, S, H, d_n], rotated q_pe [B, S, H, d_r]."""
+    def query(self, x: torch.Tensor, cos, sin, rope=apply_rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, S, h] -> q_nope [B, S, H, d_n], rotated q_pe [B, S, H, d_r]. ``rope``: apply_rope or a
+        function giving its bits (the engine's C one)."""
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
         q_nope, q_pe = q.unflatten(-1, (self.H, self.d_n + self.d_r)).split([self.d_n, self.d_r], dim=-1)
-        return q_nope, apply_rope(q_pe, cos, sin)
+        return q_nope, rope(q_pe, cos, sin)
 
-    def latent(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    def latent(self, x: torch.Tensor, cos, sin, rope=apply_rope) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, S, h] -> the cache entries: normed latent c [B, S, C], rotated k_pe [B, S, d_r]."""
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.C, self.d_r], dim=-1)
-        return self.kv_a_layernorm(c), apply_rope(k_pe, cos, sin)
+        return self.kv_a_layernorm(c), rope(k_pe, cos, sin)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, d_n, C] and W_UV [H, d_v, C], views of kv_b_proj.weight."""

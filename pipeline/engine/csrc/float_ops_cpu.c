@@ -165,3 +165,33 @@ int moe_router(const float *logits, int64_t N, int64_t E, const float *bias, int
     free(taken);
     return 0;
 }
+
+/* Rotary embedding of interleaved pairs (pipeline.model.rope.apply_rope): x [n, heads, d] (rows ldr
+ * elements apart, heads ldh apart; float32 or bf16), cos / sin [n, d/2] float32 -> out [n, heads, d]
+ * (contiguous) in x's dtype:  out[2i] = x[2i] c_i - x[2i+1] s_i,  out[2i+1] = x[2i+1] c_i + x[2i] s_i,
+ * each product and sum one float32 operation as torch does them (no contraction), then rounded to bf16
+ * to nearest even for a bf16 x: the same bits as apply_rope. */
+int rope(const void *x, int dt, int64_t n, int64_t heads, int64_t ldr, int64_t ldh, int64_t d, const float *cos,
+         const float *sin, void *out) {
+    if (n < 0 || heads < 1 || d < 2 || d % 2 || (dt != DT_BF16 && dt != DT_F32)) return 2;
+    const int64_t half = d / 2;
+    for (int64_t r = 0; r < n; r++) {
+        const float *cr = cos + r * half, *sr = sin + r * half;
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t src = r * ldr + h * ldh, dst = (r * heads + h) * d;
+            for (int64_t i = 0; i < half; i++) {
+                const float x0 = load_elem(x, dt, src + 2 * i), x1 = load_elem(x, dt, src + 2 * i + 1);
+                const float a = x0 * cr[i], b = x1 * sr[i], e = x1 * cr[i], f = x0 * sr[i];
+                const float o0 = a - b, o1 = e + f;
+                if (dt == DT_BF16) {
+                    ((uint16_t *)out)[dst + 2 * i] = float_to_bf16(o0);
+                    ((uint16_t *)out)[dst + 2 * i + 1] = float_to_bf16(o1);
+                } else {
+                    ((float *)out)[dst + 2 * i] = o0;
+                    ((float *)out)[dst + 2 * i + 1] = o1;
+                }
+            }
+        }
+    }
+    return 0;
+}

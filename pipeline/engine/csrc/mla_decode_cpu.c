@@ -16,6 +16,9 @@
  * Float32 throughout; the sums run in another order than torch's GEMMs, so results agree with the torch
  * path within float32 rounding (tests/test_native_attention.py measures it).
  *
+ * mla_decode_absorbed does the absorption around it as well: q_abs = q_nope @ W_UK before and
+ * o = o_lat @ W_UV^T after (small_gemm, all the rows of one head at a time, each element one FMA chain).
+ *
  * A store (latent or k_pe) is described by its element dtype and four strides in elements: per block,
  * per token, per column chunk, and the chunk width. ND [nb, bs, cols]: (bs*cols, cols, -, cols) with a
  * single chunk; NZ [nb, C1, R', c0]: (C1*R'*c0, c0, R'*c0, c0).
@@ -185,32 +188,75 @@ static void accumulate_v(float *restrict acc, const float *restrict alpha, const
 
 static int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
 
-/* Returns 0, or: 1 out of memory, 2 a length outside 1 .. W * block_size, 3 a block id outside the cache. */
-int mla_decode(const float *q_abs, const float *q_pe, int64_t B, int64_t H, int64_t C, int64_t R,
-               const void *c_base, int c_dtype, int64_t c_bstride, int64_t c_tstride, int64_t c_kstride,
-               int64_t c_kwidth, const void *p_base, int p_dtype, int64_t p_bstride, int64_t p_tstride,
-               int64_t p_kstride, int64_t p_kwidth, const int64_t *table, int64_t W, const int64_t *lengths,
-               int64_t block_size, int64_t num_blocks, float s_k, float softmax_scale, int64_t tile, float *out) {
-    store_t cs = {c_base, c_dtype, c_bstride, c_tstride, c_kstride, c_kwidth, C};
-    store_t ps = {p_base, p_dtype, p_bstride, p_tstride, p_kstride, p_kwidth, R};
+/* y[r * ldy + j] = sum_{k < K} x[r * ldx + k] * w[k * N + j] for rows r < M, columns j < N: each element
+ * one fused multiply-add chain over k in order from 0, whichever branch computes it (4 rows x 16 columns
+ * at a time, a row alone, or a scalar column tail: the same bits), so a row's result never depends on M. */
+static void small_gemm(float *restrict y, int64_t ldy, const float *restrict x, int64_t ldx, const float *restrict w,
+                       int64_t M, int64_t K, int64_t N) {
+    int64_t j0 = 0;
+#ifdef __AVX512F__
+    for (; j0 + 16 <= N; j0 += 16) {
+        int64_t r = 0;
+        for (; r + 4 <= M; r += 4) {
+            const float *x0 = x + r * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t k = 0; k < K; k++) {
+                const __m512 v = _mm512_loadu_ps(w + k * N + j0);
+                a0 = _mm512_fmadd_ps(_mm512_set1_ps(x0[k]), v, a0);
+                a1 = _mm512_fmadd_ps(_mm512_set1_ps(x1[k]), v, a1);
+                a2 = _mm512_fmadd_ps(_mm512_set1_ps(x2[k]), v, a2);
+                a3 = _mm512_fmadd_ps(_mm512_set1_ps(x3[k]), v, a3);
+            }
+            _mm512_storeu_ps(y + r * ldy + j0, a0);
+            _mm512_storeu_ps(y + (r + 1) * ldy + j0, a1);
+            _mm512_storeu_ps(y + (r + 2) * ldy + j0, a2);
+            _mm512_storeu_ps(y + (r + 3) * ldy + j0, a3);
+        }
+        for (; r < M; r++) {
+            const float *xr = x + r * ldx;
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k++) a = _mm512_fmadd_ps(_mm512_set1_ps(xr[k]), _mm512_loadu_ps(w + k * N + j0), a);
+            _mm512_storeu_ps(y + r * ldy + j0, a);
+        }
+    }
+#endif
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t j = j0; j < N; j++) {
+            float a = 0.0f;
+            for (int64_t k = 0; k < K; k++) a = fmaf(x[r * ldx + k], w[k * N + j], a);
+            y[r * ldy + j] = a;
+        }
+}
+
+/* The decode rows' attention (module comment); with w_uk / w_uv_t (else NULL) the absorption around it:
+ * the queries are q_nope [B, H, dn] and q_abs[b, h] = q_nope[b, h] @ w_uk[h] ([H, dn, C]), and out holds
+ * o[b, h] = o_lat[b, h] @ w_uv_t[h] ([H, C, dv]) [B, H, dv] instead of o_lat [B, H, C].
+ * Returns 0, or: 1 out of memory, 2 a length outside 1 .. W * block_size, 3 a block id outside the cache. */
+static int decode(const float *q, int64_t dn, const float *w_uk, const float *w_uv_t, int64_t dv,
+                  const float *q_pe, int64_t B, int64_t H, int64_t C, int64_t R, const store_t *cs,
+                  const store_t *ps, const int64_t *table, int64_t W, const int64_t *lengths, int64_t block_size,
+                  int64_t num_blocks, float s_k, float softmax_scale, int64_t tile, float *out) {
     for (int64_t b = 0; b < B; b++) {
         if (lengths[b] < 1 || lengths[b] > W * block_size) return 2;
         for (int64_t k = 0; k < (lengths[b] + block_size - 1) / block_size; k++)
             if (table[b * W + k] < 0 || table[b * W + k] >= num_blocks) return 3;
     }
     const int64_t Cp = pad16(C), Rp = pad16(R), T = tile;
-    size_t floats = (size_t)(T * Cp + T * Rp + H * Cp + H * Rp + H * Cp + H * T + 3 * H);
+    const int64_t rows = w_uk ? B * H * Cp : 0;    /* absorbed: every row's q_abs, then every row's o_lat */
+    size_t floats = (size_t)(T * Cp + T * Rp + H * Cp + H * Rp + H * Cp + H * T + 3 * H + rows);
     float *buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
     if (!buf) return 1;
     memset(buf, 0, floats * 4);                    /* padding columns stay zero */
     float *xc = buf, *xp = xc + T * Cp, *qa = xp + T * Rp, *qp = qa + H * Cp, *acc = qp + H * Rp;
-    float *s = acc + H * Cp, *m = s + H * T, *l = m + H, *alpha = l + H;
+    float *s = acc + H * Cp, *m = s + H * T, *l = m + H, *alpha = l + H, *all = alpha + H;
     const float mul_c = s_k * softmax_scale;
+    for (int64_t h = 0; w_uk && h < H; h++)         /* q_abs[b, h] = q_nope[b, h] @ W_UK[h], all rows per head */
+        small_gemm(all + h * Cp, H * Cp, q + h * dn, H * dn, w_uk + h * dn * C, B, dn, C);
     for (int64_t b = 0; b < B; b++) {
         const int64_t L = lengths[b];
         const int64_t *blocks = table + b * W;
         for (int64_t h = 0; h < H; h++) {
-            memcpy(qa + h * Cp, q_abs + (b * H + h) * C, (size_t)C * 4);
+            memcpy(qa + h * Cp, w_uk ? all + (b * H + h) * Cp : q + (b * H + h) * C, (size_t)C * 4);
             memcpy(qp + h * Rp, q_pe + (b * H + h) * R, (size_t)R * 4);
             memset(acc + h * Cp, 0, (size_t)Cp * 4);
             m[h] = -INFINITY;
@@ -221,8 +267,8 @@ int mla_decode(const float *q_abs, const float *q_pe, int64_t B, int64_t H, int6
             for (int64_t i = 0; i < n;) {          /* runs of positions within one block */
                 const int64_t pos = t0 + i, blk = blocks[pos / block_size], off = pos % block_size;
                 const int64_t run = block_size - off < n - i ? block_size - off : n - i;
-                load_rows(xc + i * Cp, Cp, &cs, blk, off, run);
-                load_rows(xp + i * Rp, Rp, &ps, blk, off, run);
+                load_rows(xc + i * Cp, Cp, cs, blk, off, run);
+                load_rows(xp + i * Rp, Rp, ps, blk, off, run);
                 i += run;
             }
             dots(s, T, qp, xp, H, n, Rp, softmax_scale, 0);
@@ -240,12 +286,39 @@ int mla_decode(const float *q_abs, const float *q_pe, int64_t B, int64_t H, int6
             }
             accumulate_v(acc, alpha, s, T, xc, H, n, Cp);
         }
-        for (int64_t h = 0; h < H; h++) {
+        for (int64_t h = 0; h < H; h++) {       /* absorbed: o_lat over q_abs, which served its row */
             const float f = s_k / l[h];
-            float *o = out + (b * H + h) * C;
+            float *o = w_uv_t ? all + (b * H + h) * Cp : out + (b * H + h) * C;
             for (int64_t j = 0; j < C; j++) o[j] = acc[h * Cp + j] * f;
         }
     }
+    for (int64_t h = 0; w_uv_t && h < H; h++)       /* o[b, h] = o_lat[b, h] @ W_UV^T[h], all rows per head */
+        small_gemm(out + h * dv, H * dv, all + h * Cp, H * Cp, w_uv_t + h * C * dv, B, C, dv);
     free(buf);
     return 0;
+}
+
+int mla_decode(const float *q_abs, const float *q_pe, int64_t B, int64_t H, int64_t C, int64_t R,
+               const void *c_base, int c_dtype, int64_t c_bstride, int64_t c_tstride, int64_t c_kstride,
+               int64_t c_kwidth, const void *p_base, int p_dtype, int64_t p_bstride, int64_t p_tstride,
+               int64_t p_kstride, int64_t p_kwidth, const int64_t *table, int64_t W, const int64_t *lengths,
+               int64_t block_size, int64_t num_blocks, float s_k, float softmax_scale, int64_t tile, float *out) {
+    store_t cs = {c_base, c_dtype, c_bstride, c_tstride, c_kstride, c_kwidth, C};
+    store_t ps = {p_base, p_dtype, p_bstride, p_tstride, p_kstride, p_kwidth, R};
+    return decode(q_abs, C, NULL, NULL, C, q_pe, B, H, C, R, &cs, &ps, table, W, lengths, block_size, num_blocks,
+                  s_k, softmax_scale, tile, out);
+}
+
+/* mla_decode from q_nope [B, H, dn] with the absorption folded in (see decode): out [B, H, dv]. */
+int mla_decode_absorbed(const float *q_nope, int64_t dn, const float *w_uk, const float *w_uv_t, int64_t dv,
+                        const float *q_pe, int64_t B, int64_t H, int64_t C, int64_t R,
+                        const void *c_base, int c_dtype, int64_t c_bstride, int64_t c_tstride, int64_t c_kstride,
+                        int64_t c_kwidth, const void *p_base, int p_dtype, int64_t p_bstride, int64_t p_tstride,
+                        int64_t p_kstride, int64_t p_kwidth, const int64_t *table, int64_t W,
+                        const int64_t *lengths, int64_t block_size, int64_t num_blocks, float s_k,
+                        float softmax_scale, int64_t tile, float *out) {
+    store_t cs = {c_base, c_dtype, c_bstride, c_tstride, c_kstride, c_kwidth, C};
+    store_t ps = {p_base, p_dtype, p_bstride, p_tstride, p_kstride, p_kwidth, R};
+    return decode(q_nope, dn, w_uk, w_uv_t, dv, q_pe, B, H, C, R, &cs, &ps, table, W, lengths, block_size,
+                  num_blocks, s_k, softmax_scale, tile, out);
 }
