@@ -1,9 +1,9 @@
 """The OpenAI / vLLM fields beyond sampling over HTTP, with the official ``openai`` client against the real
-Serve app on the simulated Ray cluster (a keyed colocated app and a disaggregated one): logprobs equal to
-the engine's own (run in this process), streamed and not; ``n`` choices equal to ``n`` separate requests
-seeded ``seed + i``; ``echo``; usage chunks; the finish reason on the chunk of the last token; /tokenize
-and /detokenize behind the key; every refusal a 400 naming the field with the server still up; and a
-seeded sampled request giving the same text colocated and disaggregated."""
+Serve app on the simulated Ray cluster (a keyed colocated app): logprobs equal to the engine's own (run in
+this process), streamed and not; ``n`` choices equal to ``n`` separate requests seeded ``seed + i``;
+``echo``; usage chunks; the finish reason on the chunk of the last token; /tokenize and /detokenize behind
+the key; every refusal a 400 naming the field with the server still up. (A seeded sampled request giving
+the same text and logprobs colocated and disaggregated: tests/test_serve.py, whose app has both.)"""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, qdir):
-    """``keyed`` (colocated, API key, 8 in flight) at / and ``disagg`` (prefill and decode apart) at /disagg."""
+    """``keyed`` (colocated, API key, 8 in flight) at / (disaggregated serving's fields: tests/test_serve.py)."""
     from ray import serve
 
     from actors.serve_app import DeploymentOptions, ServeConfig, build_app
@@ -47,10 +47,7 @@ def server(ray_cluster, qdir):
     try:
         cpu, small = DeploymentOptions(1, {"num_cpus": 0.5}), DeploymentOptions(1, {"num_cpus": 0.1})
         keyed = ServeConfig(qdir, MODEL, ENGINE, api_key=KEY, max_in_flight=MAX_IN_FLIGHT, llm=cpu, ingress=small)
-        disagg = ServeConfig(qdir, MODEL, ENGINE, max_in_flight=MAX_IN_FLIGHT, llm=cpu, ingress=small,
-                             mode="disaggregated", prefill=cpu)
         serve.run(build_app(keyed), name="keyed", route_prefix="/")
-        serve.run(build_app(disagg), name="disagg", route_prefix="/disagg")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -240,22 +237,3 @@ def test_bad_fields_are_400_naming_them_and_the_server_stays_up(server):
             call()
         assert (e.value.body["param"], e.value.body["message"]) == (param, message)
     assert c.completions.create(model=MODEL, prompt=RAW, max_tokens=2).usage.completion_tokens == 2
-
-
-# ----- disaggregated ------------------------------------------------------------------------------------
-
-def test_seeded_sampling_disaggregated_equals_colocated(server):
-    """The decode deployment continues the prefill's generator: the same sampled text as one engine."""
-    col, dis = client(server), client(server, "/disagg", key="none")
-    msgs = [{"role": "user", "content": QUESTION}]
-    kw = dict(model=MODEL, messages=msgs, max_tokens=16, temperature=0.8, seed=5)
-    a, b = col.chat.completions.create(**kw), dis.chat.completions.create(**kw)
-    assert a.choices[0].message.content == b.choices[0].message.content and a.usage.completion_tokens > 1
-    kw = dict(model=MODEL, prompt=RAW, max_tokens=16, temperature=0.8, seed=6, n=2, logprobs=1)
-    a, b = col.completions.create(**kw), dis.completions.create(**kw)
-    assert [ch.text for ch in a.choices] == [ch.text for ch in b.choices]
-    for x, y in zip(a.choices, b.choices):
-        # the tokens the decode deployment sampled carry the same logprobs; the first one's come from the
-        # prefill deployment (KVHandoff.first_logprobs), forwarded only where actors/serve_app.py passes them
-        assert max(abs(p - q) for p, q in zip(x.logprobs.token_logprobs[1:], y.logprobs.token_logprobs[1:])) <= TOL
-        assert y.logprobs.tokens == x.logprobs.tokens

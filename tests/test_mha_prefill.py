@@ -26,8 +26,14 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("nz", [False, True])
 @pytest.mark.parametrize("int8", [True, False])
 @pytest.mark.parametrize("start, S", [(0, 40), (21, 30), (50, 2)])
-def test_mha_form_equals_the_absorbed_form(nz, int8, start, S):
+@pytest.mark.parametrize("scores", ["whole", "flash"])
+def test_mha_form_equals_the_absorbed_form(nz, int8, start, S, scores, monkeypatch):
+    """Both ways of attending (the scores held whole, torch's flash kernel past WHOLE_SCORES_MAX)."""
+    from pipeline.engine import mha_prefill
     from pipeline.engine.paged_cache import PagedLatentCache
+
+    if scores == "flash":
+        monkeypatch.setattr(mha_prefill, "WHOLE_SCORES_MAX", 0)
 
     g = torch.Generator().manual_seed(start + S)
     H, d_n, d_v, C, R, bs = 4, 32, 32, 64, 16, 16

@@ -29,6 +29,7 @@ ENGINE = EngineConfig(num_blocks=64, block_size=16, max_num_seqs=8, max_batched_
 CTX = 64 * 16                     # the main app's context: the cache's tokens (under the model's 2048)
 QUESTION = "What's deep learning?"
 MAX_TOKENS = 24
+LOGPROB_TOL = 1e-4   # a logprob decoded on the decode deployment against one engine's (float32 rounding)
 RAW = "The os module provides"    # plain text: the model continues it for long (no early eos)
 
 
@@ -43,7 +44,9 @@ def server(ray_cluster, qdir):
     """Serve on a free port with these apps: ``main`` (colocated, no key, 32 in flight; the ingress replica
     owns the engine) at /, ``keyed`` (API key, 2 in flight) at /keyed, ``disagg`` (prefill and decode
     deployments apart) at /disagg, ``slowprefill`` (its prefill always too late), ``split`` (main with the
-    engine in an LLMServer deployment behind the ingress) at /split. Yields the base URL."""
+    engine in an LLMServer deployment behind the ingress) at /split. Only ``main`` and ``disagg`` run their
+    engines in a core process of their own (each costs a process start); the others on a thread. Yields
+    the base URL."""
     from ray import serve
 
     from actors.serve_app import DeploymentOptions, ServeConfig, build_app
@@ -55,15 +58,17 @@ def server(ray_cluster, qdir):
         small = DeploymentOptions(1, {"num_cpus": 0.1})
         main = ServeConfig(qdir, MODEL, ENGINE, max_in_flight=32, llm=cpu, ingress=small)
         keyed = ServeConfig(qdir, MODEL, EngineConfig(num_blocks=64, block_size=16, nz=True), api_key=KEY,
-                            max_in_flight=2, llm=cpu, ingress=small)
+                            max_in_flight=2, llm=cpu, ingress=small, engine_process=False)
         disagg = ServeConfig(qdir, MODEL, ENGINE, max_in_flight=32, llm=cpu, ingress=small, mode="disaggregated",
                              prefill=cpu)
         serve.run(build_app(main), name="main", route_prefix="/")
         serve.run(build_app(keyed), name="keyed", route_prefix="/keyed")
         serve.run(build_app(disagg), name="disagg", route_prefix="/disagg")
-        slow = dataclasses.replace(disagg, prefill_timeout_s=0.001, prefill=small, llm=small)  # prefill always late
+        slow = dataclasses.replace(disagg, prefill_timeout_s=0.001, prefill=small, llm=small,  # prefill always late
+                                   engine_process=False)
         serve.run(build_app(slow), name="slowprefill", route_prefix="/slowprefill")
-        split = dataclasses.replace(main, engine_in_ingress=False, llm=small)  # an LLMServer deployment apart
+        split = dataclasses.replace(main, engine_in_ingress=False, llm=small,  # an LLMServer deployment apart
+                                    engine_process=False)
         serve.run(build_app(split), name="split", route_prefix="/split")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -194,6 +199,23 @@ def test_split_engine_deployment_answers_equal_and_frees_blocks_on_disconnect(se
     m = wait_metric(server, "dsquant_engine_aborted_total", aborted0 + 1, "/split", timeout=15)
     assert m["dsquant_engine_aborted_total"] == aborted0 + 1
     assert (m["dsquant_engine_running"], m["dsquant_engine_cache_blocks_used"]) == (0, 0)
+
+
+def test_seeded_sampling_disaggregated_equals_colocated(server):
+    """The decode deployment continues the prefill's generator: the same sampled text as one engine."""
+    col, dis = client(server), client(server, "/disagg")
+    msgs = [{"role": "user", "content": QUESTION}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=16, temperature=0.8, seed=5)
+    a, b = col.chat.completions.create(**kw), dis.chat.completions.create(**kw)
+    assert a.choices[0].message.content == b.choices[0].message.content and a.usage.completion_tokens > 1
+    kw = dict(model=MODEL, prompt=RAW, max_tokens=16, temperature=0.8, seed=6, n=2, logprobs=1)
+    a, b = col.completions.create(**kw), dis.completions.create(**kw)
+    assert [ch.text for ch in a.choices] == [ch.text for ch in b.choices]
+    for x, y in zip(a.choices, b.choices):
+        # the tokens the decode deployment sampled carry the same logprobs; the first one's come from the
+        # prefill deployment (KVHandoff.first_logprobs), forwarded only where actors/serve_app.py passes them
+        assert max(abs(p - q) for p, q in zip(x.logprobs.token_logprobs[1:], y.logprobs.token_logprobs[1:])) <= LOGPROB_TOL
+        assert y.logprobs.tokens == x.logprobs.tokens
 
 
 def test_prefill_timeout_is_503_for_the_request(server):

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import torch
 
 from pipeline.engine.attention import paged_prefill_attention
-from pipeline.engine.mha_prefill import mha_prefill_attention
+from pipeline.engine.mha_prefill import kv_weights, mha_prefill_attention
 from pipeline.engine.batched_attention import DecodeBatch, batched_decode_attention
 from pipeline.engine.regions import Regions
 from pipeline.engine.kernels.dispatch import NATIVE, TRITON, backend
@@ -81,6 +81,7 @@ class ModelRunner:
         self.mtp_id = ids[-1] if mtp else None
         self.kernels = backend(device)      # decode attention: Triton on CUDA, the C kernel on a CPU, else torch
         self._w_abs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}    # id(attn) -> absorbed weights
+        self._w_kv: dict[int, torch.Tensor] = {}                          # id(attn) -> mha_prefill's kv_weights
         self.regions = Regions(compile, rope=cpu_float.rope if self.kernels == NATIVE else None)
         self.mha_prefill = mha_prefill
         self.caches = {
@@ -117,12 +118,19 @@ class ModelRunner:
             for sp, a, b in st.multi:
                 if self.mha_prefill:
                     o[a:b] = mha_prefill_attention(q_nope[a:b], qp[a:b], cache, sp.blocks, sp.start, w_uk, w_uv_t,
-                                                   attn.scale)
+                                                   attn.scale, self._kv_weights(attn, w_uk, w_uv_t))
                 else:
                     o[a:b] = self._absorbed_out(paged_prefill_attention(q_abs[a:b], qp[a:b], cache, sp.blocks,
                                                                         sp.start, attn.scale), w_uv_t)
         h, x = rg.attn_out(layer, h, o)
         return (rg.dense_mlp if isinstance(layer.mlp, MLP) else rg.moe_mlp)(layer, h, x)
+
+    def _kv_weights(self, attn, w_uk: torch.Tensor, w_uv_t: torch.Tensor) -> torch.Tensor:
+        """mha_prefill's [W_UK^T | W_UV^T] of ``attn``, made once per layer."""
+        w = self._w_kv.get(id(attn))
+        if w is None:
+            w = self._w_kv[id(attn)] = kv_weights(w_uk, w_uv_t)
+        return w
 
     @staticmethod
     def _absorbed_out(o_lat: torch.Tensor, w_uv_t: torch.Tensor) -> torch.Tensor:
