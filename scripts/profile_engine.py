@@ -1,4 +1,5 @@
-"""Where an engine step's time goes: a per-step profile of the engine on the embedded model, quantized.
+"""Where an engine step's time goes: a per-step profile of the engine on the embedded model, quantized (or
+any model directory the engine loads: ``--model-dir pipeline/assets/dsv3-tiny-pydoc`` for the float one).
 
     python scripts/profile_engine.py [--batch 8] [--prompt-len 128] [--new-tokens 64] [--mtp] [--out FILE]
     python scripts/profile_engine.py --rounds 3 --batches 1,8,16 --kernels torch,native [--out FILE]
@@ -17,8 +18,9 @@ times are exclusive (a region's own time, less the regions it calls), so the col
   embed/norm/rope/einsum   the model's float work outside the regions below (the runner's own code)
   cache write PagedLatentCache.write / write_slots (quantize the latents, store them)
   attention   paged decode / prefill attention over the cache
-  moe         MoE.forward's own work: routing, the per-expert loop, gathering and combining
-  linears     every int8 (W8A8, W8A8_DYNAMIC) and float linear
+  moe         MoE.forward's own work: routing, the per-expert loop, gathering and combining (a float
+              model's: NativeFloatMoE, routed and shared experts in one C call)
+  linears     every int8 (W8A8, W8A8_DYNAMIC) and float linear (a float model's dense MLP: NativeFloatMLP)
   sampling    LLMEngine.sampled: the next token(s) of every piece (one argmax for the plain greedy
               ones), the scheduler's update
   stop/detok  stop-string checks
@@ -88,6 +90,10 @@ def instrument(prof: Profiler) -> None:
         if hasattr(runner, name):                                        # (the C kernel, the prefill forms)
             prof.wrap(runner, name, "attention")
     prof.wrap(ffn.MoE, "forward", "moe")
+    from pipeline.engine import cpu_float_ffn                         # a float model's MLP and MoE in C
+
+    prof.wrap(cpu_float_ffn.NativeFloatMoE, "forward", "moe")
+    prof.wrap(cpu_float_ffn.NativeFloatMLP, "forward", "linears")
     try:
         from pipeline.engine import moe as engine_moe
         prof.wrap(engine_moe.Int8MoE, "forward", "moe")
@@ -132,7 +138,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model-dir", default=str(REPO / "out" / "dsv3-tiny-pydoc-w8a8-fa3"),
-                    help="a quantized directory (python -m jobs.quantize writes this one)")
+                    help="a quantized directory (python -m jobs.quantize writes this one) or a float checkpoint")
     ap.add_argument("--batch", type=int, default=8, help="sequences run together")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sequence")
@@ -155,8 +161,8 @@ def main() -> int:
     from pipeline.engine.sampling import SamplingParams
 
     torch.set_num_threads(args.threads)
-    if not (Path(args.model_dir) / "quant_model_description.json").exists():
-        raise SystemExit(f"{args.model_dir}: no quantized model (run: python -m jobs.quantize --overwrite)")
+    if not any((Path(args.model_dir) / f).exists() for f in ("quant_model_description.json", "config.json")):
+        raise SystemExit(f"{args.model_dir}: no model (the quantized one: python -m jobs.quantize --overwrite)")
     extra = {"compile": True} if args.compile else {}       # (an engine before the option: no keyword)
     eng = LLMEngine.from_dir(args.model_dir, num_blocks=2048, nz=True, mtp=args.mtp,
                              max_num_seqs=max(16, args.batch), **extra)
