@@ -341,3 +341,28 @@ def _greedy(qdir, tok, monkeypatch, native_float: bool):
 @needs_native
 def test_engine_gives_the_same_greedy_tokens(qdir, tok, monkeypatch):
     assert _greedy(qdir, tok, monkeypatch, True) == _greedy(qdir, tok, monkeypatch, False)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_is_apply_ropes_bits(dtype, monkeypatch):
+    """cpu_float.rope gives apply_rope's bits: q_pe as a strided view of q (heads), k_pe as a column slice
+    (no heads), leading dims that only a copy makes evenly spaced; other inputs take apply_rope itself."""
+    from pipeline.model.rope import apply_rope
+
+    g = torch.Generator().manual_seed(7)
+    ang = torch.randn(1, 9, 32, generator=g) * 50
+    cos, sin = ang.cos() * 1.3, ang.sin() * 1.3
+    q = (torch.randn(1, 9, 4 * 96, generator=g) * 3).to(dtype)
+    q_pe = q.unflatten(-1, (4, 96))[..., 32:]
+    k_pe = torch.randn(1, 9, 576, generator=g).to(dtype)[..., 512:]
+    odd = torch.randn(2, 5, 3, 8, generator=g).to(dtype).transpose(0, 1)
+    c2, s2 = torch.randn(5, 2, 4, generator=g), torch.randn(5, 2, 4, generator=g)
+    fallbacks = []
+    monkeypatch.setattr(cpu_float, "apply_rope", lambda *a: fallbacks.append(1) or apply_rope(*a))
+    for x, c, s in ((q_pe, cos, sin), (k_pe, cos, sin), (odd, c2, s2)):
+        got = cpu_float.rope(x, c, s)
+        assert got.dtype == dtype and torch.equal(got, apply_rope(x, c, s))
+    assert fallbacks == []                                  # all three through the C call
+    assert torch.equal(cpu_float.rope(q_pe, cos.double(), sin.double()), apply_rope(q_pe, cos.double(), sin.double()))
+    assert fallbacks == [1]                                 # float64 angles: apply_rope itself

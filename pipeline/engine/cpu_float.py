@@ -193,8 +193,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         xs = x.view(-1, x.shape[-2] if heads else 1, d)
     except RuntimeError:                        # leading dims not evenly spaced: a copy that is
         xs = x.reshape(-1, x.shape[-2] if heads else 1, d)
-    if xs.stride(-1) != 1:
-        return apply_rope(x, cos, sin)
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
     if xs.shape[0]:

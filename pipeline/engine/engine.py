@@ -206,7 +206,8 @@ class LLMEngine:
         failed: list[Seq] = []
         asking: list[tuple[Seq, int]] = []     # (sequence, its first logit row) of those that want logprobs
         # every plain greedy row's token from ONE argmax over all rows (the same ids as row by row)
-        best = logits.argmax(-1).tolist() if any(p.samples and plain_greedy(p.seq) for p in batch.pieces) else None
+        plain = {p.seq.seq_id for p in batch.pieces if p.samples and plain_greedy(p.seq)}
+        best = logits.argmax(-1).tolist() if plain else None
         r = 0
         for p in batch.pieces:
             if not p.samples:
@@ -214,7 +215,7 @@ class LLMEngine:
             rows_of = 1 if p.draft is None else 2
             try:
                 sampled[p.seq.seq_id] = self._sample_piece(
-                    p, logits[r:r + rows_of], best[r:r + rows_of] if best and plain_greedy(p.seq) else None)
+                    p, logits[r:r + rows_of], best[r:r + rows_of] if p.seq.seq_id in plain else None)
             except Exception as e:  # noqa: BLE001 - one request's sampling failure fails that request only
                 self.errors[p.seq.seq_id] = f"sampling failed: {type(e).__name__}: {e}"
                 failed.append(p.seq)
