@@ -80,8 +80,7 @@ class ModelRunner:
             ids.append(self.model.mtp_layers[0].layer_id)
         self.mtp_id = ids[-1] if mtp else None
         self.kernels = backend(device)      # decode attention: Triton on CUDA, the C kernel on a CPU, else torch
-        self._w_abs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}    # id(attn) -> absorbed weights
-        self._w_kv: dict[int, torch.Tensor] = {}                          # id(attn) -> mha_prefill's kv_weights
+        self._w_abs: dict[int, tuple[torch.Tensor, ...]] = {}    # id(attn) -> absorbed weights, kv_weights
         self.regions = Regions(compile, rope=cpu_float.rope if self.kernels == NATIVE else None)
         self.mha_prefill = mha_prefill
         self.caches = {
@@ -92,17 +91,19 @@ class ModelRunner:
     def bytes_per_token(self) -> int:
         return sum(c.bytes_per_token() for c in self.caches.values())
 
-    def _absorbed(self, attn) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK [H, d_n, C] and W_UV^T [H, C, d_v] of ``attn`` as contiguous float32, made once per layer."""
+    def _absorbed(self, attn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """W_UK [H, d_n, C], W_UV^T [H, C, d_v] and mha_prefill's kv_weights [H, C, d_n + d_v] of ``attn`` as
+        contiguous float32, made once per layer."""
         w = self._w_abs.get(id(attn))
         if w is None:
             w_uk, w_uv = attn.absorbed_weights()
-            w = self._w_abs[id(attn)] = (w_uk.float().contiguous(), w_uv.float().transpose(1, 2).contiguous())
+            w_uk, w_uv_t = w_uk.float().contiguous(), w_uv.float().transpose(1, 2).contiguous()
+            w = self._w_abs[id(attn)] = (w_uk, w_uv_t, kv_weights(w_uk, w_uv_t))
         return w
 
     def _layer(self, layer, cache: PagedLatentCache, h: torch.Tensor, st: "StepInputs") -> torch.Tensor:
         attn, rg = layer.self_attn, self.regions
-        w_uk, w_uv_t = self._absorbed(attn)
+        w_uk, w_uv_t, w_kv = self._absorbed(attn)
         native = self.kernels == NATIVE and cpu_attention.library() is not None   # absorbs in its own call
         need_abs = not native or bool(st.multi and not self.mha_prefill)
         q_nope, q_abs, qp, c, k_pe = rg.attn_in(layer, h, st.cos, st.sin, w_uk if need_abs else None)
@@ -118,19 +119,12 @@ class ModelRunner:
             for sp, a, b in st.multi:
                 if self.mha_prefill:
                     o[a:b] = mha_prefill_attention(q_nope[a:b], qp[a:b], cache, sp.blocks, sp.start, w_uk, w_uv_t,
-                                                   attn.scale, self._kv_weights(attn, w_uk, w_uv_t))
+                                                   attn.scale, w_kv)
                 else:
                     o[a:b] = self._absorbed_out(paged_prefill_attention(q_abs[a:b], qp[a:b], cache, sp.blocks,
                                                                         sp.start, attn.scale), w_uv_t)
         h, x = rg.attn_out(layer, h, o)
         return (rg.dense_mlp if isinstance(layer.mlp, MLP) else rg.moe_mlp)(layer, h, x)
-
-    def _kv_weights(self, attn, w_uk: torch.Tensor, w_uv_t: torch.Tensor) -> torch.Tensor:
-        """mha_prefill's [W_UK^T | W_UV^T] of ``attn``, made once per layer."""
-        w = self._w_kv.get(id(attn))
-        if w is None:
-            w = self._w_kv[id(attn)] = kv_weights(w_uk, w_uv_t)
-        return w
 
     @staticmethod
     def _absorbed_out(o_lat: torch.Tensor, w_uv_t: torch.Tensor) -> torch.Tensor:
