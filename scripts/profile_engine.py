@@ -143,6 +143,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sequence")
     ap.add_argument("--mtp", action="store_true", help="MTP speculative decoding on (default: off)")
+    ap.add_argument("--max-batched-tokens", type=int, default=2048,
+                    help="tokens one step may hold (the served engines' default, actors/serve_config)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (vLLM's CPU engine core uses one)")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the layers' work around attention (EngineConfig.compile)")
@@ -165,7 +167,8 @@ def main() -> int:
         raise SystemExit(f"{args.model_dir}: no model (the quantized one: python -m jobs.quantize --overwrite)")
     extra = {"compile": True} if args.compile else {}       # (an engine before the option: no keyword)
     eng = LLMEngine.from_dir(args.model_dir, num_blocks=2048, nz=True, mtp=args.mtp,
-                             max_num_seqs=max(16, args.batch), **extra)
+                             max_num_seqs=max(16, args.batch),
+                             max_batched_tokens=args.max_batched_tokens, **extra)
     batch = prompts(args.batch, args.prompt_len)
     params = SamplingParams(max_new_tokens=args.new_tokens)
     for n in (1, 2, args.batch):          # warm-up, not profiled (compiles every size class when compiling)

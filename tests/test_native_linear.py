@@ -1,7 +1,8 @@
 """pipeline.engine.cpu_linear: the int8 linears' fused C forward (quantize, int32 product, epilogue) equals
 the torch path (the reference: quantize_static / quantize_per_token, torch._int_mm, the float64 or float32
 epilogue, the casts) bit for bit, for both kinds, both epilogues, float32 and bf16 input, with and without
-bias, on random values and on every linear of the embedded model; the VNNI and the plain C loops agree;
+bias, on random values and on every linear of the embedded model; the VNNI and the plain C loops agree,
+and so do the AMX tiles (on a CPU with them) and the VNNI ones;
 the switches turn it off; a changed weight is repacked.
 
 Tolerance: none. Every comparison is ``torch.equal`` (the C code runs the same float32 / float64
@@ -194,3 +195,33 @@ def test_the_plain_c_loops_equal_the_vnni_ones(monkeypatch):
                for rows in ROWS for dt in (torch.float32, torch.bfloat16)]
         assert m.last_kernel == NATIVE
         assert all(torch.equal(a, b) for a, b in zip(got, want[id(m)])), m.kind
+
+
+def test_the_amx_tiles_equal_the_vnni_ones(monkeypatch):
+    """Calls of AMX_MIN_ROWS (32) rows or more run on the AMX tiles where the CPU has them: the same exact
+    int32 product, so the same outputs as the library built without AMX (VNNI), for whole and short
+    32-row blocks, k a multiple of 64 (the tiles) and not (VNNI either way), both kinds and dtypes."""
+    if not cpu_linear.library().native_has_amx():
+        pytest.skip(f"no AMX here ({cpu_linear.status()}): the VNNI and plain C paths are the ones tested")
+    vnni = NativeLibrary(cpu_linear.SOURCE, cpu_linear._declare, EXACT_FLAGS + ("-mno-amx-tile", "-mno-amx-int8"),
+                         what="VNNI-only C kernel")
+    assert vnni.library() is not None and vnni.library().native_has_amx() == 0
+    g = torch.Generator().manual_seed(6)
+    mods = [make(kind, n, k, EXACT, True, g) for kind in ("static", "dynamic") for n, k in ((576, 256), (256, 768),
+                                                                                          (100, 130))]
+    rows = (32, 33, 64, 100, 257)
+
+    def outputs():
+        for m in mods:
+            m.__dict__.pop("_native_packed", None)
+        out = []
+        for m in mods:
+            for r in rows:
+                x = inputs(r, m.in_features, torch.bfloat16, torch.Generator().manual_seed(r))
+                out += [m(x), m(x.float()), m._acc(quantize_per_token(x.float())[0])]
+                assert m.last_kernel == NATIVE
+        return out
+
+    amx = outputs()
+    monkeypatch.setattr(cpu_linear, "_LIB", vnni)
+    assert all(torch.equal(a, b) for a, b in zip(amx, outputs()))

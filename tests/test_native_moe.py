@@ -59,7 +59,7 @@ def test_the_models_moe_layers(models, epilogue, monkeypatch):
     g = torch.Generator().manual_seed(0)
     for moe in layers:
         assert cpu_moe.can_run(moe, torch.zeros(1, model.config.hidden_size))
-        for rows in (1, 5, 64, 130):
+        for rows in (1, 5, 64, 130, 520):      # 520: ~130 slots an expert (the AMX tiles)
             for dtype in (torch.float32, torch.bfloat16):
                 x = torch.randn(1, rows, model.config.hidden_size, generator=g).to(dtype)
                 (a, la), (b, lb) = run(moe, x, monkeypatch, "torch"), run(moe, x, monkeypatch, "")

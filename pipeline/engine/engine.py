@@ -22,6 +22,7 @@ from pipeline.engine.blocks import BlockAllocator
 from pipeline.engine.loader import LoadedModel, load_model
 from pipeline.engine import kv_handoff
 from pipeline.engine.kv_handoff import KVHandoff, latest_logprobs  # noqa: F401 (re-exported)
+from pipeline.engine import malloc_tuning
 from pipeline.engine.prefix_cache import PrefixCachingAllocator
 from pipeline.engine.runner import ModelRunner, Span
 from pipeline.engine.scheduler import FINISHED, RUNNING, Scheduler
@@ -109,6 +110,8 @@ class LLMEngine:
         0, actors.rank_group); default one in this process."""
         cfg = loaded.config
         self.config, self.loaded, self.tokenizer = config, loaded, tokenizer
+        if torch.device(config.device).type == "cpu":
+            malloc_tuning.tune()        # steps reuse freed activations' pages (malloc_tuning)
         cap = config.num_blocks * config.block_size
         max_len = min(config.max_model_len or cap, cfg.max_position_embeddings)
         self.allocator = (PrefixCachingAllocator if config.prefix_caching else BlockAllocator)(config.num_blocks)

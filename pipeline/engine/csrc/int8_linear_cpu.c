@@ -19,6 +19,11 @@
  * so acc = that - wsum with wsum = 128 * row sum of W, computed at packing. Everything is modulo 2^32
  * (vpdpbusd wraps, the subtraction is unsigned) and the true |acc| <= 128 * 128 * k < 2^31 for k <= 131071,
  * so the int32 result is exact. Without VNNI the same layout is summed by plain C loops.
+ *
+ * With AMX (built for a CPU that has it, and the kernel grants the process the tile state) a call of at
+ * least AMX_MIN_ROWS rows and kp a multiple of 64 runs on the tiles instead: tdpbusd is the same u8 x s8
+ * product summed into int32 lanes (the packed blocks are B tiles as they are: 16 k-steps x 64 bytes), so
+ * the int32 result is the same exact one, bit for bit, whichever unit computes it.
  */
 #include <math.h>
 #include <stdint.h>
@@ -31,6 +36,14 @@
 #define HAVE_VNNI 1
 #else
 #define HAVE_VNNI 0
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
 #endif
 
 enum { KIND_STATIC = 0, KIND_DYNAMIC = 1 };
@@ -53,6 +66,27 @@ typedef struct {            /* one linear; filled once by cpu_linear.py (must ma
 
 int native_has_vnni(void) { return HAVE_VNNI; }
 
+#if HAVE_AMX
+#define AMX_MIN_ROWS 32   /* below this many rows the VNNI tiles are as fast (benchmarks/cpu_linear.json) */
+#define AMX_ROWS 32       /* rows per AMX block: two 16-row A tiles */
+static volatile int amx_state;    /* 0: not asked yet, 1: the kernel granted the tile data, -1: refused */
+
+/* Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA). */
+static int amx_usable(void) {
+    if (amx_state == 0) amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    return amx_state > 0;
+}
+#endif
+
+/* 1 when the AMX tiles take the calls of AMX_MIN_ROWS rows or more (built for them and granted). */
+int native_has_amx(void) {
+#if HAVE_AMX
+    return amx_usable();
+#else
+    return 0;
+#endif
+}
+
 static inline float load_x(const void *x, int32_t dt, int64_t i) {
     return dt == DT_BF16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
@@ -60,39 +94,77 @@ static inline float load_x(const void *x, int32_t dt, int64_t i) {
 static inline float clampq(float t) { return t < -128.0f ? -128.0f : (t > 127.0f ? 127.0f : t); }
 
 /* ----- activations ------------------------------------------------------------------------------- */
+#if HAVE_VNNI
+/* 16 floats at x (bf16 or float32) */
+static inline __m512 load16(const void *x, int32_t dt, int64_t i) {
+    if (dt == DT_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i))), 16));
+    return _mm512_loadu_ps((const float *)x + i);
+}
+
+/* u8 = clamp(rint(t), -128, 127) + 128 of 16 values, stored (the scalar code's rounding and clamp) */
+static inline void store_u8(uint8_t *u, __m512 t) {
+    t = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-128.0f)), _mm512_set1_ps(127.0f));
+    __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(t), _mm512_set1_epi32(128));
+    _mm_storeu_si128((__m128i *)u, _mm512_cvtepi32_epi8(q));
+}
+#endif
+
 static void quant_static(const void *x, int32_t dt, int64_t m, int64_t k, int64_t ldx, float sc, float off,
                          uint8_t *u, int64_t kp) {
     for (int64_t r = 0; r < m; r++) {
         uint8_t *ur = u + r * kp;
-        for (int64_t j = 0; j < k; j++)
+        int64_t j = 0;
+#if HAVE_VNNI
+        const __m512 vs = _mm512_set1_ps(sc), vo = _mm512_set1_ps(off);
+        for (; j + 16 <= k; j += 16)
+            store_u8(ur + j, _mm512_add_ps(_mm512_div_ps(load16(x, dt, r * ldx + j), vs), vo));
+#endif
+        for (; j < k; j++)
             ur[j] = (uint8_t)((int32_t)clampq(rintf(load_x(x, dt, r * ldx + j) / sc + off)) + 128);
-        for (int64_t j = k; j < kp; j++) ur[j] = 128;
+        for (j = k; j < kp; j++) ur[j] = 128;
     }
 }
 
-static void quant_dynamic_row(const float *xf, int64_t k, uint8_t *ur, int64_t kp, float *s_out) {
+/* One row of float32 (xf) or bf16 (xb, when xf is NULL) values quantized per token. */
+static void quant_dynamic_row(const float *xf, const uint16_t *xb, int64_t k, uint8_t *ur, int64_t kp,
+                              float *s_out) {
+    const void *x = xf ? (const void *)xf : (const void *)xb;
+    const int32_t dt = xf ? DT_F32 : DT_BF16;
     float amax = 0.0f;
-    for (int64_t j = 0; j < k; j++) {
-        float a = fabsf(xf[j]);
+    int64_t j = 0;
+#if HAVE_VNNI
+    __m512 vm = _mm512_setzero_ps();      /* max(a, vm) keeps vm when a is NaN, as the scalar loop does */
+    for (; j + 16 <= k; j += 16) vm = _mm512_max_ps(_mm512_abs_ps(load16(x, dt, j)), vm);
+    amax = _mm512_reduce_max_ps(vm);
+#endif
+    for (; j < k; j++) {
+        float a = fabsf(load_x(x, dt, j));
         amax = a > amax ? a : amax;
     }
     float s = amax / 127.0f;
     const float eps = 1.1920928955078125e-07f;          /* torch.finfo(float32).eps */
     s = s < eps ? eps : s;
-    for (int64_t j = 0; j < k; j++) ur[j] = (uint8_t)((int32_t)clampq(rintf(xf[j] / s)) + 128);
-    for (int64_t j = k; j < kp; j++) ur[j] = 128;
+    j = 0;
+#if HAVE_VNNI
+    const __m512 vs = _mm512_set1_ps(s);
+    for (; j + 16 <= k; j += 16) store_u8(ur + j, _mm512_div_ps(load16(x, dt, j), vs));
+#endif
+    for (; j < k; j++) ur[j] = (uint8_t)((int32_t)clampq(rintf(load_x(x, dt, j) / s)) + 128);
+    for (j = k; j < kp; j++) ur[j] = 128;
     *s_out = s;
 }
 
 static void quant_dynamic(const void *x, int32_t dt, int64_t m, int64_t k, int64_t ldx, uint8_t *u, int64_t kp,
                           float *s, float *row) {
+    (void)row;
     for (int64_t r = 0; r < m; r++) {
-        const float *xf = (const float *)x + r * ldx;
-        if (dt == DT_BF16) {
-            for (int64_t j = 0; j < k; j++) row[j] = bf16_to_float(((const uint16_t *)x)[r * ldx + j]);
-            xf = row;
-        }
-        quant_dynamic_row(xf, k, u + r * kp, kp, s + r);
+        if (dt == DT_BF16)
+            quant_dynamic_row(NULL, (const uint16_t *)x + r * ldx, k, u + r * kp, kp, s + r);
+        else
+            quant_dynamic_row((const float *)x + r * ldx, NULL, k, u + r * kp, kp, s + r);
     }
 }
 
@@ -164,9 +236,75 @@ static inline __attribute__((always_inline)) void tile(const int mr, const uint8
 }
 #endif
 
+#if HAVE_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+/* The product of gemm() on the AMX tiles, kp % 64 == 0: blocks of 32 rows x 32 columns (C tiles 0-3, the
+ * rows' A tiles 4-5, the columns' B tiles 6-7), k in steps of 64. A block of gathered rows (``rows``) or
+ * the last, short block is copied into ``stage`` [32][kp] first; c must have room for m rounded up to 32
+ * rows (the extra rows are scratch). The tile configuration is loaded on every call (it is per thread,
+ * and other code on this thread, oneDNN's, may have changed it) and released at the end. */
+static void gemm_amx(const uint8_t *a, int64_t lda, const int64_t *rows, int64_t m, const int8_t *wpack,
+                     const int32_t *wsum, int64_t np, int64_t kp, int32_t *c, uint8_t *stage) {
+    int64_t ks = kp / 4, kc = kp / 64, ldc = np * 4;
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+    for (int64_t r0 = 0; r0 < m; r0 += AMX_ROWS) {
+        int64_t mr = m - r0 < AMX_ROWS ? m - r0 : AMX_ROWS;
+        const uint8_t *ab = a + r0 * lda;
+        int64_t ld = lda;
+        if (rows || mr < AMX_ROWS) {
+            for (int64_t i = 0; i < AMX_ROWS; i++) {
+                if (i < mr) memcpy(stage + i * kp, a + (rows ? rows[r0 + i] : r0 + i) * lda, (size_t)kp);
+                else memset(stage + i * kp, 128, (size_t)kp);
+            }
+            ab = stage;
+            ld = kp;
+        }
+        for (int64_t cb = 0; cb < np / COLS; cb += 2) {
+            const int8_t *b0 = wpack + cb * ks * 64, *b1 = b0 + ks * 64;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t q = 0; q < kc; q++) {
+                _tile_loadd(4, ab + q * 64, ld);
+                _tile_loadd(5, ab + 16 * ld + q * 64, ld);
+                _tile_loadd(6, b0 + q * 16 * 64, 64);
+                _tile_loadd(7, b1 + q * 16 * 64, 64);
+                _tile_dpbusd(0, 4, 6); _tile_dpbusd(1, 4, 7);
+                _tile_dpbusd(2, 5, 6); _tile_dpbusd(3, 5, 7);
+            }
+            int32_t *cp = c + r0 * np + cb * COLS;
+            _tile_stored(0, cp, ldc); _tile_stored(1, cp + COLS, ldc);
+            _tile_stored(2, cp + 16 * np, ldc); _tile_stored(3, cp + 16 * np + COLS, ldc);
+        }
+        for (int64_t i = 0; i < mr; i++) {
+            uint32_t *cr = (uint32_t *)(c + (r0 + i) * np);
+            for (int64_t j = 0; j < np; j++) cr[j] -= (uint32_t)wsum[j];
+        }
+    }
+    _tile_release();
+}
+#endif
+
 static void gemm(const uint8_t *a, int64_t lda, const int64_t *rows, int64_t m, const int8_t *wpack,
                  const int32_t *wsum, int64_t np, int64_t kp, int32_t *c) {
     int64_t ks = kp / 4;
+#if HAVE_AMX
+    if (m >= AMX_MIN_ROWS && kp % 64 == 0 && amx_usable()) {
+        uint8_t *stage = malloc((size_t)(AMX_ROWS * kp));
+        if (stage) {
+            gemm_amx(a, lda, rows, m, wpack, wsum, np, kp, c, stage);
+            free(stage);
+            return;
+        }
+    }
+#endif
     for (int64_t p = 0; p < np / (COLS * PANEL); p++) {
         const int8_t *wb = wpack + p * PANEL * ks * 64;
         const int32_t *sb = wsum + p * COLS * PANEL;
@@ -205,31 +343,77 @@ static inline float epi_dynamic(int32_t epi, int32_t acc, float s, float ws) {
     return ((float)acc * s) * ws;
 }
 
-static void store_row(void *y, int32_t dt, int64_t off, const float *v, int64_t n) {
-    if (dt == DT_BF16)
-        for (int64_t j = 0; j < n; j++) ((uint16_t *)y)[off + j] = float_to_bf16(v[j]);
-    else
-        memcpy((float *)y + off, v, (size_t)n * sizeof(float));
+/* One output of the linear's epilogue (the header's formulas), bias included when use_bias. */
+static inline float epi1(const linear_t *L, const int32_t *cr, float s, int64_t j, int use_bias) {
+    if (L->kind == KIND_STATIC) {
+        if (L->epilogue == EPI_EXACT) return (float)(((double)cr[j] + (double)L->quant_bias[j]) * (double)L->deq[j]);
+        return (float)(int32_t)((uint32_t)cr[j] + (uint32_t)L->quant_bias[j]) * L->deq[j];
+    }
+    float v = epi_dynamic(L->epilogue, cr[j], s, L->wscale[j]);
+    return use_bias && L->bias ? v + L->bias[j] : v;
 }
+
+#if HAVE_VNNI
+static inline __m512d lo_pd(__m512i v) { return _mm512_cvtepi32_pd(_mm512_castsi512_si256(v)); }
+static inline __m512d hi_pd(__m512i v) { return _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(v, 1)); }
+static inline __m512d lo_psd(__m512 v) { return _mm512_cvtps_pd(_mm512_castps512_ps256(v)); }
+static inline __m512d hi_psd(__m512 v) { return _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)); }
+static inline __m512 join_ps(__m512d lo, __m512d hi) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(lo)), _mm512_cvtpd_ps(hi), 1);
+}
+
+/* epi1 of 16 outputs j .. j + 15: the same operations on vector lanes (float64 ones for ``exact``) */
+static inline __m512 epi16(const linear_t *L, const int32_t *cr, float s, int64_t j, int use_bias) {
+    __m512i c = _mm512_loadu_si512((const void *)(cr + j));
+    if (L->kind == KIND_STATIC) {
+        __m512i qb = _mm512_loadu_si512((const void *)(L->quant_bias + j));
+        __m512 deq = _mm512_loadu_ps(L->deq + j);
+        if (L->epilogue == EPI_FAST) return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(c, qb)), deq);
+        return join_ps(_mm512_mul_pd(_mm512_add_pd(lo_pd(c), lo_pd(qb)), lo_psd(deq)),
+                       _mm512_mul_pd(_mm512_add_pd(hi_pd(c), hi_pd(qb)), hi_psd(deq)));
+    }
+    __m512 ws = _mm512_loadu_ps(L->wscale + j), v;
+    if (L->epilogue == EPI_FAST) {
+        v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(s)), ws);
+    } else {
+        __m512d sd = _mm512_set1_pd((double)s);
+        v = join_ps(_mm512_mul_pd(_mm512_mul_pd(lo_pd(c), sd), lo_psd(ws)),
+                    _mm512_mul_pd(_mm512_mul_pd(hi_pd(c), sd), hi_psd(ws)));
+    }
+    return use_bias && L->bias ? _mm512_add_ps(v, _mm512_loadu_ps(L->bias + j)) : v;
+}
+
+/* float32 -> bf16 bits of 16 values: float_to_bf16's rounding (to nearest even, NaN -> 0x7fc0) */
+static inline void store_bf16x16(uint16_t *y, __m512 v) {
+    __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    r = _mm512_mask_mov_epi32(_mm512_srli_epi32(r, 16), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                              _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(r));
+}
+#endif
 
 static void epilogue(const linear_t *L, const int32_t *c, const float *s, int64_t m, int use_bias, void *y,
                      int32_t dt, float *row) {
+    (void)row;
     int64_t n = L->n;
     for (int64_t r = 0; r < m; r++) {
         const int32_t *cr = c + r * L->np;
-        if (L->kind == KIND_STATIC) {
-            if (L->epilogue == EPI_EXACT)
-                for (int64_t j = 0; j < n; j++)
-                    row[j] = (float)(((double)cr[j] + (double)L->quant_bias[j]) * (double)L->deq[j]);
-            else
-                for (int64_t j = 0; j < n; j++)
-                    row[j] = (float)(int32_t)((uint32_t)cr[j] + (uint32_t)L->quant_bias[j]) * L->deq[j];
-        } else {
-            for (int64_t j = 0; j < n; j++) row[j] = epi_dynamic(L->epilogue, cr[j], s[r], L->wscale[j]);
-            if (use_bias && L->bias)
-                for (int64_t j = 0; j < n; j++) row[j] = row[j] + L->bias[j];
+        float sr = L->kind == KIND_STATIC ? 0.0f : s[r];
+        int64_t j = 0;
+#if HAVE_VNNI
+        for (; j + 16 <= n; j += 16) {
+            __m512 v = epi16(L, cr, sr, j, use_bias);
+            if (dt == DT_BF16) store_bf16x16((uint16_t *)y + r * n + j, v);
+            else _mm512_storeu_ps((float *)y + r * n + j, v);
         }
-        store_row(y, dt, r * n, row, n);
+#endif
+        for (; j < n; j++) {
+            float v = epi1(L, cr, sr, j, use_bias);
+            if (dt == DT_BF16) ((uint16_t *)y)[r * n + j] = float_to_bf16(v);
+            else ((float *)y)[r * n + j] = v;
+        }
     }
 }
 
@@ -237,7 +421,7 @@ static void epilogue(const linear_t *L, const int32_t *c, const float *s, int64_
 typedef struct { uint8_t *u; int32_t *c; float *s, *row; } scratch_t;
 
 static int scratch(scratch_t *t, int64_t m, int64_t kp, int64_t np, int64_t wide) {
-    size_t cb = (size_t)(m * np) * 4, ub = (size_t)(m * kp), sb = (size_t)m * 4, rb = (size_t)wide * 8;
+    size_t cb = (size_t)((m + 32) * np) * 4,     /* + 32 rows: gemm_amx's last block writes whole tiles */ ub = (size_t)(m * kp), sb = (size_t)m * 4, rb = (size_t)wide * 8;
     char *p = malloc(cb + ub + sb + rb + 64);
     if (!p) return -1;
     t->c = (int32_t *)p;

@@ -1,0 +1,40 @@
+"""glibc malloc settings for a CPU engine process: keep freed memory instead of handing it back.
+
+An engine step allocates and frees activations of megabytes per layer (a 2048-token prefill: ~6 MB per
+[2048, 768] float32 tensor). glibc serves such blocks with mmap, or trims them off the heap's top, so
+the next step faults the same pages in again, zero-filled by the kernel: measured on the embedded model,
+a 2048-token prefill step took ~10% longer than with the settings below. vLLM's CPU build preloads
+tcmalloc for the same reason (its docs); here glibc's own knobs, set once per process:
+
+  M_MMAP_THRESHOLD  32 MiB (glibc's ceiling): smaller blocks come from the heap
+  M_TRIM_THRESHOLD  1 GiB: the heap's free top is kept up to that much
+  M_TOP_PAD         64 MiB: the heap grows in steps this large
+
+``DSQUANT_MALLOC_TUNING=0`` leaves malloc as it is. Other C libraries (musl, macOS): nothing is done.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+SETTINGS = {M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 1 << 30, M_TOP_PAD: 64 << 20}
+
+_applied: bool | None = None
+
+
+def tune() -> bool:
+    """Apply :data:`SETTINGS` once per process (glibc only); True when they are in effect."""
+    global _applied
+    if _applied is None:
+        _applied = False
+        if os.environ.get("DSQUANT_MALLOC_TUNING", "1") != "0" and platform.libc_ver()[0] == "glibc":
+            try:
+                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+                _applied = all(libc.mallopt(k, v) == 1 for k, v in SETTINGS.items())
+            except (OSError, AttributeError):
+                pass
+    return _applied
