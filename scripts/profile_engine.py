@@ -89,6 +89,10 @@ def instrument(prof: Profiler) -> None:
                  "native_decode_attention", "paged_prefill_attention", "mha_prefill_attention"):
         if hasattr(runner, name):                                        # (the C kernel, the prefill forms)
             prof.wrap(runner, name, "attention")
+    from pipeline.engine import mha_prefill                           # the C prefill chunk (native kernels)
+
+    if hasattr(mha_prefill, "native_prefill_attention"):
+        prof.wrap(mha_prefill, "native_prefill_attention", "attention")
     prof.wrap(ffn.MoE, "forward", "moe")
     from pipeline.engine import cpu_float_ffn                         # a float model's MLP and MoE in C
 

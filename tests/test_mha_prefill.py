@@ -1,6 +1,7 @@
 """Prefill in the non-absorbed (MHA) form (pipeline/engine/mha_prefill.py) against the absorbed reference
 (attention.paged_prefill_attention times W_UV^T): ND and NZ, int8 and bf16 latents, a whole prompt and a
-chunk after cached tokens; and the engine's logits with either form."""
+chunk after cached tokens, the torch ops (scores held whole, torch's flash kernel) and the C call (the AMX
+tiles where the CPU has them, and the FMA loops); and the engine's logits with either form."""
 
 from __future__ import annotations
 
@@ -26,14 +27,18 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("nz", [False, True])
 @pytest.mark.parametrize("int8", [True, False])
 @pytest.mark.parametrize("start, S", [(0, 40), (21, 30), (50, 2)])
-@pytest.mark.parametrize("scores", ["whole", "flash"])
+@pytest.mark.parametrize("scores", ["whole", "flash", "native-amx", "native-fma"])
 def test_mha_form_equals_the_absorbed_form(nz, int8, start, S, scores, monkeypatch):
-    """Both ways of attending (the scores held whole, torch's flash kernel past WHOLE_SCORES_MAX)."""
+    """Every way of attending: the scores held whole, torch's flash kernel past WHOLE_SCORES_MAX, the C call
+    (its decompression product on the AMX tiles or in FMA loops; the weights rounded to bf16 values, as a
+    checkpoint's are)."""
     from pipeline.engine import mha_prefill
     from pipeline.engine.paged_cache import PagedLatentCache
 
     if scores == "flash":
         monkeypatch.setattr(mha_prefill, "WHOLE_SCORES_MAX", 0)
+    if scores.startswith("native") and mha_prefill.library() is None:
+        pytest.skip("no C compiler: the torch forms only")
 
     g = torch.Generator().manual_seed(start + S)
     H, d_n, d_v, C, R, bs = 4, 32, 32, 64, 16, 16
@@ -43,12 +48,18 @@ def test_mha_form_equals_the_absorbed_form(nz, int8, start, S, scores, monkeypat
     blocks = [5, 2, 7, 0, 3][: -(-T // bs)]
     cache.write(blocks, lat, torch.randn(T, R, generator=g).bfloat16(), 0)
     w_uk, w_uv = torch.randn(H, d_n, C, generator=g) * 0.1, torch.randn(H, d_v, C, generator=g) * 0.1
+    w_uk, w_uv = w_uk.bfloat16().float(), w_uv.bfloat16().float()
     w_uv_t = w_uv.transpose(1, 2).contiguous()
     q_nope, q_pe = torch.randn(S, H, d_n, generator=g), torch.randn(S, H, R, generator=g) * 0.3
     q_abs = torch.einsum("shd,hdc->shc", q_nope, w_uk)
     ref = torch.bmm(paged_prefill_attention(q_abs, q_pe, cache, blocks, start, SCALE).transpose(0, 1),
                     w_uv_t).transpose(0, 1)
-    got = mha_prefill_attention(q_nope, q_pe, cache, blocks, start, w_uk, w_uv_t, SCALE)
+    if scores.startswith("native"):
+        w_pack = mha_prefill.native_weights(mha_prefill.kv_weights(w_uk, w_uv_t))
+        got = mha_prefill.native_prefill_attention(q_nope, q_pe, cache, blocks, start, w_pack, d_v, SCALE,
+                                                   amx=scores == "native-amx")
+    else:
+        got = mha_prefill_attention(q_nope, q_pe, cache, blocks, start, w_uk, w_uv_t, SCALE)
     assert got.shape == (S, H, d_v)
     assert ((got - ref).abs().max() / ref.abs().max()).item() <= FORM_RTOL
 

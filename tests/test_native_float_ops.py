@@ -271,16 +271,18 @@ def test_kernels_on_the_embedded_models_weights_and_activations(real):
 
 @needs_native
 def test_the_loader_swaps_them_where_native(qdir, monkeypatch):
-    """A quantized model: the two heads, the norms and routers only (its kv_b_proj and float MTP layer stay
-    torch); the float model: also every other bias-free linear, its MoEs and dense MLP."""
+    """A quantized model: the two heads, the norms and routers, and its float linears (kv_b_proj, the float
+    MTP layer's; its MoE stays torch); the float model: also its MoEs and dense MLP."""
     from pipeline.model.ffn import MoE
 
     monkeypatch.setenv(dispatch.ENV, "native")
     model = load_quantized(qdir).model
     kinds = _kinds(model)
-    assert kinds == {**NONE, "linear": 2, "rms_norm": kinds["rms_norm"], "router": 3} and kinds["rms_norm"] >= 13
+    # 2 heads, 3 kv_b_proj, the MTP layer's 5 attention linears, eh_proj, 16 x 3 expert and 3 shared linears
+    assert kinds == {**NONE, "linear": QUANTIZED_FLOAT_LINEARS, "rms_norm": kinds["rms_norm"], "router": 3}
+    assert kinds["rms_norm"] >= 13
     assert type(model.lm_head) is NativeLinear and type(model.model.layers[3].shared_head.head) is NativeLinear
-    assert type(model.model.layers[3].mlp) is MoE and type(model.model.layers[0].self_attn.kv_b_proj) is nn.Linear
+    assert type(model.model.layers[3].mlp) is MoE and type(model.model.layers[0].self_attn.kv_b_proj) is NativeLinear
     assert not any(type(m) in (RMSNorm, Router) for m in model.modules())
     assert model.lm_head.weight.dtype == torch.float32                 # what reference.py builds its cache from
     from pipeline.assets import EMBEDDED_MODEL_DIR
@@ -325,12 +327,15 @@ def test_torch_fallbacks(qdir, monkeypatch):
 QUESTIONS = ["What's deep learning?", "Explain list comprehensions.", "What is a decorator?"]
 
 
+QUANTIZED_FLOAT_LINEARS = 2 + 3 + 5 + 1 + 16 * 3 + 3      # the embedded quantized model's (see above)
+
+
 def _greedy(qdir, tok, monkeypatch, native_float: bool):
     monkeypatch.setenv(cpu_float.SWITCH, "1" if native_float else "0")
     cpu_float.reset()
     try:
         eng = LLMEngine.from_dir(qdir, tokenizer=tok, num_blocks=64, block_size=16, nz=True, mtp=True)
-        assert _kinds(eng.loaded.model)["linear"] == (2 if native_float else 0)
+        assert _kinds(eng.loaded.model)["linear"] == (QUANTIZED_FLOAT_LINEARS if native_float else 0)
         prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
         return eng.generate(prompts, SamplingParams(max_new_tokens=16))
     finally:

@@ -2,9 +2,11 @@
 (csrc/float_ops_cpu.c), swapped in by :func:`use_native_float_ops` where the kernels backend is ``native``:
 
 - :class:`NativeLinear` (alias ``NativeHeadLinear``) for the lm_head (and the MTP layer's ``shared_head.head``)
-  of any model, and for every other bias-free float linear of a float model (the attention projections,
-  kv_b_proj, o_proj, the MTP layer's eh_proj; not a quantized model's float parts; a dense MLP's and a
-  MoE's linears run inside cpu_float_ffn's C calls): a float32 ``nn.Linear``
+  of any model, and for every other bias-free float linear (a float model's attention projections,
+  kv_b_proj, o_proj, the MTP layer's eh_proj; a quantized model's float MTP layer's linears too: torch's
+  GEMM on an AVX-512 CPU gives a row other bits for another row count, which made a prefix-cache hit's
+  MTP cache entries differ from the prompt's own; a float model's dense MLP and MoE linears run inside
+  cpu_float_ffn's C calls): a float32 ``nn.Linear``
   whose weight is exactly a bf16 tensor widened (the checkpoint's bf16 values; checked) keeps that weight
   and its bf16 bits packed (half the bytes read per decode GEMV) and computes ``x @ W.T`` in float32 from
   them for up to LINEAR_C_ROWS rows: the bf16 -> float32 shift is exact, so the products are the float32
@@ -273,8 +275,7 @@ def _quantized(model: nn.Module) -> bool:
 def _swap(name: str, mod: nn.Module, float_model: bool) -> Optional[tuple[nn.Module, str]]:
     """The C module for ``mod`` and its kind, or None (it stays)."""
     try:
-        if type(mod) is nn.Linear and mod.bias is None and mod.weight.dtype == torch.float32 \
-                and (float_model or _is_head(name)):
+        if type(mod) is nn.Linear and mod.bias is None and mod.weight.dtype == torch.float32:
             return NativeLinear(mod), "lm_head" if _is_head(name) else "linear"
         if type(mod) is RMSNorm and mod.weight.dtype in _DT:
             return NativeRMSNorm(mod), "rms_norm"
@@ -294,8 +295,8 @@ def use_native_float_ops(model: nn.Module) -> dict[str, int]:
     when a float32 linear of bf16 values, every RMSNorm of a float32 or bf16 weight, every Router that fits
     (groups of >= 2 experts). A float model (no int8 linear) also: every MoE whose experts fit and every
     dense MLP (cpu_float_ffn: their linears, and a MoE's shared expert, run inside the C call and stay
-    nn.Linear for the torch fallback), and every other bias-free float32 linear of bf16 values. A quantized
-    model's other float parts (kv_b_proj, the float MTP layer's linears and MoE) stay torch, as they were.
+    nn.Linear for the torch fallback). Every model: every other bias-free float32 linear of bf16 values
+    (a quantized model's float MTP layer's included; its MoE stays torch, its experts' linears swapped).
     Nothing when the library is not available (:func:`status` says why)."""
     counts = dict.fromkeys(("lm_head", "linear", "rms_norm", "router", "moe", "mlp"), 0)
     if _LIB.library() is None:

@@ -9,14 +9,27 @@ which is the absorbed form's ``o_lat @ W_UV^T`` reassociated (same values up to 
 fraction of its work for short contexts: per layer and head, scores and values over d_n + d_r and d_v
 columns instead of the latent's C = 512 (the embedded model: ~23 M multiply-adds for a 128-token prompt,
 decompression included, against ~67 M), and one fused scaled_dot_product_attention call. The absorbed
-path (``attention.paged_prefill_attention``) stays as the reference mode (``ModelRunner(mha_prefill=False)``)."""
+path (``attention.paged_prefill_attention``) stays as the reference mode (``ModelRunner(mha_prefill=False)``).
+
+With the ``native`` kernels on the CPU a chunk takes one C call instead (csrc/mha_prefill_cpu.c, given
+the layer's :func:`native_weights`): the decompression product on the AMX tiles (bf16 inputs, float32
+sums: exact products, as the cached latent's values are bf16 values) or FMA loops, the causal attention
+over only the visible keys, without torch's per-op costs and its slow exp of the masked -inf scores
+(a 128-token chunk of the embedded model: 0.74 ms in torch ops). It agrees with the torch form within
+float32 rounding, and a chunk's result never depends on the other chunks of the step."""
 
 from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from pipeline.cbuild import BASE_FLAGS, NativeLibrary
 from pipeline.engine.attention import _blocks_of
+from pipeline.engine.bf16_pack import bf16_representable, pack_bf16
 from pipeline.engine.paged_cache import PagedLatentCache
 from pipeline.model.mla import causal_mask
 
@@ -27,6 +40,58 @@ from pipeline.model.mla import causal_mask
 #: kernel needs). Measured at 128 tokens (4 heads, one thread): 0.45 ms against flash's 0.63 and the math
 #: fallback's 0.58 (which the mismatched v width used to get).
 WHOLE_SCORES_MAX = 1 << 22
+
+
+def _declare(dll: ctypes.CDLL) -> None:
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    dll.mha_prefill_has_amx.argtypes, dll.mha_prefill_has_amx.restype = [], i32
+    dll.mha_prefill.argtypes = [p, p, i64, i64, i64, i64, i64, p, p, i64, i64, p, f32, f32, i32, p]
+    dll.mha_prefill.restype = i32
+
+
+_LIB = NativeLibrary(Path(__file__).with_name("csrc") / "mha_prefill_cpu.c", _declare, BASE_FLAGS,
+                     what="native MHA prefill (torch ops give the same within float32 rounding)")
+
+
+def library() -> Optional[ctypes.CDLL]:
+    return _LIB.library()
+
+
+def native_weights(w_kv: torch.Tensor) -> Optional[torch.Tensor]:
+    """:func:`kv_weights` [H, C, d_n + d_v] as the C call reads them (a [H * (d_n + d_v), C] weight's
+    packed bf16 bits, :func:`pipeline.engine.bf16_pack.pack_bf16`); None when its values are not all bf16
+    values (the torch form then runs)."""
+    H, C, w = w_kv.shape
+    lin = w_kv.permute(0, 2, 1).reshape(H * w, C)
+    return pack_bf16(lin, "kv_b_proj") if bf16_representable(lin) else None
+
+
+def native_prefill_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: PagedLatentCache, blocks,
+                             start: int, w_pack: torch.Tensor, d_v: int, softmax_scale: float,
+                             amx: bool = True) -> torch.Tensor:
+    """:func:`mha_prefill_attention` in one C call (module docstring); ``w_pack``: :func:`native_weights`;
+    ``amx=False``: the FMA loops even where the AMX tiles could run (tests compare the two). RuntimeError
+    when the library is not available."""
+    lib = _LIB.library()
+    if lib is None:
+        raise RuntimeError(f"native MHA prefill unavailable: {_LIB.status()}")
+    S, H, d_n = q_nope.shape
+    T = start + S
+    c, pe = cache.read_f32(_blocks_of(blocks, cache, T, "mha_prefill_attention"), T)
+    if w_pack.dtype != torch.int32 or w_pack.dim() != 3 or w_pack.shape[0] * 16 < H * (d_n + d_v) \
+            or w_pack.shape[1] * 2 < cache.C or q_pe.shape != (S, H, cache.d_r):
+        raise ValueError(f"native MHA prefill: w_pack {w_pack.dtype} {tuple(w_pack.shape)}, q_nope "
+                         f"{tuple(q_nope.shape)}, q_pe {tuple(q_pe.shape)} for C={cache.C}, d_v={d_v}")
+    q_nope, q_pe = q_nope.float().contiguous(), q_pe.float().contiguous()
+    c, pe = c.contiguous(), pe.contiguous()
+    o = torch.empty(S, H, d_v, dtype=torch.float32)
+    amx_ok = amx and (cache.is_int8 or cache.c.dtype == torch.bfloat16)   # the latent's values: bf16 values
+    rc = lib.mha_prefill(q_nope.data_ptr(), q_pe.data_ptr(), S, H, d_n, cache.d_r, d_v, c.data_ptr(),
+                         pe.data_ptr(), start, cache.C, w_pack.data_ptr(),
+                         cache.scale_value if cache.is_int8 else 1.0, softmax_scale, int(amx_ok), o.data_ptr())
+    if rc:
+        raise MemoryError("native MHA prefill: out of memory")
+    return o
 
 
 def kv_weights(w_uk: torch.Tensor, w_uv_t: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 import torch
 
 from pipeline.engine.attention import paged_prefill_attention
+from pipeline.engine import mha_prefill
 from pipeline.engine.mha_prefill import kv_weights, mha_prefill_attention
 from pipeline.engine.batched_attention import DecodeBatch, batched_decode_attention
 from pipeline.engine.regions import Regions
@@ -91,19 +92,22 @@ class ModelRunner:
     def bytes_per_token(self) -> int:
         return sum(c.bytes_per_token() for c in self.caches.values())
 
-    def _absorbed(self, attn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _absorbed(self, attn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """W_UK [H, d_n, C], W_UV^T [H, C, d_v] and mha_prefill's kv_weights [H, C, d_n + d_v] of ``attn`` as
-        contiguous float32, made once per layer."""
+        contiguous float32, and the C prefill's packed form of the last (None when that call does not run
+        here), made once per layer."""
         w = self._w_abs.get(id(attn))
         if w is None:
             w_uk, w_uv = attn.absorbed_weights()
             w_uk, w_uv_t = w_uk.float().contiguous(), w_uv.float().transpose(1, 2).contiguous()
-            w = self._w_abs[id(attn)] = (w_uk, w_uv_t, kv_weights(w_uk, w_uv_t))
+            w_kv = kv_weights(w_uk, w_uv_t)
+            native = self.mha_prefill and self.kernels == NATIVE and mha_prefill.library() is not None
+            w = self._w_abs[id(attn)] = (w_uk, w_uv_t, w_kv, mha_prefill.native_weights(w_kv) if native else None)
         return w
 
     def _layer(self, layer, cache: PagedLatentCache, h: torch.Tensor, st: "StepInputs") -> torch.Tensor:
         attn, rg = layer.self_attn, self.regions
-        w_uk, w_uv_t, w_kv = self._absorbed(attn)
+        w_uk, w_uv_t, w_kv, w_pack = self._absorbed(attn)
         native = self.kernels == NATIVE and cpu_attention.library() is not None   # absorbs in its own call
         need_abs = not native or bool(st.multi and not self.mha_prefill)
         q_nope, q_abs, qp, c, k_pe = rg.attn_in(layer, h, st.cos, st.sin, w_uk if need_abs else None)
@@ -117,7 +121,10 @@ class ModelRunner:
                 o[rows] = self._decode_out(native, q_nope[rows], None if q_abs is None else q_abs[rows], qp[rows],
                                            cache, attn, st, w_uk, w_uv_t)
             for sp, a, b in st.multi:
-                if self.mha_prefill:
+                if w_pack is not None:
+                    o[a:b] = mha_prefill.native_prefill_attention(q_nope[a:b], qp[a:b], cache, sp.blocks, sp.start,
+                                                                  w_pack, w_uv_t.shape[2], attn.scale)
+                elif self.mha_prefill:
                     o[a:b] = mha_prefill_attention(q_nope[a:b], qp[a:b], cache, sp.blocks, sp.start, w_uk, w_uv_t,
                                                    attn.scale, w_kv)
                 else:

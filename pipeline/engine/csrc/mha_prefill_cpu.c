@@ -1,0 +1,269 @@
+/* One prefill chunk of MLA attention in the non-absorbed (MHA) form, in one call (pipeline/engine/
+ * cpu_attention.prefill_attention; the torch form is pipeline/engine/mha_prefill.py):
+ *
+ *   kv = c @ [W_UK^T | W_UV^T]            [T, H * (d_n + d_v)], the latent rows c [T, C] (as stored)
+ *   k_nope = s_k * kv[:, h, :d_n],  v = s_k * kv[:, h, d_n:]
+ *   o[i, h] = sum_t softmax_t(scale * (q_nope[i, h] . k_nope[t, h] + q_pe[i, h] . k_pe[t])) v[t, h],
+ *             t <= start + i (causal)
+ *
+ * The decompression product runs on the AMX tiles (tdpbf16ps: bf16 inputs, float32 sums) when the caller
+ * says the latent values are bf16 values (an int8 cache's integers, a bf16 cache's values: exact) and the
+ * CPU has AMX; else through bf16_gemm.h's FMA loops (float32 x, the packed bf16 weight widened). Either
+ * way every product is exact and the sums are float32; the attention is float32 FMAs and an exp
+ * polynomial (relative error ~2 ulp). So the output agrees with the torch form within float32 rounding,
+ * not bit for bit; a chunk's result depends only on its own inputs (never on the other chunks of a step).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "bf16_gemm.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+static volatile int amx_state;    /* 0: not asked yet, 1: granted, -1: refused */
+static int amx_usable(void) {     /* Linux hands out the tile data on request (ARCH_REQ_XCOMP_PERM) */
+    if (amx_state == 0) amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    return amx_state > 0;
+}
+#else
+#define HAVE_AMX 0
+#endif
+
+int mha_prefill_has_amx(void) {
+#if HAVE_AMX
+    return amx_usable();
+#else
+    return 0;
+#endif
+}
+
+#if HAVE_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+/* y [mp, 16 * nb] (mp = m rounded up to 32) = a [mp, k] bf16 bits @ W.T on the tiles, k % 32 == 0. */
+static void gemm_amx_bf16(const uint16_t *a, int64_t mp, int64_t k, const uint32_t *pack, int64_t nb, float *y) {
+    const int64_t kh = k / 2, ldy = nb * 16 * 4, lda = k * 2;
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+    for (int64_t r0 = 0; r0 < mp; r0 += 32) {
+        const uint16_t *a0 = a + r0 * k, *a1 = a0 + 16 * k;
+        for (int64_t b = 0; b < nb; b += 2) {
+            const int two = b + 1 < nb;
+            const uint32_t *w0 = pack + b * kh * 16, *w1 = w0 + kh * 16;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t s = 0; s < kh; s += 16) {
+                _tile_loadd(4, a0 + 2 * s, lda);
+                _tile_loadd(5, a1 + 2 * s, lda);
+                _tile_loadd(6, w0 + s * 16, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(2, 5, 6);
+                if (two) {
+                    _tile_loadd(7, w1 + s * 16, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            float *yp = y + r0 * nb * 16 + b * 16;
+            _tile_stored(0, yp, ldy);
+            _tile_stored(2, yp + 16 * nb * 16, ldy);
+            if (two) {
+                _tile_stored(1, yp + 16, ldy);
+                _tile_stored(3, yp + 16 * nb * 16 + 16, ldy);
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
+#ifdef __AVX512F__
+/* exp(x) for x <= 0 (Cephes' expf: range reduction by ln 2 in two parts, a degree-6 polynomial) */
+static inline __m512 exp_neg(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, fx);
+}
+#endif
+
+#ifdef __AVX512F__
+/* scale * (q . k) of up to 4 query rows (nq) of one head against keys 0 .. L-1 (L: the last row's count,
+ * rounded up to 64 here), into sc [4][ldk]: each key chunk's loads serve every row (16 FMA chains). */
+static void scores4(const float *const *qn, const float *const *qr, int nq, int64_t dn, int64_t R,
+                    const float *kt, int64_t ldk, int64_t L, float scale, float *sc) {
+    const int64_t D = dn + R;
+    for (int64_t t0 = 0; t0 < L; t0 += 64) {
+        __m512 s[4][4];
+        for (int r = 0; r < 4; r++)
+            for (int u = 0; u < 4; u++) s[r][u] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d++) {
+            const float *k = kt + d * ldk + t0;
+            const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16), k2 = _mm512_loadu_ps(k + 32),
+                         k3 = _mm512_loadu_ps(k + 48);
+            for (int r = 0; r < 4; r++) {
+                if (r >= nq) break;
+                const __m512 qb = _mm512_set1_ps(d < dn ? qn[r][d] : qr[r][d - dn]);
+                s[r][0] = _mm512_fmadd_ps(qb, k0, s[r][0]);
+                s[r][1] = _mm512_fmadd_ps(qb, k1, s[r][1]);
+                s[r][2] = _mm512_fmadd_ps(qb, k2, s[r][2]);
+                s[r][3] = _mm512_fmadd_ps(qb, k3, s[r][3]);
+            }
+        }
+        for (int r = 0; r < nq; r++)
+            for (int u = 0; u < 4; u++)
+                _mm512_storeu_ps(sc + r * ldk + t0 + 16 * u, _mm512_mul_ps(s[r][u], _mm512_set1_ps(scale)));
+    }
+}
+#endif
+
+/* One query row of one head: sc [T64] and acc [dv] scratch, the output row od [dv]. Keys kt [D][ldk]
+ * (transposed, zero past the last one), values vv [L.., dv]; only the L visible keys are counted. */
+static void attend(const float *qn, const float *qr, int64_t dn, int64_t R, const float *kt, int64_t ldk,
+                   const float *vv, int64_t dv, int64_t L, float scale, float *sc, float *acc, float *od) {
+    const int64_t D = dn + R;
+    float mx = -INFINITY, sum = 0.0f;
+#ifdef __AVX512F__
+    (void)qn; (void)qr; (void)kt; (void)ldk; (void)D; (void)scale;   /* the scores came from scores4 */
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {                   /* the scores, from scores4 */
+        const __mmask16 live = L - t0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (L - t0)) - 1u);
+        const __m512 x = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(sc + t0));
+        _mm512_storeu_ps(sc + t0, x);
+        vmx = _mm512_max_ps(vmx, x);
+    }
+    mx = _mm512_reduce_max_ps(vmx);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const __mmask16 live = L - t0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (L - t0)) - 1u);
+        const __m512 p = _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sc + t0),
+                                                                         _mm512_set1_ps(mx))));
+        _mm512_storeu_ps(sc + t0, p);
+        vsum = _mm512_add_ps(vsum, p);
+    }
+    sum = _mm512_reduce_add_ps(vsum);
+    if (dv % 16 == 0) {                                        /* the values' sum, 32 columns a pass */
+        const __m512 inv = _mm512_set1_ps(1.0f / sum);
+        for (int64_t c0 = 0; c0 < dv; c0 += 32) {
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+            const float *v = vv + c0;
+            if (c0 + 16 < dv) {
+                for (int64_t t = 0; t < L; t++, v += dv) {
+                    const __m512 p = _mm512_set1_ps(sc[t]);
+                    a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v), a0);
+                    a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16), a1);
+                }
+                _mm512_storeu_ps(od + c0 + 16, _mm512_mul_ps(a1, inv));
+            } else {
+                for (int64_t t = 0; t < L; t++, v += dv) a0 = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), _mm512_loadu_ps(v), a0);
+            }
+            _mm512_storeu_ps(od + c0, _mm512_mul_ps(a0, inv));
+        }
+        return;
+    }
+#else
+    for (int64_t t = 0; t < L; t++) {
+        float s = 0.0f;
+        for (int64_t d = 0; d < D; d++) s += (d < dn ? qn[d] : qr[d - dn]) * kt[d * ldk + t];
+        sc[t] = s * scale;
+        mx = sc[t] > mx ? sc[t] : mx;
+    }
+    for (int64_t t = 0; t < L; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
+#endif
+    for (int64_t d = 0; d < dv; d++) acc[d] = 0.0f;
+    for (int64_t t = 0; t < L; t++)
+        for (int64_t d = 0; d < dv; d++) acc[d] += sc[t] * vv[t * dv + d];
+    const float inv = 1.0f / sum;
+    for (int64_t d = 0; d < dv; d++) od[d] = acc[d] * inv;
+}
+
+/* o [S, H, dv] for q_nope [S, H, dn], q_pe [S, H, R] (float32, contiguous) at positions start .. start+S-1,
+ * over the T = start + S latent rows c [T, C] and k_pe rows pe [T, R] (float32); wpack: [W_UK^T | W_UV^T]
+ * as a [H * (dn + dv), C] weight packed by pipeline.engine.bf16_pack. amx_ok: c's values are bf16 values.
+ * Returns 0, or 1 when out of memory. */
+int mha_prefill(const float *q_nope, const float *q_pe, int64_t S, int64_t H, int64_t dn, int64_t R, int64_t dv,
+                const float *c, const float *pe, int64_t start, int64_t C, const uint32_t *wpack, float s_k,
+                float scale, int amx_ok, float *o) {
+    const int64_t T = start + S, w = dn + dv, n = H * w, nb = bf16_gemm_blocks(n), ld = nb * 16;
+    const int64_t Tp = (T + 31) / 32 * 32, T64 = (T + 63) / 64 * 64, D = dn + R;
+    float *kv = malloc((size_t)(Tp * ld) * sizeof(float));
+    float *kt = malloc((size_t)(D * T64 + 4 * T64 + T * dv + dv) * sizeof(float));
+    if (!kv || !kt) { free(kv); free(kt); return 1; }
+    float *sc = kt + D * T64, *vv = sc + 4 * T64, *acc = vv + T * dv;
+    int done = 0;
+#if HAVE_AMX
+    if (amx_ok && C % 32 == 0 && amx_usable()) {
+        uint16_t *a = malloc((size_t)(Tp * C) * 2);
+        if (a) {
+            for (int64_t t = 0; t < Tp; t++)
+                for (int64_t j = 0; j < C; j++) {
+                    uint32_t u = 0;
+                    if (t < T) memcpy(&u, c + t * C + j, 4);
+                    a[t * C + j] = (uint16_t)(u >> 16);          /* exact: the value is a bf16 value */
+                }
+            gemm_amx_bf16(a, Tp, C, wpack, nb, kv);
+            free(a);
+            done = 1;
+        }
+    }
+#else
+    (void)amx_ok;
+#endif
+    if (!done) {
+        const float **rows = malloc((size_t)T * sizeof(*rows));
+        if (!rows) { free(kv); free(kt); return 1; }
+        for (int64_t t = 0; t < T; t++) rows[t] = c + t * C;
+        bf16_gemm(rows, T, C, wpack, n, kv, ld);
+        free(rows);
+    }
+    for (int64_t h = 0; h < H; h++) {
+        /* keys transposed [D][T64] (k_nope scaled by s_k, then k_pe; zero past T), values [T][dv] (s_k) */
+        for (int64_t d = 0; d < D; d++) {
+            float *row = kt + d * T64;
+            if (d < dn)
+                for (int64_t t = 0; t < T; t++) row[t] = s_k * kv[t * ld + h * w + d];
+            else
+                for (int64_t t = 0; t < T; t++) row[t] = pe[t * R + d - dn];
+            for (int64_t t = T; t < T64; t++) row[t] = 0.0f;
+        }
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t d = 0; d < dv; d++) vv[t * dv + d] = s_k * kv[t * ld + h * w + dn + d];
+        for (int64_t i0 = 0; i0 < S; i0 += 4) {
+            const int nq = S - i0 < 4 ? (int)(S - i0) : 4;
+            const float *qn[4], *qr[4];
+            for (int r = 0; r < nq; r++) {
+                qn[r] = q_nope + ((i0 + r) * H + h) * dn;
+                qr[r] = q_pe + ((i0 + r) * H + h) * R;
+            }
+#ifdef __AVX512F__
+            scores4(qn, qr, nq, dn, R, kt, T64, start + i0 + nq, scale, sc);
+#endif
+            for (int r = 0; r < nq; r++) {
+                const int64_t i = i0 + r, L = start + i + 1;        /* keys 0 .. start + i */
+                attend(qn[r], qr[r], dn, R, kt, T64, vv, dv, L, scale, sc + r * T64, acc, o + (i * H + h) * dv);
+            }
+        }
+    }
+    free(kv);
+    free(kt);
+    return 0;
+}
