@@ -38,9 +38,7 @@
 #define HAVE_VNNI 0
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #define HAVE_AMX 1
 #else
 #define HAVE_AMX 0
@@ -69,13 +67,6 @@ int native_has_vnni(void) { return HAVE_VNNI; }
 #if HAVE_AMX
 #define AMX_MIN_ROWS 32   /* below this many rows the VNNI tiles are as fast (benchmarks/cpu_linear.json) */
 #define AMX_ROWS 32       /* rows per AMX block: two 16-row A tiles */
-static volatile int amx_state;    /* 0: not asked yet, 1: the kernel granted the tile data, -1: refused */
-
-/* Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA). */
-static int amx_usable(void) {
-    if (amx_state == 0) amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
-    return amx_state > 0;
-}
 #endif
 
 /* 1 when the AMX tiles take the calls of AMX_MIN_ROWS rows or more (built for them and granted). */
@@ -237,12 +228,6 @@ static inline __attribute__((always_inline)) void tile(const int mr, const uint8
 #endif
 
 #if HAVE_AMX
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg_t;
-
 /* The product of gemm() on the AMX tiles, kp % 64 == 0: blocks of 32 rows x 32 columns (C tiles 0-3, the
  * rows' A tiles 4-5, the columns' B tiles 6-7), k in steps of 64. A block of gathered rows (``rows``) or
  * the last, short block is copied into ``stage`` [32][kp] first; c must have room for m rounded up to 32
@@ -251,11 +236,7 @@ typedef struct {
 static void gemm_amx(const uint8_t *a, int64_t lda, const int64_t *rows, int64_t m, const int8_t *wpack,
                      const int32_t *wsum, int64_t np, int64_t kp, int32_t *c, uint8_t *stage) {
     int64_t ks = kp / 4, kc = kp / 64, ldc = np * 4;
-    tilecfg_t cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-    _tile_loadconfig(&cfg);
+    amx_load_config();
     for (int64_t r0 = 0; r0 < m; r0 += AMX_ROWS) {
         int64_t mr = m - r0 < AMX_ROWS ? m - r0 : AMX_ROWS;
         const uint8_t *ab = a + r0 * lda;

@@ -20,15 +20,8 @@
 #include "bf16_gemm.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #define HAVE_AMX 1
-static volatile int amx_state;    /* 0: not asked yet, 1: granted, -1: refused */
-static int amx_usable(void) {     /* Linux hands out the tile data on request (ARCH_REQ_XCOMP_PERM) */
-    if (amx_state == 0) amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
-    return amx_state > 0;
-}
 #else
 #define HAVE_AMX 0
 #endif
@@ -42,20 +35,10 @@ int mha_prefill_has_amx(void) {
 }
 
 #if HAVE_AMX
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg_t;
-
 /* y [mp, 16 * nb] (mp = m rounded up to 32) = a [mp, k] bf16 bits @ W.T on the tiles, k % 32 == 0. */
 static void gemm_amx_bf16(const uint16_t *a, int64_t mp, int64_t k, const uint32_t *pack, int64_t nb, float *y) {
     const int64_t kh = k / 2, ldy = nb * 16 * 4, lda = k * 2;
-    tilecfg_t cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-    _tile_loadconfig(&cfg);
+    amx_load_config();
     for (int64_t r0 = 0; r0 < mp; r0 += 32) {
         const uint16_t *a0 = a + r0 * k, *a1 = a0 + 16 * k;
         for (int64_t b = 0; b < nb; b += 2) {
