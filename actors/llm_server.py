@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
+import os
 from functools import partial
 from typing import AsyncIterator, Optional
 
@@ -30,17 +32,24 @@ from actors.serve_config import ServeConfig
 from pipeline.engine.engine_loop import EngineDead, EngineLoop, PrefillFailed, TokenEvent
 from pipeline.serving.openai_api import GenerateRequest
 
+log = logging.getLogger(__name__)
 PREFILL_FAILURES_UNHEALTHY = 3  # prefills failed in a row (disaggregated): /health says so until one succeeds
 
 
-def build_engine(config: ServeConfig, deployment: str):
+def build_engine(config: ServeConfig, deployment: str, own_process: bool = False):
     """The engine of one replica of ``deployment``, built where it will step (this process or the engine
-    core's child process: module level, so it pickles)."""
+    core's child process: module level, so it pickles). ``own_process``: the engine core's child, which is
+    then pinned to its CPUs (``config.engine_cpus``) before the engine and its thread start."""
     import torch
 
+    from pipeline.engine import cpu_pinning
     from pipeline.text.tokenizer import Tokenizer
 
     torch.set_num_threads(config.torch_threads)
+    if own_process:
+        cpus = cpu_pinning.pin(config.engine_cpus, config.torch_threads)
+        if cpus:
+            log.info("engine core (pid %d) pinned to CPU(s) %s", os.getpid(), cpus)
     return make_engine(config, deployment, Tokenizer.from_dir(config.model_path))
 
 
@@ -155,7 +164,7 @@ class LLMServer:
         if config.engine_process and config.parallel_of("llm").single:
             from pipeline.engine.core_process import EngineCoreClient
 
-            self.loop = EngineCoreClient(partial(build_engine, config, "llm"), engine_info)
+            self.loop = EngineCoreClient(partial(build_engine, config, "llm", True), engine_info)
             info = self.loop.ready
         else:
             engine = build_engine(config, "llm")

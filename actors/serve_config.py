@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from pipeline.engine import cpu_pinning
 from pipeline.engine.engine import EngineConfig
 from pipeline.engine.loader import DTYPES
 from pipeline.parallel import SIZES as PARALLEL_SIZES, ParallelConfig
@@ -42,7 +43,8 @@ class ServeConfig:
     or "auto": the loader's default). ``engine``: the engine's options. ``api_key``: required bearer
     token on ``/v1`` (None: open).
     ``max_in_flight``: generation requests per ingress replica before 429. ``torch_threads``: per engine
-    replica. ``mode``: "colocated" (one engine deployment does prefill and decode) or "disaggregated" (a
+    replica. ``engine_cpus``: the CPUs an engine core process pins itself to (``pipeline.engine.cpu_pinning``:
+    "auto", "none", or a list). ``mode``: "colocated" (one engine deployment does prefill and decode) or "disaggregated" (a
     prefill deployment, ``prefill`` replicas, computes each prompt's cache and hands the blocks to the
     decode deployment, ``llm``, through the object store; a prefill slower than ``prefill_timeout_s``
     fails that request only). ``max_body_bytes``: the largest request body (413 beyond);
@@ -71,6 +73,9 @@ class ServeConfig:
     # no interpreter lock shared with HTTP and streaming); False: on a thread of the replica (a sharded
     # replica always does: its ranks are Ray actors of the replica)
     engine_process: bool = True
+    # the CPUs the engine core process is pinned to (pipeline.engine.cpu_pinning: "auto", "none" or a list
+    # such as "3" or "2-3"); only an engine in a process of its own is pinned
+    engine_cpus: str = "auto"
     # each ingress replica builds its own engine (an LLMServer in its process: no Ray hop per token between
     # the engine and the HTTP stream); None: when the llm replica is one process and there are as many
     # ingress replicas as llm replicas. False: a separate LLMServer deployment behind the ingress.
@@ -88,6 +93,7 @@ class ServeConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f} must be an integer >= 1, got {v!r}")
+        cpu_pinning.parse(self.engine_cpus)        # ValueError naming engine_cpus
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string or null")
         if self.mode not in MODES:

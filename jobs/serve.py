@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"OpenAI ingress (HTTP) replicas (default: {dd.ingress.num_replicas})")
     ap.add_argument("--torch-threads", dest="torch_threads", type=int, default=None,
                     help=f"torch threads per engine replica (default: {dd.torch_threads})")
+    ap.add_argument("--engine-cpus", dest="engine_cpus", default=None,
+                    help=f"CPUs the engine core process is pinned to: auto (CPUs of its own, the highest free "
+                         f"ones, one per torch thread), none, or a list such as 3 or 2-3 (default: {dd.engine_cpus})")
     ap.add_argument("--num-blocks", dest="num_blocks", type=int, default=None,
                     help=f"KV cache blocks per engine replica (default: {E.num_blocks})")
     ap.add_argument("--block-size", dest="block_size", type=int, default=None,
@@ -139,7 +142,7 @@ def make_config(args: argparse.Namespace):
         cfg = ServeConfig.from_file(args.config) if args.config else ServeConfig(model_path=DEFAULT_MODEL)
     top = {k: getattr(args, k) for k in ("model_path", "served_model_name", "host", "port", "api_key",
                                          "max_in_flight", "torch_threads", "mode", "dtype", "engine_process",
-                                         "engine_in_ingress")
+                                         "engine_in_ingress", "engine_cpus")
            if getattr(args, k) is not None}
     engine = {k: getattr(args, k) for k in ("num_blocks", "block_size", "max_num_seqs", "max_batched_tokens",
                                             "max_model_len", "nz", "mtp", "prefix_caching", "compile", "device")
