@@ -23,7 +23,7 @@ from pipeline.engine.qlinear import (EXACT, FAST, FP32_CHUNKED, INT_MM, NATIVE, 
 pytestmark = [pytest.mark.skipif(cpu_linear.library() is None, reason="no C compiler: the torch path only"),
               pytest.mark.usefixtures("one_torch_thread")]        # conftest: fast on 2 shared cores
 
-ROWS = (1, 3, 17, 64)
+ROWS = (1, 3, 17, 64, 300)      # 300: C row blocks of 128, 128 and 44
 SHAPES = ((128, 256), (576, 256), (100, 130), (7, 5))     # (n, k): decode shapes and odd, unpadded ones
 
 
