@@ -22,6 +22,9 @@ from pipeline.text.tokenizer import Tokenizer
 
 ASSETS = Path(EMBEDDED_MODEL_DIR)
 REPO = Path(__file__).resolve().parents[1]
+# logits of the absorbed MLA form against the plain one (float32): measured <= 2e-5 on an AVX2 CPU, 2.6e-5
+# on an AVX-512 + AMX one (its GEMMs sum in another order)
+ABSORB_ATOL = 6e-5
 PPL_RTOL = 1e-3      # re-evaluating the shipped weights reproduces the recorded perplexity (fp32, CPU)
 
 
@@ -54,7 +57,7 @@ def test_matches_transformers(model):
     ids = torch.tensor([tok.encode(t)[:96] for t in long])
     diff = (model(ids) - hf(ids).logits).abs().max().item()
     assert diff <= 1e-4, diff
-    assert (model(ids, absorb=True) - model(ids)).abs().max().item() <= 2e-5
+    assert (model(ids, absorb=True) - model(ids)).abs().max().item() <= ABSORB_ATOL
 
 
 def test_recorded_heldout_perplexity_reproduces(model):

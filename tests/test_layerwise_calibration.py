@@ -162,6 +162,12 @@ def test_batched_forward_keeps_the_statistics(batch):
     assert ends <= CALIB_BATCH_REL and scales <= CALIB_BATCH_REL, (ends, scales)
 
 
+# bf16 layer outputs of a padded batch against batch-of-one ones: max |diff| / max |ref|. Equal bits on an
+# AVX2 CPU; on an AVX-512 + AMX one oneDNN's bf16 GEMMs round otherwise for another row count (measured
+# there: 4.8e-4).
+PADDED_OUT_REL = 2e-3
+
+
 def test_padding_is_masked_out_of_every_observation():
     """Direct: one layer over right-padded batches, its observations against batch-of-one ones; the
     padded rows' activations are not those of any real token, so observing them would move the ends."""
@@ -176,17 +182,20 @@ def test_padding_is_masked_out_of_every_observation():
             ref_out = run_layer_batched(model, 0, hs, 1, one)
         with observing(model, recipe, [0]) as many:
             out = run_layer_batched(model, 0, hs, 6, many)
-    for a, b in zip(ref_out, out):
-        assert a.shape == b.shape and torch.equal(a, b)
-    assert one.stats().to_dict() == many.stats().to_dict()
-    # without the lengths the same batch sees the padding: the statistics would change
+    for a, b in zip(ref_out, out):     # a GEMM over more rows may round otherwise (oneDNN's AMX kernels do)
+        assert a.shape == b.shape
+        assert float((b.float() - a.float()).abs().max() / a.float().abs().max()) <= PADDED_OUT_REL
+    ends, scales = max_relative_change(one.stats().entries, many.stats().entries)   # counts equal: no padding
+    assert ends <= CALIB_BATCH_REL and scales <= CALIB_BATCH_REL, (ends, scales)
+    # without the lengths the same batch observes the padding: the observers count its rows
     lengths = [len(s) for s in samples]
     padded = torch.zeros(len(hs), max(lengths), hs[0].shape[-1], dtype=hs[0].dtype)
     for b, x in enumerate(hs):
         padded[b, : lengths[b]] = x[0]
     with torch.inference_mode(), observing(model, recipe, [0]) as unmasked:
         model.run_layers(padded, [0])
-    assert unmasked.stats().to_dict() != one.stats().to_dict()
+    seen, ref = unmasked.stats().entries, one.stats().entries
+    assert set(seen) == set(ref) and any(seen[k].count != ref[k].count for k in ref)
 
 
 def test_batched_job(tmp_path, small_calib):
