@@ -119,11 +119,8 @@ static void quant_static(const void *x, int32_t dt, int64_t m, int64_t k, int64_
     }
 }
 
-/* One row of float32 (xf) or bf16 (xb, when xf is NULL) values quantized per token. */
-static void quant_dynamic_row(const float *xf, const uint16_t *xb, int64_t k, uint8_t *ur, int64_t kp,
-                              float *s_out) {
-    const void *x = xf ? (const void *)xf : (const void *)xb;
-    const int32_t dt = xf ? DT_F32 : DT_BF16;
+/* One row x of k float32 or bf16 (dt) values quantized per token. */
+static void quant_dynamic_row(const void *x, int32_t dt, int64_t k, uint8_t *ur, int64_t kp, float *s_out) {
     float amax = 0.0f;
     int64_t j = 0;
 #if HAVE_VNNI
@@ -149,14 +146,9 @@ static void quant_dynamic_row(const float *xf, const uint16_t *xb, int64_t k, ui
 }
 
 static void quant_dynamic(const void *x, int32_t dt, int64_t m, int64_t k, int64_t ldx, uint8_t *u, int64_t kp,
-                          float *s, float *row) {
-    (void)row;
-    for (int64_t r = 0; r < m; r++) {
-        if (dt == DT_BF16)
-            quant_dynamic_row(NULL, (const uint16_t *)x + r * ldx, k, u + r * kp, kp, s + r);
-        else
-            quant_dynamic_row((const float *)x + r * ldx, NULL, k, u + r * kp, kp, s + r);
-    }
+                          float *s) {
+    for (int64_t r = 0; r < m; r++)
+        quant_dynamic_row((const char *)x + (size_t)(r * ldx) * dtype_size(dt), dt, k, u + r * kp, kp, s + r);
 }
 
 static void shift_int8(const int8_t *q, int64_t m, int64_t k, uint8_t *u, int64_t kp) {
@@ -375,20 +367,15 @@ static inline __m512 round_bf16_ps(__m512 v) {
     return _mm512_castsi512_ps(r);
 }
 
-/* float32 -> bf16 bits of 16 values: float_to_bf16's rounding (to nearest even, NaN -> 0x7fc0) */
+/* float32 -> bf16 bits of 16 values: float_to_bf16's rounding (the high halves of round_bf16_ps) */
 static inline void store_bf16x16(uint16_t *y, __m512 v) {
-    __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-    r = _mm512_mask_mov_epi32(_mm512_srli_epi32(r, 16), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                              _mm512_set1_epi32(0x7fc0));
+    const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(round_bf16_ps(v)), 16);
     _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(r));
 }
 #endif
 
 static void epilogue(const linear_t *L, const int32_t *c, const float *s, int64_t m, int use_bias, void *y,
-                     int32_t dt, float *row) {
-    (void)row;
+                     int32_t dt) {
     int64_t n = L->n;
     for (int64_t r = 0; r < m; r++) {
         const int32_t *cr = c + r * L->np;
@@ -409,40 +396,41 @@ static void epilogue(const linear_t *L, const int32_t *c, const float *s, int64_
     }
 }
 
-/* scratch for m rows: u8 activations [m][kp], int32 products [m][np], scales [m], two float rows */
-typedef struct { uint8_t *u; int32_t *c; float *s, *row; } scratch_t;
+/* scratch for m rows: int32 products [m + 32][np] (gemm_amx's last block writes whole tiles), scales [m],
+ * u8 activations [m][kp] */
+typedef struct { uint8_t *u; int32_t *c; float *s; } scratch_t;
 
-static int scratch(scratch_t *t, int64_t m, int64_t kp, int64_t np, int64_t wide) {
-    size_t cb = (size_t)((m + 32) * np) * 4,     /* + 32 rows: gemm_amx's last block writes whole tiles */ ub = (size_t)(m * kp), sb = (size_t)m * 4, rb = (size_t)wide * 8;
-    char *p = malloc(cb + ub + sb + rb + 64);
+static int scratch(scratch_t *t, int64_t m, int64_t kp, int64_t np) {
+    size_t cb = (size_t)((m + 32) * np) * 4, sb = (size_t)m * 4, ub = (size_t)(m * kp);
+    char *p = malloc(cb + sb + ub + 64);
     if (!p) return -1;
     t->c = (int32_t *)p;
     t->s = (float *)(p + cb);
-    t->row = (float *)(p + cb + sb);
-    t->u = (uint8_t *)(p + cb + sb + rb);
+    t->u = (uint8_t *)(p + cb + sb);
     return 0;
 }
 
-/* y [m, n] (x's dtype) = the linear of x [m, k] (row stride ldx). Returns 0, or -1 when out of memory. */
 /* Rows are done ROW_BLOCK at a time (quantize, product, epilogue), so that the int32 products and the u8
  * rows of a block stay in L2 between the three passes instead of streaming through memory (a 2048-row
  * call's [2048, 576] int32 products are 4.7 MB); a row's result is the same whatever block it is in. */
 #define ROW_BLOCK 128
 
+/* y [m, n] (x's dtype) = the linear of x [m, k] (row stride ldx). Returns 0, or -1 when out of memory. */
+
 int int8_linear(const linear_t *L, const void *x, int64_t m, int64_t ldx, int32_t dt, void *y) {
     scratch_t t = {0};
-    const int64_t wide = L->k > L->n ? L->k : L->n, rb = m < ROW_BLOCK ? m : ROW_BLOCK;
+    const int64_t rb = m < ROW_BLOCK ? m : ROW_BLOCK;
     const size_t es = dtype_size(dt);
-    if (scratch(&t, rb, L->kp, L->np, wide)) return -1;
+    if (scratch(&t, rb, L->kp, L->np)) return -1;
     for (int64_t r0 = 0; r0 < m; r0 += rb) {
         const int64_t mr = m - r0 < rb ? m - r0 : rb;
         const void *xr = (const char *)x + (size_t)(r0 * ldx) * es;
         if (L->kind == KIND_STATIC)
             quant_static(xr, dt, mr, L->k, ldx, L->in_scale, L->in_offset, t.u, L->kp);
         else
-            quant_dynamic(xr, dt, mr, L->k, ldx, t.u, L->kp, t.s, t.row);
+            quant_dynamic(xr, dt, mr, L->k, ldx, t.u, L->kp, t.s);
         gemm(t.u, L->kp, NULL, mr, L->wpack, L->wsum, L->np, L->kp, t.c);
-        epilogue(L, t.c, t.s, mr, 1, (char *)y + (size_t)(r0 * L->n) * es, dt, t.row);
+        epilogue(L, t.c, t.s, mr, 1, (char *)y + (size_t)(r0 * L->n) * es, dt);
     }
     free(t.c);
     return 0;
@@ -453,7 +441,7 @@ int int8_linear(const linear_t *L, const void *x, int64_t m, int64_t ldx, int32_
 int int8_linear_q(const linear_t *L, const int8_t *q, const float *s, int64_t m, void *y) {
     scratch_t t = {0};
     const int64_t rb = m < ROW_BLOCK ? m : ROW_BLOCK;
-    if (scratch(&t, rb, L->kp, L->np, L->n)) return -1;
+    if (scratch(&t, rb, L->kp, L->np)) return -1;
     for (int64_t r0 = 0; r0 < m; r0 += rb) {
         const int64_t mr = m - r0 < rb ? m - r0 : rb;
         void *yr = (char *)y + (size_t)(r0 * L->n) * 4;      /* int32 or float32 */
@@ -462,7 +450,7 @@ int int8_linear_q(const linear_t *L, const int8_t *q, const float *s, int64_t m,
         if (s == NULL)
             for (int64_t r = 0; r < mr; r++) memcpy((int32_t *)yr + r * L->n, t.c + r * L->np, (size_t)L->n * 4);
         else
-            epilogue(L, t.c, s + r0, mr, 0, yr, DT_F32, t.row);
+            epilogue(L, t.c, s + r0, mr, 0, yr, DT_F32);
     }
     free(t.c);
     return 0;
@@ -503,9 +491,9 @@ int moe_gate_up(const moe_t *M, const void *x, int32_t dt, int64_t N, int64_t to
     start[0] = 0;
     for (int64_t i = 0; i < S; i++) tok[i] = order[i] / top_k;
     scratch_t t = {0};
-    int64_t rows = N > S ? N : S, wide = M->H > I2 ? M->H : I2;
-    if (scratch(&t, rows, M->gu_kp, M->gu_np, wide)) { free(start); return -1; }
-    quant_dynamic(x, dt, N, M->H, M->H, t.u, M->gu_kp, t.s, t.row);
+    int64_t rows = N > S ? N : S;
+    if (scratch(&t, rows, M->gu_kp, M->gu_np)) { free(start); return -1; }
+    quant_dynamic(x, dt, N, M->H, M->H, t.u, M->gu_kp, t.s);
     for (int64_t e = 0; e < M->E; e++) {
         int64_t n_e = start[e + 1] - start[e];
         if (!n_e) continue;
@@ -537,9 +525,8 @@ int moe_down(const moe_t *M, const void *h, int32_t dt, int64_t N, int64_t top_k
              const int64_t *load, const float *weights, float *out) {
     int64_t S = N * top_k, H = M->H;
     scratch_t t = {0};
-    int64_t wide = M->I > H ? M->I : H;
-    if (scratch(&t, S, M->dn_kp, M->dn_np, wide)) return -1;
-    quant_dynamic(h, dt, S, M->I, M->I, t.u, M->dn_kp, t.s, t.row);
+    if (scratch(&t, S, M->dn_kp, M->dn_np)) return -1;
+    quant_dynamic(h, dt, S, M->I, M->I, t.u, M->dn_kp, t.s);
     memset(out, 0, (size_t)(N * H) * sizeof(float));
     for (int64_t e = 0, r0 = 0; e < M->E; r0 += load[e], e++) {
         if (!load[e]) continue;
