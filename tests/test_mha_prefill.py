@@ -1,7 +1,8 @@
 """Prefill in the non-absorbed (MHA) form (pipeline/engine/mha_prefill.py) against the absorbed reference
 (attention.paged_prefill_attention times W_UV^T): ND and NZ, int8 and bf16 latents, a whole prompt and a
 chunk after cached tokens, the torch ops (scores held whole, torch's flash kernel) and the C call (the AMX
-tiles where the CPU has them, and the FMA loops); and the engine's logits with either form."""
+tiles where the CPU has them, the FMA loops, and the plain C loops of a build without -march); and the
+engine's logits with either form."""
 
 from __future__ import annotations
 
@@ -22,12 +23,24 @@ LOGITS_ATOL = 1e-3
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+_PLAIN: list = []
+
+
+def _plain_library():
+    from pipeline.cbuild import BASE_FLAGS, NativeLibrary
+    from pipeline.engine import mha_prefill
+
+    if not _PLAIN:
+        _PLAIN.append(NativeLibrary(mha_prefill._LIB.source, mha_prefill._declare,
+                                    tuple(f for f in BASE_FLAGS if not f.startswith("-march=")), what="plain C"))
+    assert _PLAIN[0].library() is not None and _PLAIN[0].library().mha_prefill_has_amx() == 0
+    return _PLAIN[0]
 
 
 @pytest.mark.parametrize("nz", [False, True])
 @pytest.mark.parametrize("int8", [True, False])
 @pytest.mark.parametrize("start, S", [(0, 40), (21, 30), (50, 2)])
-@pytest.mark.parametrize("scores", ["whole", "flash", "native-amx", "native-fma"])
+@pytest.mark.parametrize("scores", ["whole", "flash", "native-amx", "native-fma", "native-plain"])
 def test_mha_form_equals_the_absorbed_form(nz, int8, start, S, scores, monkeypatch):
     """Every way of attending: the scores held whole, torch's flash kernel past WHOLE_SCORES_MAX, the C call
     (its decompression product on the AMX tiles or in FMA loops; the weights rounded to bf16 values, as a
@@ -39,6 +52,8 @@ def test_mha_form_equals_the_absorbed_form(nz, int8, start, S, scores, monkeypat
         monkeypatch.setattr(mha_prefill, "WHOLE_SCORES_MAX", 0)
     if scores.startswith("native") and mha_prefill.library() is None:
         pytest.skip("no C compiler: the torch forms only")
+    if scores == "native-plain":          # the same source built for any CPU (no -march: the plain C loops)
+        monkeypatch.setattr(mha_prefill, "_LIB", _plain_library())
 
     g = torch.Generator().manual_seed(start + S)
     H, d_n, d_v, C, R, bs = 4, 32, 32, 64, 16, 16

@@ -1,5 +1,5 @@
-/* One prefill chunk of MLA attention in the non-absorbed (MHA) form, in one call (pipeline/engine/
- * cpu_attention.prefill_attention; the torch form is pipeline/engine/mha_prefill.py):
+/* One prefill chunk of MLA attention in the non-absorbed (MHA) form, in one call
+ * (pipeline/engine/mha_prefill.native_prefill_attention; the torch form is mha_prefill_attention there):
  *
  *   kv = c @ [W_UK^T | W_UV^T]            [T, H * (d_n + d_v)], the latent rows c [T, C] (as stored)
  *   k_nope = s_k * kv[:, h, :d_n],  v = s_k * kv[:, h, d_n:]
@@ -89,12 +89,12 @@ static inline __m512 exp_neg(__m512 x) {
 }
 #endif
 
-#ifdef __AVX512F__
-/* scale * (q . k) of up to 4 query rows (nq) of one head against keys 0 .. L-1 (L: the last row's count,
- * rounded up to 64 here), into sc [4][ldk]: each key chunk's loads serve every row (16 FMA chains). */
+/* scale * (q . k) of up to 4 query rows (nq) of one head against keys 0 .. L-1 (L: the last row's count;
+ * with AVX-512 rounded up to 64), into sc [4][ldk]: each key chunk's loads serve every row (16 FMA chains). */
 static void scores4(const float *const *qn, const float *const *qr, int nq, int64_t dn, int64_t R,
                     const float *kt, int64_t ldk, int64_t L, float scale, float *sc) {
     const int64_t D = dn + R;
+#ifdef __AVX512F__
     for (int64_t t0 = 0; t0 < L; t0 += 64) {
         __m512 s[4][4];
         for (int r = 0; r < 4; r++)
@@ -116,23 +116,25 @@ static void scores4(const float *const *qn, const float *const *qr, int nq, int6
             for (int u = 0; u < 4; u++)
                 _mm512_storeu_ps(sc + r * ldk + t0 + 16 * u, _mm512_mul_ps(s[r][u], _mm512_set1_ps(scale)));
     }
-}
+#else
+    for (int r = 0; r < nq; r++)
+        for (int64_t t = 0; t < L; t++) {
+            float acc = 0.0f;
+            for (int64_t d = 0; d < D; d++) acc += (d < dn ? qn[r][d] : qr[r][d - dn]) * kt[d * ldk + t];
+            sc[r * ldk + t] = acc * scale;
+        }
 #endif
+}
 
-/* One query row of one head: sc [T64] and acc [dv] scratch, the output row od [dv]. Keys kt [D][ldk]
- * (transposed, zero past the last one), values vv [L.., dv]; only the L visible keys are counted. */
-static void attend(const float *qn, const float *qr, int64_t dn, int64_t R, const float *kt, int64_t ldk,
-                   const float *vv, int64_t dv, int64_t L, float scale, float *sc, float *acc, float *od) {
-    const int64_t D = dn + R;
+/* One query row of one head, its scores sc [L..] given (scores4; overwritten): the softmax over the L
+ * visible keys and the values' sum vv [L.., dv] into od [dv] (acc [dv]: scratch). */
+static void attend(float *sc, int64_t L, const float *vv, int64_t dv, float *acc, float *od) {
     float mx = -INFINITY, sum = 0.0f;
 #ifdef __AVX512F__
-    (void)qn; (void)qr; (void)kt; (void)ldk; (void)D; (void)scale;   /* the scores came from scores4 */
     __m512 vmx = _mm512_set1_ps(-INFINITY);
-    for (int64_t t0 = 0; t0 < L; t0 += 16) {                   /* the scores, from scores4 */
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
         const __mmask16 live = L - t0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (L - t0)) - 1u);
-        const __m512 x = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(sc + t0));
-        _mm512_storeu_ps(sc + t0, x);
-        vmx = _mm512_max_ps(vmx, x);
+        vmx = _mm512_max_ps(vmx, _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(sc + t0)));
     }
     mx = _mm512_reduce_max_ps(vmx);
     __m512 vsum = _mm512_setzero_ps();
@@ -164,12 +166,7 @@ static void attend(const float *qn, const float *qr, int64_t dn, int64_t R, cons
         return;
     }
 #else
-    for (int64_t t = 0; t < L; t++) {
-        float s = 0.0f;
-        for (int64_t d = 0; d < D; d++) s += (d < dn ? qn[d] : qr[d - dn]) * kt[d * ldk + t];
-        sc[t] = s * scale;
-        mx = sc[t] > mx ? sc[t] : mx;
-    }
+    for (int64_t t = 0; t < L; t++) mx = sc[t] > mx ? sc[t] : mx;
     for (int64_t t = 0; t < L; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
 #endif
     for (int64_t d = 0; d < dv; d++) acc[d] = 0.0f;
@@ -237,12 +234,10 @@ int mha_prefill(const float *q_nope, const float *q_pe, int64_t S, int64_t H, in
                 qn[r] = q_nope + ((i0 + r) * H + h) * dn;
                 qr[r] = q_pe + ((i0 + r) * H + h) * R;
             }
-#ifdef __AVX512F__
             scores4(qn, qr, nq, dn, R, kt, T64, start + i0 + nq, scale, sc);
-#endif
             for (int r = 0; r < nq; r++) {
                 const int64_t i = i0 + r, L = start + i + 1;        /* keys 0 .. start + i */
-                attend(qn[r], qr[r], dn, R, kt, T64, vv, dv, L, scale, sc + r * T64, acc, o + (i * H + h) * dv);
+                attend(sc + r * T64, L, vv, dv, acc, o + (i * H + h) * dv);
             }
         }
     }
