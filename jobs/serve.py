@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from jobs._serve_env import HTTP_PROXIES, apply as apply_serve_env, serve_environment
+from jobs._serve_env import HTTP_PROXIES, apply as apply_serve_env, haproxy_binary, resolve_http_proxy, serve_environment
 from jobs._sharding_flags import add_sharding_flags, parallel_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -107,10 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mode", choices=("colocated", "disaggregated"), default=None,
                     help=f"prefill and decode in one deployment or apart (default: {dd.mode})")
     add_sharding_flags(ap, default_combine=None)
-    ap.add_argument("--http-proxy", dest="http_proxy", choices=HTTP_PROXIES, default="serve",
+    ap.add_argument("--http-proxy", dest="http_proxy", choices=HTTP_PROXIES, default="auto",
                     help="what listens on the port of a private Ray: Serve's HTTP proxy, or Ray's HAProxy ingress "
                          "(forwards to the ingress replica's own HTTP server: faster under load; see "
-                         "jobs/_serve_env.py for its caveat) (default: %(default)s)")
+                         "jobs/_serve_env.py for its caveat); auto: haproxy where Ray has it and no API key is "
+                         "set (Serve's proxy guards /-/routes with the key), else serve; a joined cluster: its "
+                         "own (default: %(default)s)")
     ap.add_argument("--serve-throughput", dest="serve_throughput", action=argparse.BooleanOptionalAction,
                     default=True, help="a private Ray's Serve runs with gRPC between its proxy and replicas and "
                                        "user code on each replica's main loop (Ray's throughput settings) "
@@ -238,6 +240,8 @@ class RayOwner(threading.Thread):
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, or a service manager's stop: the same path
+FRONT_DOORS = {"haproxy": "HAProxy", "serve": "Serve's proxy", "cluster's": "the cluster's"}
+ROUTE_WAIT_S = 60.0   # seconds the HAProxy front door may take to route to a started app
 DRAIN_S = 3.0   # seconds a stop gives the app's replicas to finish what is in flight before Ray goes
 
 
@@ -268,6 +272,31 @@ class Stopper:
     def disarm(self) -> None:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+
+
+def _local(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def wait_answering(url: str, timeout_s: float = ROUTE_WAIT_S) -> None:
+    """Until ``url`` answers with any HTTP status (401 without the key counts), at most ``timeout_s``."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5):
+                return
+        except urllib.error.HTTPError as e:
+            if e.code != 404 and e.code < 500:    # 404 / 503: HAProxy has no route to the app yet
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            print(f"warning: {url} did not answer within {timeout_s:.0f} s of the app's start", file=sys.stderr)
+            return
+        time.sleep(0.2)
 
 
 def stop(app_name: str, private: bool) -> None:
@@ -324,12 +353,17 @@ def main(argv=None) -> int:
         os.environ["DSQUANT_API_KEY"] = cfg.api_key
     stopper, owner, private = Stopper(), RayOwner(args.address, args.object_store_mb), False
     joining = join_address(args.address)
-    if joining and args.http_proxy != "serve":
+    if joining and args.http_proxy == "haproxy":
         print("error: --http-proxy haproxy needs RAY_SERVE_ENABLE_HA_PROXY=1 where the cluster's raylets start "
               "(a joined cluster's Serve is already configured)", file=sys.stderr)
         return 2
+    front = "cluster's" if joining else resolve_http_proxy(args.http_proxy, cfg.api_key)
+    if args.http_proxy == "haproxy" and front == "haproxy" and not haproxy_binary():
+        print("error: --http-proxy haproxy needs Ray >= 2.56 with an HAProxy binary (ray[serve] installs one; "
+              "or RAY_SERVE_HAPROXY_BINARY_PATH)", file=sys.stderr)
+        return 2
     if not joining:  # the private Ray's Serve processes inherit these (jobs/_serve_env.py)
-        apply_serve_env(serve_environment(args.http_proxy, args.serve_throughput))
+        apply_serve_env(serve_environment(front, args.serve_throughput))
     try:
         if joining:
             stopper.arm()  # joining starts no process here: a signal may interrupt it at once
@@ -349,8 +383,12 @@ def main(argv=None) -> int:
         with dropped_log_line("ray.serve", EXISTING_SERVE):  # serve.run finds the instance just started
             serve.run(app, name=cfg.app_name, route_prefix=cfg.route_prefix)
         base = f"http://{cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}/v1"
+        if front == "haproxy":      # HAProxy learns the app's route after serve.run returns
+            wait_answering(f"http://{_local(cfg.host)}:{cfg.port}{cfg.route_prefix.rstrip('/')}/v1/models")
         print(f"serving {cfg.model_name!r} ({kind}) from {cfg.model_path} at {base} (ready in {time.time() - t0:.0f}s; "
-              f"{'API key required' if cfg.api_key else 'no API key'}); Ctrl-C stops", file=sys.stderr, flush=True)
+              f"{'API key required' if cfg.api_key else 'no API key'}; front door: {FRONT_DOORS.get(front, front)}); "
+              "Ctrl-C stops",
+              file=sys.stderr, flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

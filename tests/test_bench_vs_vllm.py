@@ -27,9 +27,9 @@ def test_ours_picks_the_servers_and_refuses_unknown_choices(capsys):
     for bad in ("fp8", "float,float", ""):
         with pytest.raises(SystemExit):
             args("--ours", bad)
-        assert "--ours takes a comma-separated subset of float, quantized, float-haproxy, quantized-haproxy" \
+        assert "--ours takes a comma-separated subset of float, quantized, float-serve-proxy, quantized-serve-proxy" \
             in capsys.readouterr().err
-    assert args("--ours", "quantized,quantized-haproxy").ours == ["ours-quantized", "ours-quantized-haproxy"]
+    assert args("--ours", "quantized,quantized-serve-proxy").ours == ["ours-quantized", "ours-quantized-serve-proxy"]
 
 
 def test_server_commands():
@@ -47,11 +47,12 @@ def test_server_commands():
         EMBEDDED_MODEL_DIR, "ours-float", 9000, "bfloat16")
     cmd, _ = bench.server_command("ours-quantized", args(), 9000)
     assert cmd[3:6] == ["--model-path", str(bench.QUANTIZED), "--served-model-name"] and "--dtype" not in cmd
-    cmd, _ = bench.server_command("ours-quantized-haproxy", args(), 9000)
-    assert cmd[4] == str(bench.QUANTIZED) and cmd[-2:] == ["--http-proxy", "haproxy"]
-    assert serve.parse_args(cmd[3:]).http_proxy == "haproxy"
-    cmd, _ = bench.server_command("ours-float-haproxy", args(), 9000)
-    assert cmd[4] == EMBEDDED_MODEL_DIR and cmd[-4:] == ["--dtype", "auto", "--http-proxy", "haproxy"]
+    assert serve.parse_args(cmd[3:]).http_proxy == "auto"
+    cmd, _ = bench.server_command("ours-quantized-serve-proxy", args(), 9000)
+    assert cmd[4] == str(bench.QUANTIZED) and cmd[-2:] == ["--http-proxy", "serve"]
+    assert serve.parse_args(cmd[3:]).http_proxy == "serve"
+    cmd, _ = bench.server_command("ours-float-serve-proxy", args(), 9000)
+    assert cmd[4] == EMBEDDED_MODEL_DIR and cmd[-4:] == ["--dtype", "auto", "--http-proxy", "serve"]
     cmd, env = bench.server_command("vllm", args(), 9000)
     assert cmd[2:4] == ["serve", str(bench.MODEL_DIR)] and "bfloat16" in cmd and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
 

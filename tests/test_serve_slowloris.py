@@ -2,8 +2,9 @@
 head a byte at a time and never finishing) no longer holds the proxy's connections; see
 actors/serve_proxy.py. First uvicorn with the timeout-keeping protocols in-process (httptools and h11: a
 slow head gets a 408 and is closed, an idle connection is closed; requests, keep-alive, streamed responses
-and slowly sent bodies are untouched), then ``python -m jobs.serve`` itself with a 2 s timeout under 20
-slow connections."""
+and slowly sent bodies are untouched), then ``python -m jobs.serve`` itself (``--http-proxy serve``: the
+front door with the header timeout, the default when an API key is set) with a 2 s timeout under 20 slow
+connections."""
 
 from __future__ import annotations
 
@@ -334,7 +335,7 @@ def test_jobs_serve_closes_slowloris_connections_and_keeps_answering(embedded_qu
     from test_serve_shutdown import Served
 
     monkeypatch.setenv(serve_proxy.HEADER_TIMEOUT_ENV, f"{SERVE_TIMEOUT_S:g}")
-    served = Served(embedded_quantized, tmp_path)  # its environment: this one
+    served = Served(embedded_quantized, tmp_path, ("--http-proxy", "serve"))  # its environment: this one
     try:
         served.wait_for("serving ")
         base = f"http://127.0.0.1:{served.port}"
