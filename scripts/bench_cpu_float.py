@@ -8,7 +8,9 @@ lm_head: the embedded model's (float32 [4096, 256], bf16 values) as ``nn.Linear`
 values: 235 MB float32, 117 MB bf16, beyond the caches) at m = 1, 4. RMSNorm: the embedded model's norms
 (q_a 128, hidden 256, kv_a 512) and a 7168-wide one, at 1, 16, 128 rows, float32. Router: layer 1's (16
 experts, hidden 256, real weights) and a DeepSeek-V3-shaped one (256 experts, 7168, 8 groups, 4 kept,
-top 8; random) at 1, 16, 128 rows. Medians of ``--reps`` calls after a warm-up, in microseconds, with
+top 8; random) at 1, 16, 128 rows. Linears ("linears"): the float model's shapes (lm_head, kv_a, q_b, the
+dense MLP's gate+up and down) at 1 to 2048 rows, F.linear against the C kernel built without AMX (the FMA
+chains) and, on an AMX CPU, as it runs (the tiles, csrc/bf16_gemm.h). Medians of ``--reps`` calls after a warm-up, in microseconds, with
 torch.no_grad; /proc/loadavg before and after (the 2 cores are shared: read the figures with it).
 Writes JSON to --out (default benchmarks/cpu_float.json).
 """
@@ -31,6 +33,37 @@ def pair(ref, new, x, reps: int, **what) -> dict:
     row = {**what, "torch_us": t, "native_us": n, "speedup": round(t / n, 2)}
     print(row, flush=True)
     return row
+
+
+def linears(reps: int, g) -> list[dict]:
+    import torch
+    from torch import nn
+
+    from pipeline.cbuild import EXACT_FLAGS, NativeLibrary
+    from pipeline.engine import cpu_float
+    from pipeline.engine.cpu_float import NativeLinear
+
+    tiles = cpu_float._LIB
+    fma = NativeLibrary(cpu_float.CSRC / "float_ops_cpu.c", cpu_float._declare,
+                        EXACT_FLAGS + ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"), what="FMA-only float ops")
+    amx = bool(tiles.library().bf16_linear_has_amx())
+    rows = []
+    for n, k in ((4096, 256), (576, 256), (384, 128), (1536, 256), (256, 768)):
+        lin = nn.Linear(k, n, bias=False)
+        lin.weight.data = (torch.randn(n, k, generator=g) * 0.05).bfloat16().float()
+        nat = NativeLinear(lin)
+        for m in (1, 4, 16, 128, 2048):
+            x, r = torch.randn(m, k, generator=g), max(5, reps * 4 // (4 + m))
+            row = {"shape": [n, k], "m": m, "torch_us": median_us(lambda: lin(x), r, 2)}
+            try:
+                cpu_float._LIB = fma
+                row["fma_us"] = median_us(lambda: nat(x), r, 2)
+            finally:
+                cpu_float._LIB = tiles
+            row["amx_us"] = median_us(lambda: nat(x), r, 2) if amx else None
+            print(row, flush=True)
+            rows.append(row)
+    return rows
 
 
 def main() -> int:
@@ -87,6 +120,7 @@ def main() -> int:
                (v3, "DeepSeek-V3 shape (256 experts, 7168)")]
     res["router"] = [pair(r, NativeRouter(r), torch.randn(n, r.weight.shape[1], generator=g), args.reps,
                           router=name, rows=n) for r, name in routers for n in (1, 16, 128)]
+    res["linears"] = linears(args.reps, g)
     res["loadavg_after"] = loadavg()
     write_result(args.out, res, show=False)
     print("wrote", args.out, "loadavg", res["loadavg_before"], "->", res["loadavg_after"])

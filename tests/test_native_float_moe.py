@@ -6,7 +6,8 @@ the fallbacks (switch off, bf16, autograd, new weights); refusals; the plain C b
 greedy tokens with and without the C kernels.
 
 Tolerance: the products are the float32 model's (bf16 weights widened exactly); the GEMMs sum in another
-order (one FMA chain per output) and expf may differ from torch's vectorized exp by an ulp. Measured max
+order (one FMA chain per output, or on an AMX CPU the tiles over three exact bf16 pieces of x) and the exp
+(a Cephes polynomial with AVX-512) may differ from torch's vectorized exp by an ulp or two. Measured max
 |diff| <= 1.2e-6 of the output's max |value| (MoE and MLP, 1 to 256 rows); FFN_RTOL allows 1e-5. The
 routing is the router's own (the same module on both paths), so the tokens per expert are equal.
 """
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from pipeline.assets import EMBEDDED_MODEL_DIR
-from pipeline.cbuild import NativeLibrary
+from pipeline.cbuild import EXACT_FLAGS, NativeLibrary
 from pipeline.engine import cpu_float, cpu_float_ffn
 from pipeline.engine.cpu_float_ffn import FFN_C_ROWS, NativeFloatMLP, NativeFloatMoE
 from pipeline.engine.engine import LLMEngine
@@ -205,6 +206,32 @@ def test_plain_c_build_agrees(real, monkeypatch):
         monkeypatch.setattr(cpu_float_ffn, "_LIB", plain)
         _close(NativeFloatMoE(moe)(xs), ref)
         _close(NativeFloatMLP(mlp)(xs), ref_mlp)
+
+
+def test_the_amx_tiles_agree_with_the_fma_chains(real, monkeypatch):
+    """Where the CPU has AMX every GEMM here (k = 256, 128, 768) runs on the tiles: the MoE and the MLP agree
+    with the FMA-only build within FFN_RTOL (and both with torch), 1 to 300 tokens."""
+    if not cpu_float.library().bf16_linear_has_amx():
+        pytest.skip(f"no AMX here ({cpu_float.status()}): the FMA chains are the ones tested")
+    fma = NativeLibrary(cpu_float_ffn.CSRC / "float_ffn_cpu.c", cpu_float_ffn._declare,
+                        EXACT_FLAGS + ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"), what="FMA-only float FFN")
+    assert fma.library() is not None, fma.status()
+    moe, x = real["model.layers.2.mlp"]
+    mlp = real["model.layers.0.mlp"][0]
+    for n in (1, 16, 300):
+        xs = x[:n][None]
+        with torch.no_grad():
+            ref, ref_mlp = moe(xs), mlp(xs)
+            amx, amx_mlp = NativeFloatMoE(moe)(xs), NativeFloatMLP(mlp)(xs)
+            monkeypatch.setattr(cpu_float_ffn, "_LIB", fma)
+            chained, chained_mlp = NativeFloatMoE(moe)(xs), NativeFloatMLP(mlp)(xs)
+            monkeypatch.undo()
+        for got in (amx, chained):
+            _close(got, ref)
+        for got in (amx_mlp, chained_mlp):
+            _close(got, ref_mlp)
+        _close(amx, chained)
+        _close(amx_mlp, chained_mlp)
 
 
 QUESTIONS = ["What's deep learning?", "Explain list comprehensions.", "What is a decorator?"]

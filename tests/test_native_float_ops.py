@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.cbuild import NativeLibrary
+from pipeline.cbuild import EXACT_FLAGS, NativeLibrary
 from pipeline.engine import cpu_float
 from pipeline.engine.cpu_float import (LINEAR_C_ROWS, NativeHeadLinear, NativeLinear, NativeRMSNorm, NativeRouter,
                                        use_native_float_ops)
@@ -25,6 +25,7 @@ from pipeline.model.norm import RMSNorm
 
 # Linears: the same float32 products (bf16 widened exactly), summed in another order (one FMA chain per
 # output): measured max |diff| <= 7e-7 of max |ref| (k <= 768; 1.2e-6 absolute at max |logit| ~3).
+AMX_REL_ERR = 5e-7                  # of max |float64 ref|: the tiles measured 1.3-3.4e-7, the FMA chains 5-11e-7
 HEAD_RTOL = 1e-5                    # of max |ref| (logits of size ~10: ~1e-4 absolute)
 # RMSNorm, float32 out: the sum of squares in another order moves 1/sqrt by ~1 ulp: elementwise 1e-6 relative.
 NORM_RTOL, NORM_ATOL = 1e-6, 1e-7
@@ -73,20 +74,48 @@ def test_linear_equals_torch(m, k, n):
 
 
 @needs_native
-def test_a_rows_result_does_not_depend_on_the_other_rows():
+@pytest.mark.parametrize("k", [300, 256], ids=["fma", "amx-where-present"])   # k % 32 == 0: the AMX tiles
+def test_a_rows_result_does_not_depend_on_the_other_rows(k):
     """Bit for bit: each row alone, the rows in another order, and inside a larger call (a prefix-cache hit's
-    entries against recomputed ones, decode rows against prefill rows)."""
-    lin = NativeLinear(_head(70, 300, seed=7))
+    entries against recomputed ones, decode rows against prefill rows); on the FMA chains and (k a
+    multiple of 32, an AMX CPU) on the tiles, whose short row blocks run short tiles."""
+    lin = NativeLinear(_head(70, k, seed=7))
     g = torch.Generator().manual_seed(8)
-    x = torch.randn(LINEAR_C_ROWS, 300, generator=g)
+    x = torch.randn(LINEAR_C_ROWS, k, generator=g)
     with torch.no_grad():
         full = lin(x)
         alone = torch.cat([lin(x[i:i + 1]) for i in range(0, LINEAR_C_ROWS, 37)])
         assert torch.equal(alone, full[::37])
         perm = torch.randperm(LINEAR_C_ROWS, generator=g)
         assert torch.equal(lin(x[perm]), full[perm])
-        for m in (1, 2, 3, 5, 6, 7):
+        for m in (1, 2, 3, 5, 6, 7, 16, 17, 40):
             assert torch.equal(lin(x[3:3 + m]), full[3:3 + m]), m
+
+
+@needs_native
+def test_the_amx_tiles_agree_with_the_fma_chains(monkeypatch):
+    """Where the CPU has AMX, calls with k % 32 == 0 run on the tiles (x split into three bf16 pieces that sum
+    to it exactly, so the same exact products, summed in another order): within float32 rounding of the
+    FMA build's results and of torch's, and no less accurate against a float64 reference."""
+    if not cpu_float.library().bf16_linear_has_amx():
+        pytest.skip(f"no AMX here ({cpu_float.status()}): the FMA chains are the ones tested")
+    fma = NativeLibrary(cpu_float.CSRC / "float_ops_cpu.c", cpu_float._declare,
+                        EXACT_FLAGS + ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"), what="FMA-only float ops")
+    assert fma.library() is not None and fma.library().bf16_linear_has_amx() == 0
+    for m, k, n in ((1, 256, 4096), (4, 128, 384), (16, 768, 256), (37, 256, 576), (300, 512, 70)):
+        lin = _head(n, k, seed=m)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 2
+        x[0, :2] = torch.tensor([1e-30, 0.0])                      # a tiny value splits exactly too
+        with torch.no_grad():
+            ref = (x.double() @ lin.weight.double().T)
+            amx = NativeLinear(lin)(x)
+            monkeypatch.setattr(cpu_float, "_LIB", fma)
+            chained = NativeLinear(lin)(x)
+            monkeypatch.undo()
+        _head_close(amx, chained)
+        _head_close(amx, lin(x))
+        err = lambda y: ((y.double() - ref).abs().max() / ref.abs().max()).item()     # noqa: E731
+        assert err(amx) <= max(err(chained), AMX_REL_ERR), (m, k, n, err(amx), err(chained))
 
 
 @needs_native

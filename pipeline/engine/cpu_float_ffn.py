@@ -13,8 +13,9 @@ its MoEs are Int8MoE, and its float MTP layer stays torch) where the kernels bac
   arithmetic on all rows.
 
 Exactness: the weights are bf16 values widened (exact), so every product is the float32 model's; the GEMMs
-sum in another order than torch's (csrc/bf16_gemm.h: one sequential FMA chain per output) and C's expf may
-differ from torch's vectorized exp by an ulp, so outputs agree with the torch modules within float32
+sum in another order than torch's (csrc/bf16_gemm.h: one sequential FMA chain per output, or on an AMX CPU
+the tiles) and the SiLU's exp (csrc/vexp.h with AVX-512, else libm's expf) may differ from torch's
+vectorized exp by an ulp or two, so outputs agree with the torch modules within float32
 rounding (tests/test_native_float_moe.py states the tolerance), the routing being the router's. A token's
 output never depends on the other tokens of the call.
 

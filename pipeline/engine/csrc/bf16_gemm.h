@@ -13,6 +13,16 @@
  * float32 rounding of that order. The order does not depend on m, on the row's place among the rows of a
  * call, nor on the column tiling: a row's result is the same whatever else is in the call.
  * Without AVX-512 the same loops in plain C (acc = acc + w * x, unfused under -ffp-contract=off).
+ *
+ * With AMX (built for a CPU with AMX-BF16 and granted the tile state by the kernel) every call whose k is a
+ * multiple of 32 runs on the tiles instead, at any m (so a row's result still never depends on the call):
+ * the packed blocks are B tiles as they are (16 pairs x 16 columns), and each row's float32 x is split into
+ * three bf16 pieces, hi = x truncated to bf16, mid = (x - hi) truncated, lo = x - hi - mid; each piece holds
+ * 8 significant bits of x's 24, so hi + mid + lo == x exactly and every piece's product with W is exact in
+ * float32. The tiles sum, per output and per 32 inputs, lo's, then mid's, then hi's products into one
+ * float32 accumulator (tdpbf16ps, its own order within the 32): float32 sums of the float32 model's exact
+ * products, as the FMA chain, in another order (outputs agree with it within float32 rounding of the
+ * order). AMX flushes denormal inputs and outputs to zero (|x| pieces below ~1e-38 are lost).
  */
 #ifndef DSQUANT_BF16_GEMM_H
 #define DSQUANT_BF16_GEMM_H
@@ -21,6 +31,13 @@
 #include "dtypes.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
+#endif
+#include <stdlib.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
+#include "amx.h"
+#define BF16_GEMM_AMX 1
+#else
+#define BF16_GEMM_AMX 0
 #endif
 
 static inline int64_t bf16_gemm_blocks(int64_t n) { return (n + 15) / 16; }
@@ -99,10 +116,88 @@ static void bf16_tile_large(int mr, int nbk, const float *const *xr, int64_t k, 
 #undef BF16_TILE_CASE
 #endif
 
+#if BF16_GEMM_AMX
+/* rows xr[0..mr) (k floats each, k % 16 == 0) as three planes of 16 rows x k bf16 (hi, mid, lo; see the
+ * header) */
+static void bf16_split3(const float *const *xr, int mr, int64_t k, uint16_t *st) {
+    const int64_t plane = 16 * k;
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
+    for (int i = 0; i < mr; i++) {
+        uint16_t *hi = st + i * k, *mid = hi + plane, *lo = mid + plane;
+        const float *x = xr[i];
+        for (int64_t j = 0; j < k; j += 16) {
+            const __m512 v = _mm512_loadu_ps(x + j);
+            const __m512i a = _mm512_and_si512(_mm512_castps_si512(v), top);
+            const __m512 r = _mm512_sub_ps(v, _mm512_castsi512_ps(a));
+            const __m512i b = _mm512_and_si512(_mm512_castps_si512(r), top);
+            const __m512i c = _mm512_castps_si512(_mm512_sub_ps(r, _mm512_castsi512_ps(b)));
+            _mm256_storeu_si256((__m256i *)(hi + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(a, 16)));
+            _mm256_storeu_si256((__m256i *)(mid + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
+            _mm256_storeu_si256((__m256i *)(lo + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(c, 16)));
+        }
+    }
+}
+
+#define BF16_AMX_COLUMNS(J)                                                                          \
+    if (J < nbk) {                                                                                   \
+        _tile_loadd(7, pack + ((b0 + J) * kh + q * 16) * 16, 64);                                    \
+        _tile_dpbf16ps(J, 6, 7); _tile_dpbf16ps(J, 5, 7); _tile_dpbf16ps(J, 4, 7);                   \
+    }
+
+/* bf16_gemm on the tiles (k % 32 == 0): blocks of up to 16 rows x 64 columns, C tiles 0-3, the rows' hi /
+ * mid / lo A tiles 4-6, one B tile (7) at a time; st: 3 x 16 x k bf16 of scratch, cb: 16 x 64 floats. */
+static void bf16_gemm_amx(const float *const *xr, int64_t m, int64_t k, const uint32_t *pack, int64_t n,
+                          float *y, int64_t ldy, uint16_t *st, float *cb) {
+    const int64_t kh = k / 2, nb = bf16_gemm_blocks(n), lds = k * 2;
+    int configured = 0;
+    for (int64_t r0 = 0; r0 < m; r0 += 16) {
+        const int mr = m - r0 < 16 ? (int)(m - r0) : 16;
+        if (mr != configured) { amx_load_config_rows(mr, 7); configured = mr; }   /* C, A: mr rows */
+        bf16_split3(xr + r0, mr, k, st);
+        for (int64_t b0 = 0; b0 < nb; b0 += 4) {
+            const int nbk = nb - b0 < 4 ? (int)(nb - b0) : 4;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t q = 0; q < k / 32; q++) {
+                _tile_loadd(4, st + q * 32, lds);
+                _tile_loadd(5, st + 16 * k + q * 32, lds);
+                _tile_loadd(6, st + 32 * k + q * 32, lds);
+                BF16_AMX_COLUMNS(0) BF16_AMX_COLUMNS(1) BF16_AMX_COLUMNS(2) BF16_AMX_COLUMNS(3)
+            }
+            _tile_stored(0, cb, 256); _tile_stored(1, cb + 16, 256);
+            _tile_stored(2, cb + 32, 256); _tile_stored(3, cb + 48, 256);
+            const int64_t c0 = 16 * b0, nc = n - c0 < 64 ? n - c0 : 64;
+            for (int i = 0; i < mr; i++) memcpy(y + (r0 + i) * ldy + c0, cb + i * 64, (size_t)nc * sizeof(float));
+        }
+    }
+    _tile_release();
+}
+#undef BF16_AMX_COLUMNS
+#endif
+
+/* 1 when calls with k % 32 == 0 run on the AMX tiles (built for them and granted). */
+static inline int bf16_gemm_has_amx(void) {
+#if BF16_GEMM_AMX
+    return amx_usable();
+#else
+    return 0;
+#endif
+}
+
 /* y [m, n] (rows ldy apart) = rows xr[0..m) (float32, k each) @ W.T, W packed as above. Columns in panels
- * of 128, the rows 4 at a time within a panel (the panel's weights stay in L1/L2 for the next rows). */
-static void bf16_gemm(const float *const *xr, int64_t m, int64_t k, const uint32_t *pack, int64_t n, float *y,
-                      int64_t ldy) {
+ * of 128, the rows 4 at a time within a panel (the panel's weights stay in L1/L2 for the next rows); or
+ * the AMX tiles (see the header). Returns 0, or 1 (out of memory: the tiles' scratch). */
+static int bf16_gemm(const float *const *xr, int64_t m, int64_t k, const uint32_t *pack, int64_t n, float *y,
+                     int64_t ldy) {
+#if BF16_GEMM_AMX
+    if (k % 32 == 0 && m > 0 && amx_usable()) {
+        uint16_t *st = (uint16_t *)malloc((size_t)(48 * k) * sizeof(uint16_t) + 16 * 64 * sizeof(float) + 64);
+        if (!st) return 1;
+        float *cb = (float *)(((uintptr_t)(st + 48 * k) + 63) & ~(uintptr_t)63);
+        bf16_gemm_amx(xr, m, k, pack, n, y, ldy, st, cb);
+        free(st);
+        return 0;
+    }
+#endif
 #ifdef __AVX512F__
     const int64_t nb = bf16_gemm_blocks(n);
     for (int64_t p = 0; p < nb; p += 8) {
@@ -131,6 +226,7 @@ static void bf16_gemm(const float *const *xr, int64_t m, int64_t k, const uint32
             y[i * ldy + c] = acc;
         }
 #endif
+    return 0;
 }
 
 #endif

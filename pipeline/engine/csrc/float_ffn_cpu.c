@@ -2,7 +2,7 @@
  * a MoE's routed experts and its shared expert, or a dense MLP (no routed experts).
  *
  * An expert (MLP.forward) on rows r:   gu = x_r @ [W_gate; W_up].T    one packed bf16 GEMM (bf16_gemm.h)
- *                                      h  = gu_gate / (1 + expf(-gu_gate)) * gu_up   (F.silu's formula, then
+ *                                      h  = gu_gate / (1 + exp(-gu_gate)) * gu_up    (F.silu's formula, then
  *                                                                                       the product, float32)
  *                                      y  = h @ W_down.T
  * MoE.forward (pipeline.model.ffn):    the (token, k) slots sorted by expert, stable (combine_experts'
@@ -13,8 +13,9 @@
  * a dense MLP (E = 0):                 out = y on all rows
  *
  * The products and the element-wise operations are torch's float32 operations in torch's order (built
- * with -ffp-contract=off); the GEMMs sum in another order than torch's (bf16_gemm.h) and expf may differ
- * from torch's vectorized exp by an ulp, so outputs agree within float32 rounding, not bit for bit. A
+ * with -ffp-contract=off); the GEMMs sum in another order than torch's (bf16_gemm.h: an FMA chain, or the
+ * AMX tiles) and the exp (vexp.h's Cephes polynomial with AVX-512, else libm's expf) may differ from
+ * torch's vectorized exp by an ulp or two, so outputs agree within float32 rounding, not bit for bit. A
  * token's output depends only on its own row and routing, never on the other tokens of the call.
  * Returns 0, 1 (out of memory), 2 (bad sizes) or 3 (an expert id outside [0, E)).
  */
@@ -24,6 +25,9 @@
 #include <string.h>
 
 #include "bf16_gemm.h"
+#ifdef __AVX512F__
+#include "vexp.h"
+#endif
 
 typedef struct {                   /* must match cpu_float_ffn.FFNParams */
     int64_t E, H, I, Is;           /* routed experts (E may be 0), hidden, their and the shared intermediate */
@@ -35,17 +39,32 @@ typedef struct {                   /* must match cpu_float_ffn.FFNParams */
 
 static inline int64_t packed_words(int64_t n, int64_t k) { return bf16_gemm_blocks(n) * bf16_gemm_pairs(k) * 16; }
 
-/* y [n, H] (rows ldy apart) = the expert on rows xr[0..n): scratch gu [n, 2I], h [n, I], hr [n] */
-static void expert(const float *const *xr, int64_t n, int64_t H, int64_t I, const uint32_t *gu_pack,
-                   const uint32_t *dn_pack, float *gu, float *h, const float **hr, float *y, int64_t ldy) {
-    bf16_gemm(xr, n, H, gu_pack, 2 * I, gu, 2 * I);
-    for (int64_t r = 0; r < n; r++) {
-        const float *g = gu + r * 2 * I, *u = g + I;
-        float *hh = h + r * I;
-        for (int64_t j = 0; j < I; j++) hh[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
-        hr[r] = hh;
+/* h[j] = g[j] / (1 + exp(-g[j])) * u[j], j < I: F.silu's formula, then the product (with AVX-512 every
+ * element through the same vector code, vexp.h, a tail masked; else libm's expf) */
+static void silu_mul(const float *g, const float *u, float *h, int64_t I) {
+#ifdef __AVX512F__
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t j = 0; j < I; j += 16) {
+        const __mmask16 mk = I - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (I - j)) - 1u);
+        const __m512 gv = _mm512_maskz_loadu_ps(mk, g + j), uv = _mm512_maskz_loadu_ps(mk, u + j);
+        const __m512 e = vexp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        _mm512_mask_storeu_ps(h + j, mk, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), uv));
     }
-    bf16_gemm(hr, n, I, dn_pack, H, y, ldy);
+#else
+    for (int64_t j = 0; j < I; j++) h[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+#endif
+}
+
+/* y [n, H] (rows ldy apart) = the expert on rows xr[0..n): scratch gu [n, 2I], h [n, I], hr [n]; 0 or 1 */
+static int expert(const float *const *xr, int64_t n, int64_t H, int64_t I, const uint32_t *gu_pack,
+                  const uint32_t *dn_pack, float *gu, float *h, const float **hr, float *y, int64_t ldy) {
+    if (bf16_gemm(xr, n, H, gu_pack, 2 * I, gu, 2 * I)) return 1;
+    for (int64_t r = 0; r < n; r++) {
+        const float *g = gu + r * 2 * I;
+        silu_mul(g, g + I, h + r * I, I);
+        hr[r] = h + r * I;
+    }
+    return bf16_gemm(hr, n, I, dn_pack, H, y, ldy);
 }
 
 /* x [N, H] float32 (rows ldx apart); with routed experts idx / w [N, top_k] (int64 expert ids, float32
@@ -69,6 +88,7 @@ int float_ffn(const float_ffn_t *M, const float *x, int64_t N, int64_t ldx, int6
     const float **rows = (const float **)malloc((size_t)most * 2 * sizeof(float *));
     if (!start || !gu || !rows) { free(start); free(gu); free(rows); return 1; }
     int64_t *order = start + E + 1;
+    int rc = 0;
     float *h = gu + most * 2 * Im, *y = h + most * Im;
     const float **hr = rows + most;
     start[0] = 0;
@@ -79,7 +99,10 @@ int float_ffn(const float_ffn_t *M, const float *x, int64_t N, int64_t ldx, int6
         const int64_t ne = load[e];
         if (!ne) continue;
         for (int64_t r = 0; r < ne; r++) rows[r] = x + (order[r0 + r] / top_k) * ldx;
-        expert(rows, ne, H, I, M->gate_up + e * gu_words, M->down + e * dn_words, gu, h, hr, y, H);
+        if (expert(rows, ne, H, I, M->gate_up + e * gu_words, M->down + e * dn_words, gu, h, hr, y, H)) {
+            rc = 1;
+            goto done;
+        }
         for (int64_t r = 0; r < ne; r++) {
             const int64_t slot = order[r0 + r];
             const float ws = w[slot], *yr = y + r * H;
@@ -89,12 +112,16 @@ int float_ffn(const float_ffn_t *M, const float *x, int64_t N, int64_t ldx, int6
     }
     if (Is && N) {
         for (int64_t r = 0; r < N; r++) rows[r] = x + r * ldx;
-        expert(rows, N, H, Is, M->s_gate_up, M->s_down, gu, h, hr, E ? y : out, H);
+        if (expert(rows, N, H, Is, M->s_gate_up, M->s_down, gu, h, hr, E ? y : out, H)) {
+            rc = 1;
+            goto done;
+        }
         if (E)
             for (int64_t i = 0; i < N * H; i++) out[i] = out[i] + y[i];
     }
+done:
     free(start);
     free(gu);
     free(rows);
-    return 0;
+    return rc;
 }

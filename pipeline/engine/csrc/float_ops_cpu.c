@@ -45,14 +45,17 @@ static inline __m512 ld_bf16(const uint16_t *p) {
 #endif
 
 /* y [m, n] (contiguous) = x [m, k] (rows ldx apart, float32) @ W.T, W packed (bf16_gemm.h) */
+/* 1 when bf16_linear's calls with k % 32 == 0 run on the AMX tiles */
+int bf16_linear_has_amx(void) { return bf16_gemm_has_amx(); }
+
 int bf16_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const uint32_t *pack, int64_t n, float *y) {
     if (m < 0 || n < 1 || k < 1 || ldx < k) return 2;
     const float **xr = (const float **)malloc((size_t)(m ? m : 1) * sizeof(float *));
     if (!xr) return 1;
     for (int64_t i = 0; i < m; i++) xr[i] = x + i * ldx;
-    bf16_gemm(xr, m, k, pack, n, y, n);
+    const int rc = bf16_gemm(xr, m, k, pack, n, y, n);
     free(xr);
-    return 0;
+    return rc;
 }
 
 /* sum_k a[k] * b[k] in float32 (a float32, b float32 or bf16 bits) */

@@ -71,22 +71,7 @@ static void gemm_amx_bf16(const uint16_t *a, int64_t mp, int64_t k, const uint32
 #endif
 
 #ifdef __AVX512F__
-/* exp(x) for x <= 0 (Cephes' expf: range reduction by ln 2 in two parts, a degree-6 polynomial) */
-static inline __m512 exp_neg(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, fx);
-}
+#include "vexp.h"
 #endif
 
 /* scale * (q . k) of up to 4 query rows (nq) of one head against keys 0 .. L-1 (L: the last row's count;
@@ -140,7 +125,7 @@ static void attend(float *sc, int64_t L, const float *vv, int64_t dv, float *acc
     __m512 vsum = _mm512_setzero_ps();
     for (int64_t t0 = 0; t0 < L; t0 += 16) {
         const __mmask16 live = L - t0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (L - t0)) - 1u);
-        const __m512 p = _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sc + t0),
+        const __m512 p = _mm512_maskz_mov_ps(live, vexp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t0),
                                                                          _mm512_set1_ps(mx))));
         _mm512_storeu_ps(sc + t0, p);
         vsum = _mm512_add_ps(vsum, p);
@@ -212,8 +197,9 @@ int mha_prefill(const float *q_nope, const float *q_pe, int64_t S, int64_t H, in
         const float **rows = malloc((size_t)T * sizeof(*rows));
         if (!rows) { free(kv); free(kt); return 1; }
         for (int64_t t = 0; t < T; t++) rows[t] = c + t * C;
-        bf16_gemm(rows, T, C, wpack, n, kv, ld);
+        const int rc = bf16_gemm(rows, T, C, wpack, n, kv, ld);
         free(rows);
+        if (rc) { free(kv); free(kt); return 1; }
     }
     for (int64_t h = 0; h < H; h++) {
         /* keys transposed [D][T64] (k_nope scaled by s_k, then k_pe; zero past T), values [T][dv] (s_k) */
