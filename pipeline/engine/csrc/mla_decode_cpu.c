@@ -2,7 +2,7 @@
  *
  * Per row b, head h, cached position t < L_b (the arithmetic of pipeline.engine.batched_attention):
  *
- *     scores[b,h,t] = softmax_scale * (s_k * <q_abs[b,h], c[b,t]> + <q_pe[b,h], k_pe[b,t]>)
+ *     scores[b,h,t] = softmax_scale * (<s_k * q_abs[b,h], c[b,t]> + <q_pe[b,h], k_pe[b,t]>)   (one sum)
  *     o_lat[b,h]    = s_k * sum_t softmax_t(scores[b,h,:]) * c[b,t]
  *
  * The positions are taken `tile` at a time. Each token's latent and k_pe are read once from the cache
@@ -13,6 +13,8 @@
  *     m' = max(m, max_t s);  a = exp(m - m');  p = exp(s - m');  l' = a l + sum p;  acc' = a acc + p c
  *
  * and finally o_lat = acc * (s_k / l). Only positions t < L_b are visited (no masking needed; L_b >= 1).
+ * With AVX-512 the exps run 16 at a time (vexp.h's Cephes polynomial) and each token's score is one FMA
+ * chain over the latent and then the rope columns, the heads' four sums reduced together (reduce4).
  * Float32 throughout; the sums run in another order than torch's GEMMs, so results agree with the torch
  * path within float32 rounding (tests/test_native_attention.py measures it).
  *
@@ -29,6 +31,7 @@
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
+#include "vexp.h"
 #endif
 
 #include "dtypes.h"
@@ -71,68 +74,101 @@ static void to_f32(float *restrict dst, const void *src, int dtype, int64_t n) {
 
 
 /* tokens off .. off + count - 1 of block `blk` of store st -> float32 rows dst[i * ld + 0 .. cols). Chunk
- * by chunk, token by token within a chunk: the block's memory is read in order (NZ: fractal by fractal). */
+ * by chunk, token by token within a chunk: the block's memory is read in order (NZ: fractal by fractal).
+ * int8 and bf16 chunks of a multiple of 16 columns take a loop of their own (the decode step's stores). */
 static void load_rows(float *restrict dst, int64_t ld, const store_t *st, int64_t blk, int64_t off, int64_t count) {
     const size_t es = dtype_size(st->dtype);
     const char *base = (const char *)st->base + (size_t)(blk * st->bstride + off * st->tstride) * es;
+#ifdef __AVX512F__
+    if ((st->dtype == DT_INT8 || st->dtype == DT_BF16) && st->kwidth % 16 == 0 && st->cols % st->kwidth == 0) {
+        const size_t kstep = (size_t)st->kstride * es, tstep = (size_t)st->tstride * es;
+        const int64_t w = st->kwidth;
+        for (int64_t j = 0; j < st->cols; j += w, base += kstep) {
+            const char *src = base;
+            float *d = dst + j;
+            if (st->dtype == DT_INT8)
+                for (int64_t t = 0; t < count; t++, src += tstep, d += ld)
+                    for (int64_t i = 0; i < w; i += 16)
+                        _mm512_storeu_ps(d + i, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                            _mm_loadu_si128((const __m128i *)(src + i)))));
+            else
+                for (int64_t t = 0; t < count; t++, src += tstep, d += ld)
+                    for (int64_t i = 0; i < w; i += 16)
+                        _mm512_storeu_si512(d + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                            _mm256_loadu_si256((const __m256i *)(src + 2 * i))), 16));
+        }
+        return;
+    }
+#endif
     for (int64_t j = 0, k = 0; j < st->cols; j += st->kwidth, k++) {
         const int64_t w = st->cols - j < st->kwidth ? st->cols - j : st->kwidth;
         for (int64_t t = 0; t < count; t++) {
             const char *src = base + (size_t)(k * st->kstride + t * st->tstride) * es;
-            float *d = dst + t * ld + j;
-            int64_t i = 0;
-#ifdef __AVX512F__
-            if (st->dtype == DT_INT8)
-                for (; i + 16 <= w; i += 16)
-                    _mm512_storeu_ps(d + i, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                        _mm_loadu_si128((const __m128i *)(src + i)))));
-            else if (st->dtype == DT_BF16)
-                for (; i + 16 <= w; i += 16)
-                    _mm512_storeu_si512(d + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                        _mm256_loadu_si256((const __m256i *)(src + 2 * i))), 16));
-#endif
-            if (i < w) to_f32(d + i, src + (size_t)i * es, st->dtype, w - i);
+            to_f32(dst + t * ld + j, src, st->dtype, w);
         }
     }
 }
 
-/* s[h * T + i] += <q[h], x[i]> * mul for heads h < H, tokens i < n; rows padded to np (multiple of 16).
- * A head's result does not depend on H or on its place among the heads (the heads of a tensor-parallel
- * rank give the one-rank engine's bits): heads outside a block of 4 take the block's per-head operations. */
-static void dots(float *restrict s, int64_t T, const float *restrict q, const float *restrict x, int64_t H,
-                 int64_t n, int64_t np, float mul, int accumulate) {
+#ifdef __AVX512F__
+/* The four horizontal sums of a0 .. a3 (lanes 0 .. 3 of the result). Each sum adds only its own vector's
+ * lanes, in an order that does not depend on the other three: reduce4(a, 0, 0, 0)[0] has a's bits. */
+static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 b01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 b23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    const __m512 c = _mm512_add_ps(_mm512_shuffle_ps(b01, b23, 0x44), _mm512_shuffle_ps(b01, b23, 0xee));
+    return _mm_add_ps(_mm_add_ps(_mm512_castps512_ps128(c), _mm512_extractf32x4_ps(c, 1)),
+                      _mm_add_ps(_mm512_extractf32x4_ps(c, 2), _mm512_extractf32x4_ps(c, 3)));
+}
+#endif
+
+/* s[h * T + i] = (<qa[h], xc[i]> + <qp[h], xp[i]>) * mul for heads h < H, tokens i < n: one sum over the
+ * latent's np columns then the rope part's rp (both padded to multiples of 16). A head's result does not
+ * depend on H or on its place among the heads (the heads of a tensor-parallel rank give the one-rank
+ * engine's bits): heads outside a block of 4 take the block's per-head operations. */
+static void dots(float *restrict s, int64_t T, const float *restrict qa, const float *restrict qp,
+                 const float *restrict xc, const float *restrict xp, int64_t H, int64_t n, int64_t np, int64_t rp,
+                 float mul) {
     for (int64_t i = 0; i < n; i++) {
-        const float *xi = x + i * np;
+        const float *xi = xc + i * np, *pi = xp + i * rp;
         int64_t h = 0;
 #ifdef __AVX512F__
         for (; h + 4 <= H; h += 4) {
-            const float *q0 = q + h * np, *q1 = q0 + np, *q2 = q1 + np, *q3 = q2 + np;
+            const float *q0 = qa + h * np, *q1 = q0 + np, *q2 = q1 + np, *q3 = q2 + np;
+            const float *r0 = qp + h * rp, *r1 = r0 + rp, *r2 = r1 + rp, *r3 = r2 + rp;
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int64_t j = 0; j < np; j += 16) {
-                __m512 v = _mm512_loadu_ps(xi + j);
+                const __m512 v = _mm512_loadu_ps(xi + j);
                 a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + j), v, a0);
                 a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + j), v, a1);
                 a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q2 + j), v, a2);
                 a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q3 + j), v, a3);
             }
-            float d[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
-                          _mm512_reduce_add_ps(a3)};
-            for (int k = 0; k < 4; k++)
-                s[(h + k) * T + i] = (accumulate ? s[(h + k) * T + i] : 0.0f) + d[k] * mul;
+            for (int64_t j = 0; j < rp; j += 16) {
+                const __m512 v = _mm512_loadu_ps(pi + j);
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(r0 + j), v, a0);
+                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(r1 + j), v, a1);
+                a2 = _mm512_fmadd_ps(_mm512_loadu_ps(r2 + j), v, a2);
+                a3 = _mm512_fmadd_ps(_mm512_loadu_ps(r3 + j), v, a3);
+            }
+            float d[4];
+            _mm_storeu_ps(d, _mm_mul_ps(reduce4(a0, a1, a2, a3), _mm_set1_ps(mul)));
+            for (int k = 0; k < 4; k++) s[(h + k) * T + i] = d[k];
         }
         for (; h < H; h++) {                        /* the same lanes and sums as one head of the block above */
-            const float *qh = q + h * np;
+            const float *q0 = qa + h * np, *r0 = qp + h * rp;
             __m512 a = _mm512_setzero_ps();
-            for (int64_t j = 0; j < np; j += 16)
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + j), _mm512_loadu_ps(xi + j), a);
-            s[h * T + i] = (accumulate ? s[h * T + i] : 0.0f) + _mm512_reduce_add_ps(a) * mul;
+            const __m512 z = a;
+            for (int64_t j = 0; j < np; j += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + j), _mm512_loadu_ps(xi + j), a);
+            for (int64_t j = 0; j < rp; j += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(r0 + j), _mm512_loadu_ps(pi + j), a);
+            s[h * T + i] = _mm_cvtss_f32(_mm_mul_ps(reduce4(a, z, z, z), _mm_set1_ps(mul)));
         }
 #endif
         for (; h < H; h++) {
-            const float *qh = q + h * np;
+            const float *q0 = qa + h * np, *r0 = qp + h * rp;
             float d = 0.0f;
-            for (int64_t j = 0; j < np; j++) d += qh[j] * xi[j];
-            s[h * T + i] = (accumulate ? s[h * T + i] : 0.0f) + d * mul;
+            for (int64_t j = 0; j < np; j++) d += q0[j] * xi[j];
+            for (int64_t j = 0; j < rp; j++) d += r0[j] * pi[j];
+            s[h * T + i] = d * mul;
         }
     }
 }
@@ -187,6 +223,41 @@ static void accumulate_v(float *restrict acc, const float *restrict alpha, const
 }
 
 static int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
+
+/* The online softmax's step for one head over a tile's scores sh[0..n): the new running max (returned),
+ * sh[i] = exp(sh[i] - max), *alpha = exp(old max - max) (0 on the first tile: exp(-inf)), and
+ * *l = alpha * l + sum_i sh[i]. With AVX-512 the exps 16 at a time (vexp.h; a tail masked, so every score
+ * runs the same code) and the sum in 16 lanes, then across them; else libm's expf and a sequential sum. */
+static float softmax_tile(float *restrict sh, int64_t n, float m_old, float *alpha, float *l) {
+    float mx = m_old, sum = 0.0f;
+#ifdef __AVX512F__
+    __m512 vm = _mm512_set1_ps(m_old);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 mk = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        vm = _mm512_mask_max_ps(vm, mk, vm, _mm512_maskz_loadu_ps(mk, sh + i));
+    }
+    mx = _mm512_reduce_max_ps(vm);
+    const __m512 vmx = _mm512_set1_ps(mx);
+    __m512 vs = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 mk = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        const __m512 p = _mm512_maskz_mov_ps(mk, vexp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sh + i), vmx)));
+        _mm512_mask_storeu_ps(sh + i, mk, p);
+        vs = _mm512_add_ps(vs, p);
+    }
+    sum = _mm512_reduce_add_ps(vs);
+    *alpha = m_old == -INFINITY ? 0.0f : _mm512_cvtss_f32(vexp_ps(_mm512_set1_ps(m_old - mx)));
+#else
+    for (int64_t i = 0; i < n; i++) mx = sh[i] > mx ? sh[i] : mx;
+    for (int64_t i = 0; i < n; i++) {
+        sh[i] = expf(sh[i] - mx);
+        sum += sh[i];
+    }
+    *alpha = expf(m_old - mx);
+#endif
+    *l = *alpha * *l + sum;
+    return mx;
+}
 
 /* y[r * ldy + j] = sum_{k < K} x[r * ldx + k] * w[k * N + j] for rows r < M, columns j < N: each element
  * one fused multiply-add chain over k in order from 0, whichever branch computes it (4 rows x 16 columns
@@ -249,14 +320,14 @@ static int decode(const float *q, int64_t dn, const float *w_uk, const float *w_
     memset(buf, 0, floats * 4);                    /* padding columns stay zero */
     float *xc = buf, *xp = xc + T * Cp, *qa = xp + T * Rp, *qp = qa + H * Cp, *acc = qp + H * Rp;
     float *s = acc + H * Cp, *m = s + H * T, *l = m + H, *alpha = l + H, *all = alpha + H;
-    const float mul_c = s_k * softmax_scale;
     for (int64_t h = 0; w_uk && h < H; h++)         /* q_abs[b, h] = q_nope[b, h] @ W_UK[h], all rows per head */
         small_gemm(all + h * Cp, H * Cp, q + h * dn, H * dn, w_uk + h * dn * C, B, dn, C);
     for (int64_t b = 0; b < B; b++) {
         const int64_t L = lengths[b];
         const int64_t *blocks = table + b * W;
         for (int64_t h = 0; h < H; h++) {
-            memcpy(qa + h * Cp, w_uk ? all + (b * H + h) * Cp : q + (b * H + h) * C, (size_t)C * 4);
+            const float *qs = w_uk ? all + (b * H + h) * Cp : q + (b * H + h) * C;
+            for (int64_t j = 0; j < C; j++) qa[h * Cp + j] = qs[j] * s_k;    /* s_k folded into the query */
             memcpy(qp + h * Rp, q_pe + (b * H + h) * R, (size_t)R * 4);
             memset(acc + h * Cp, 0, (size_t)Cp * 4);
             m[h] = -INFINITY;
@@ -271,17 +342,10 @@ static int decode(const float *q, int64_t dn, const float *w_uk, const float *w_
                 load_rows(xp + i * Rp, Rp, ps, blk, off, run);
                 i += run;
             }
-            dots(s, T, qp, xp, H, n, Rp, softmax_scale, 0);
-            dots(s, T, qa, xc, H, n, Cp, mul_c, 1);
+            dots(s, T, qa, qp, xc, xp, H, n, Cp, Rp, softmax_scale);
             for (int64_t h = 0; h < H; h++) {
-                float *sh = s + h * T, mx = m[h], sum = 0.0f;
-                for (int64_t i = 0; i < n; i++) mx = sh[i] > mx ? sh[i] : mx;
-                for (int64_t i = 0; i < n; i++) {
-                    sh[i] = expf(sh[i] - mx);
-                    sum += sh[i];
-                }
-                alpha[h] = expf(m[h] - mx);        /* exp(-inf) = 0 on the first tile */
-                l[h] = alpha[h] * l[h] + sum;
+                float *sh = s + h * T;
+                const float mx = softmax_tile(sh, n, m[h], &alpha[h], &l[h]);
                 m[h] = mx;
             }
             accumulate_v(acc, alpha, s, T, xc, H, n, Cp);
