@@ -121,6 +121,16 @@ static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 }
 #endif
 
+#ifdef __AVX512F__
+/* a[k] += q[k * n + j] * x[j] lane-wise over j < n (a multiple of 16), for four rows k of q */
+static inline __attribute__((always_inline)) void fma4(__m512 *a, const float *q, const float *x, int64_t n) {
+    for (int64_t j = 0; j < n; j += 16) {
+        const __m512 v = _mm512_loadu_ps(x + j);
+        for (int k = 0; k < 4; k++) a[k] = _mm512_fmadd_ps(_mm512_loadu_ps(q + k * n + j), v, a[k]);
+    }
+}
+#endif
+
 /* s[h * T + i] = (<qa[h], xc[i]> + <qp[h], xp[i]>) * mul for heads h < H, tokens i < n: one sum over the
  * latent's np columns then the rope part's rp (both padded to multiples of 16). A head's result does not
  * depend on H or on its place among the heads (the heads of a tensor-parallel rank give the one-rank
@@ -133,25 +143,11 @@ static void dots(float *restrict s, int64_t T, const float *restrict qa, const f
         int64_t h = 0;
 #ifdef __AVX512F__
         for (; h + 4 <= H; h += 4) {
-            const float *q0 = qa + h * np, *q1 = q0 + np, *q2 = q1 + np, *q3 = q2 + np;
-            const float *r0 = qp + h * rp, *r1 = r0 + rp, *r2 = r1 + rp, *r3 = r2 + rp;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t j = 0; j < np; j += 16) {
-                const __m512 v = _mm512_loadu_ps(xi + j);
-                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + j), v, a0);
-                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + j), v, a1);
-                a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q2 + j), v, a2);
-                a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q3 + j), v, a3);
-            }
-            for (int64_t j = 0; j < rp; j += 16) {
-                const __m512 v = _mm512_loadu_ps(pi + j);
-                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(r0 + j), v, a0);
-                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(r1 + j), v, a1);
-                a2 = _mm512_fmadd_ps(_mm512_loadu_ps(r2 + j), v, a2);
-                a3 = _mm512_fmadd_ps(_mm512_loadu_ps(r3 + j), v, a3);
-            }
+            __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            fma4(a, qa + h * np, xi, np);
+            fma4(a, qp + h * rp, pi, rp);
             float d[4];
-            _mm_storeu_ps(d, _mm_mul_ps(reduce4(a0, a1, a2, a3), _mm_set1_ps(mul)));
+            _mm_storeu_ps(d, _mm_mul_ps(reduce4(a[0], a[1], a[2], a[3]), _mm_set1_ps(mul)));
             for (int k = 0; k < 4; k++) s[(h + k) * T + i] = d[k];
         }
         for (; h < H; h++) {                        /* the same lanes and sums as one head of the block above */
