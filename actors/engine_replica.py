@@ -17,8 +17,10 @@ def make_engine(config: ServeConfig, deployment: str, tok):
 
     parallel = config.parallel_of(deployment)
     if parallel.single:
-        return LLMEngine(load_model(config.model_path, dtype=config.dtype, device=config.engine.device),
-                         config.engine, tok)
+        engine = LLMEngine(load_model(config.model_path, dtype=config.dtype, device=config.engine.device),
+                           config.engine, tok)
+        engine.warm_up()                # the first full step's one-time costs, before the first request
+        return engine
     if dir_kind(config.model_path) == FLOAT_CHECKPOINT:
         raise ValueError(f"{config.model_path}: a float checkpoint is served by one process only; the sharded "
                          f"engine ({parallel.describe()}) loads quantized directories (pipeline.engine.shard_loader)")

@@ -71,6 +71,24 @@ def test_batching_chunking_and_preemption_change_no_token(qdir, tok, prompts):
     assert small.stats.preemptions > 0 and small.allocator.num_free == 5
 
 
+@pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])
+def test_warm_up_runs_a_full_step_and_leaves_no_trace(qdir, tok, prompts, mtp):
+    """LLMEngine.warm_up (the serving engines run it at start-up): a step's worth of tokens through the
+    model (and the MTP layer) on blocks given back; no block held or cached, no statistic moved, and the
+    tokens generated afterwards are the ones of an engine that never warmed up."""
+    cold = engine(qdir, tok, mtp=mtp, max_batched_tokens=300).generate(prompts, GREEDY)
+    warm = engine(qdir, tok, mtp=mtp, max_batched_tokens=300)
+    before = (warm.stats.steps, warm.stats.prompt_tokens, warm.stats.prefix_cache_queries)
+    assert warm.warm_up() == 16 * 19                       # 16 sequences of ceil(300 / 16) tokens: 2 blocks each
+    assert warm.allocator.num_free == 64 and warm.allocator.num_cached == 0
+    assert (warm.stats.steps, warm.stats.prompt_tokens, warm.stats.prefix_cache_queries) == before
+    assert warm.generate(prompts, GREEDY) == cold
+    tight = engine(qdir, tok, num_blocks=3, max_batched_tokens=300)
+    assert tight.warm_up() == 19                            # as many sequences as the free blocks hold (one)
+    tight.add_request(prompts[0], GREEDY)
+    assert tight.warm_up() == 0                             # busy: nothing run
+
+
 def test_sampling_seed_stop_and_limits(qdir, tok, prompts):
     sp = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, top_k=50, seed=7)
     a = engine(qdir, tok).generate(prompts[:2], sp)

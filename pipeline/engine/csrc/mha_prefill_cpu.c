@@ -74,42 +74,106 @@ static void gemm_amx_bf16(const uint16_t *a, int64_t mp, int64_t k, const uint32
 #include "vexp.h"
 #endif
 
-/* scale * (q . k) of up to 4 query rows (nq) of one head against keys 0 .. L-1 (L: the last row's count;
- * with AVX-512 rounded up to 64), into sc [4][ldk]: each key chunk's loads serve every row (16 FMA chains). */
-static void scores4(const float *const *qn, const float *const *qr, int nq, int64_t dn, int64_t R,
-                    const float *kt, int64_t ldk, int64_t L, float scale, float *sc) {
-    const int64_t D = dn + R;
 #ifdef __AVX512F__
+/* s[r][u] += q[r][d] * k[d][16u ..] over d < n for NQ rows, key rows ldk apart */
+static inline __attribute__((always_inline)) void qk_chunk(__m512 s[4][4], const int NQ, const float *const *q,
+                                                           int64_t qoff, const float *k, int64_t ldk, int64_t n) {
+    for (int64_t d = 0; d < n; d++, k += ldk) {
+        const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16), k2 = _mm512_loadu_ps(k + 32),
+                     k3 = _mm512_loadu_ps(k + 48);
+        for (int r = 0; r < NQ; r++) {
+            const __m512 qb = _mm512_set1_ps(q[r][qoff + d]);
+            s[r][0] = _mm512_fmadd_ps(qb, k0, s[r][0]);
+            s[r][1] = _mm512_fmadd_ps(qb, k1, s[r][1]);
+            s[r][2] = _mm512_fmadd_ps(qb, k2, s[r][2]);
+            s[r][3] = _mm512_fmadd_ps(qb, k3, s[r][3]);
+        }
+    }
+}
+
+/* scores4's passes for a fixed number of rows NQ (a constant where it is inlined) */
+static inline __attribute__((always_inline)) void scores_nq(const int NQ, const float *const *qn,
+                                                            const float *const *qr, int64_t dn, int64_t R,
+                                                            const float *kt, int64_t ldk, int64_t L, float scale,
+                                                            float *sc) {
     for (int64_t t0 = 0; t0 < L; t0 += 64) {
         __m512 s[4][4];
         for (int r = 0; r < 4; r++)
             for (int u = 0; u < 4; u++) s[r][u] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d++) {
-            const float *k = kt + d * ldk + t0;
-            const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16), k2 = _mm512_loadu_ps(k + 32),
-                         k3 = _mm512_loadu_ps(k + 48);
-            for (int r = 0; r < 4; r++) {
-                if (r >= nq) break;
-                const __m512 qb = _mm512_set1_ps(d < dn ? qn[r][d] : qr[r][d - dn]);
-                s[r][0] = _mm512_fmadd_ps(qb, k0, s[r][0]);
-                s[r][1] = _mm512_fmadd_ps(qb, k1, s[r][1]);
-                s[r][2] = _mm512_fmadd_ps(qb, k2, s[r][2]);
-                s[r][3] = _mm512_fmadd_ps(qb, k3, s[r][3]);
-            }
-        }
-        for (int r = 0; r < nq; r++)
+        qk_chunk(s, NQ, qn, 0, kt + t0, ldk, dn);                 /* the nope columns, then the rope ones */
+        qk_chunk(s, NQ, qr, 0, kt + dn * ldk + t0, ldk, R);
+        for (int r = 0; r < NQ; r++)
             for (int u = 0; u < 4; u++)
                 _mm512_storeu_ps(sc + r * ldk + t0 + 16 * u, _mm512_mul_ps(s[r][u], _mm512_set1_ps(scale)));
+    }
+}
+#endif
+
+/* scale * (q . k) of up to 4 query rows (nq) of one head against keys 0 .. L-1 (L: the last row's count;
+ * with AVX-512 rounded up to 64), into sc [4][ldk]: each key chunk's loads serve every row (16 FMA chains),
+ * a row's sum over the nope columns then the rope ones. */
+static void scores4(const float *const *qn, const float *const *qr, int nq, int64_t dn, int64_t R,
+                    const float *kt, int64_t ldk, int64_t L, float scale, float *sc) {
+#ifdef __AVX512F__
+    switch (nq) {
+    case 4: scores_nq(4, qn, qr, dn, R, kt, ldk, L, scale, sc); break;
+    case 3: scores_nq(3, qn, qr, dn, R, kt, ldk, L, scale, sc); break;
+    case 2: scores_nq(2, qn, qr, dn, R, kt, ldk, L, scale, sc); break;
+    default: scores_nq(1, qn, qr, dn, R, kt, ldk, L, scale, sc);
     }
 #else
     for (int r = 0; r < nq; r++)
         for (int64_t t = 0; t < L; t++) {
             float acc = 0.0f;
-            for (int64_t d = 0; d < D; d++) acc += (d < dn ? qn[r][d] : qr[r][d - dn]) * kt[d * ldk + t];
+            for (int64_t d = 0; d < dn; d++) acc += qn[r][d] * kt[d * ldk + t];
+            for (int64_t d = 0; d < R; d++) acc += qr[r][d] * kt[(dn + d) * ldk + t];
             sc[r * ldk + t] = acc * scale;
         }
 #endif
 }
+
+#ifdef __AVX512F__
+/* One query row's softmax in place over its L visible keys, zeros from L to Lmax; returns 1 / sum. */
+static float softmax_row(float *sc, int64_t L, int64_t Lmax) {
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const __mmask16 live = L - t0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (L - t0)) - 1u);
+        vmx = _mm512_max_ps(vmx, _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(sc + t0)));
+    }
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx));
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < Lmax; t0 += 16) {
+        const int64_t left = L - t0;
+        const __mmask16 live = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+        const __m512 p = _mm512_maskz_mov_ps(live, vexp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t0), mx)));
+        _mm512_storeu_ps(sc + t0, p);
+        vsum = _mm512_add_ps(vsum, p);
+    }
+    return 1.0f / _mm512_reduce_add_ps(vsum);
+}
+
+/* od[r] = inv[r] * sum_{t < Lmax} p[r][t] * vv[t] for nq (<= 4) rows of probabilities p = sc + r * ldk
+ * (zero past each row's own keys), dv (16, 32, 48 or 64) columns: each value row loaded once for every
+ * query row, one FMA chain per row and 16 columns. */
+static void values4(const float *sc, int64_t ldk, int nq, int64_t Lmax, const float *vv, int64_t dv,
+                    const float *inv, float *const *od) {
+    const int nv = (int)(dv / 16);
+    __m512 a[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int u = 0; u < 4; u++) a[r][u] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < Lmax; t++) {
+        const float *v = vv + t * dv;
+        __m512 vl[4];
+        for (int u = 0; u < nv; u++) vl[u] = _mm512_loadu_ps(v + 16 * u);
+        for (int r = 0; r < nq; r++) {
+            const __m512 p = _mm512_set1_ps(sc[r * ldk + t]);
+            for (int u = 0; u < nv; u++) a[r][u] = _mm512_fmadd_ps(p, vl[u], a[r][u]);
+        }
+    }
+    for (int r = 0; r < nq; r++)
+        for (int u = 0; u < nv; u++) _mm512_storeu_ps(od[r] + 16 * u, _mm512_mul_ps(a[r][u], _mm512_set1_ps(inv[r])));
+}
+#endif
 
 /* One query row of one head, its scores sc [L..] given (scores4; overwritten): the softmax over the L
  * visible keys and the values' sum vv [L.., dv] into od [dv] (acc [dv]: scratch). */
@@ -201,14 +265,17 @@ int mha_prefill(const float *q_nope, const float *q_pe, int64_t S, int64_t H, in
         free(rows);
         if (rc) { free(kv); free(kt); return 1; }
     }
+    /* keys transposed [D][T64] (k_nope scaled by s_k, then k_pe, the heads' common rows, built once;
+     * zero past T), values [T][dv] (s_k) */
+    for (int64_t d = dn; d < D; d++) {
+        float *row = kt + d * T64;
+        for (int64_t t = 0; t < T; t++) row[t] = pe[t * R + d - dn];
+        for (int64_t t = T; t < T64; t++) row[t] = 0.0f;
+    }
     for (int64_t h = 0; h < H; h++) {
-        /* keys transposed [D][T64] (k_nope scaled by s_k, then k_pe; zero past T), values [T][dv] (s_k) */
-        for (int64_t d = 0; d < D; d++) {
+        for (int64_t d = 0; d < dn; d++) {
             float *row = kt + d * T64;
-            if (d < dn)
-                for (int64_t t = 0; t < T; t++) row[t] = s_k * kv[t * ld + h * w + d];
-            else
-                for (int64_t t = 0; t < T; t++) row[t] = pe[t * R + d - dn];
+            for (int64_t t = 0; t < T; t++) row[t] = s_k * kv[t * ld + h * w + d];
             for (int64_t t = T; t < T64; t++) row[t] = 0.0f;
         }
         for (int64_t t = 0; t < T; t++)
@@ -221,6 +288,19 @@ int mha_prefill(const float *q_nope, const float *q_pe, int64_t S, int64_t H, in
                 qr[r] = q_pe + ((i0 + r) * H + h) * R;
             }
             scores4(qn, qr, nq, dn, R, kt, T64, start + i0 + nq, scale, sc);
+#ifdef __AVX512F__
+            if (dv % 16 == 0 && dv <= 64) {                        /* the rows' values' sums together */
+                float inv[4];
+                float *od[4];
+                for (int r = 0; r < nq; r++) {
+                    const int64_t i = i0 + r, L = start + i + 1;    /* keys 0 .. start + i */
+                    inv[r] = softmax_row(sc + r * T64, L, start + i0 + nq);
+                    od[r] = o + (i * H + h) * dv;
+                }
+                values4(sc, T64, nq, start + i0 + nq, vv, dv, inv, od);
+                continue;
+            }
+#endif
             for (int r = 0; r < nq; r++) {
                 const int64_t i = i0 + r, L = start + i + 1;        /* keys 0 .. start + i */
                 attend(sc + r * T64, L, vv, dv, acc, o + (i * H + h) * dv);
