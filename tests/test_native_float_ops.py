@@ -222,12 +222,37 @@ def test_router_ties_go_to_the_lower_index_and_bad_configs_are_refused():
 
 
 @needs_native
+def test_argmax_rows_is_torchs_argmax():
+    """The greedy rows' argmax in C: the first index of the maximum; a NaN counts as the maximum (the
+    first NaN's index); ties, infinities, signed zeros, rows of any length, a strided view; other inputs
+    (float64, 1-D) go to torch's argmax."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 4096, generator=g)
+    x[1, [5, 9]] = float("nan")
+    x[2] = 1.0
+    x[3, [7, 100]] = float("inf")
+    x[4] = -float("inf")
+    x[5] = 0.0
+    x[5, 3] = -0.0
+    x[6, 4095] = 99.0
+    x[7, 0] = float("nan")
+    x[8, [17, 4000]] = 50.0
+    for v in (x, x[:, :4001], x[:, 3:], torch.randn(3, 7, generator=g), torch.randn(1, 1, generator=g),
+              x.double(), x[0]):
+        assert cpu_float.argmax_rows(v) == v.argmax(-1).tolist()
+    assert cpu_float.argmax_rows(torch.empty(0, 5)) == []
+
+
+@needs_native
 def test_plain_c_build_agrees(monkeypatch):
     """The loops without AVX-512 (no -march=native)."""
     plain = NativeLibrary(cpu_float.CSRC / "float_ops_cpu.c", cpu_float._declare, ("-O2", "-shared", "-fPIC"),
                           what="plain C float ops")
     assert plain.library() is not None, plain.status()
     lin, norm, r = _head(70, 301), RMSNorm(72, 1e-6), _router(_Cfg(16, 256, 4, 2, 4))
+    logits = torch.randn(5, 300)
+    logits[2, [4, 250]] = float("nan")
+    logits[3, [8, 9]] = 1e6
     norm.weight.data = torch.randn(72)
     x, xn, xr = torch.randn(5, 301), torch.randn(3, 72), torch.randn(6, 256)
     with torch.no_grad():
@@ -236,6 +261,7 @@ def test_plain_c_build_agrees(monkeypatch):
         _head_close(NativeLinear(lin)(x), ref[0])
         _norm_close(NativeRMSNorm(norm)(xn), ref[1])
         _router_close(NativeRouter(r)(xr), ref[2])
+        assert cpu_float.argmax_rows(logits) == logits.argmax(-1).tolist()
 
 
 KINDS = (("linear", NativeLinear), ("rms_norm", NativeRMSNorm), ("router", NativeRouter), ("moe", NativeFloatMoE),

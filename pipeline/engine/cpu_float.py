@@ -71,7 +71,8 @@ def _declare(dll: ctypes.CDLL) -> None:
     dll.rms_norm.argtypes = [p, i32, i64, i64, i64, p, i32, f32, p, i32]
     dll.moe_router.argtypes = [p, i64, i64, p, i64, i64, i64, i32, f32, p, p]
     dll.rope.argtypes = [p, i32, i64, i64, i64, i64, i64, p, p, p]
-    for f in (dll.bf16_linear, dll.bf16_linear_has_amx, dll.rms_norm, dll.moe_router, dll.rope):
+    dll.argmax_rows.argtypes = [p, i64, i64, i64, p]
+    for f in (dll.bf16_linear, dll.bf16_linear_has_amx, dll.rms_norm, dll.moe_router, dll.rope, dll.argmax_rows):
         f.restype = i32
 
 
@@ -206,6 +207,19 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         _check(lib.rope(xs.data_ptr(), _DT[x.dtype], xs.shape[0], xs.shape[1], xs.stride(0), xs.stride(1), d,
                         cos.data_ptr(), sin.data_ptr(), out.data_ptr()), "rope")
     return out
+
+
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """``x.argmax(-1).tolist()`` of float32 rows x [R, V] (the greedy rows' logits) in one C call: the first
+    index of each row's maximum, a NaN counting as the maximum (torch's argmax); anything else, or
+    without the library, torch's argmax itself."""
+    lib = _LIB.library()
+    if lib is None or x.dtype != torch.float32 or x.dim() != 2 or not x.is_cpu or x.shape[1] < 1 \
+            or x.stride(1) != 1 or torch.compiler.is_compiling():
+        return x.argmax(-1).tolist()
+    out = (ctypes.c_int64 * x.shape[0])()
+    _check(lib.argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out), "argmax")
+    return list(out)
 
 
 class NativeRMSNorm(RMSNorm):

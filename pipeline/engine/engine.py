@@ -23,6 +23,7 @@ from pipeline.engine.loader import LoadedModel, load_model
 from pipeline.engine import kv_handoff
 from pipeline.engine.kv_handoff import KVHandoff, latest_logprobs  # noqa: F401 (re-exported)
 from pipeline.engine import malloc_tuning
+from pipeline.engine.cpu_float import argmax_rows
 from pipeline.engine.prefix_cache import PrefixCachingAllocator
 from pipeline.engine.runner import ModelRunner, Span
 from pipeline.engine.scheduler import FINISHED, RUNNING, Scheduler
@@ -240,7 +241,7 @@ class LLMEngine:
         asking: list[tuple[Seq, int]] = []     # (sequence, its first logit row) of those that want logprobs
         # every plain greedy row's token from ONE argmax over all rows (the same ids as row by row)
         plain = {p.seq.seq_id for p in batch.pieces if p.samples and plain_greedy(p.seq)}
-        best = logits.argmax(-1).tolist() if plain else None
+        best = argmax_rows(logits) if plain else None
         r = 0
         for p in batch.pieces:
             if not p.samples:

@@ -14,14 +14,14 @@
 
 static volatile int amx_state;    /* 0: not asked yet, 1: granted, -1: refused */
 
-static int amx_usable(void) {
+static inline int amx_usable(void) {
     if (amx_state == 0) amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
     return amx_state > 0;
 }
 
 /* Tiles 0 .. short_tiles-1 ``rows`` rows, the others 16; every tile 64 bytes wide (a short row block runs
  * short tiles: their work follows their rows). */
-static void amx_load_config_rows(int rows, int short_tiles) {
+static inline void amx_load_config_rows(int rows, int short_tiles) {
     struct {
         uint8_t palette, start_row, reserved[14];
         uint16_t colsb[16];
@@ -33,6 +33,6 @@ static void amx_load_config_rows(int rows, int short_tiles) {
     _tile_loadconfig(&cfg);
 }
 
-static void amx_load_config(void) { amx_load_config_rows(16, 0); }
+static inline void amx_load_config(void) { amx_load_config_rows(16, 0); }
 
 #endif

@@ -3,6 +3,7 @@
  *   bf16_linear y[i, j] = sum_k x[i, k] * W[j, k]           x float32 [m, k] (row stride ldx), W bf16 packed
  *               (bf16_gemm.h: the float model's bias-free linears and its lm_head)
  *   rms_norm    y[i] = w * cast(x[i] * 1/sqrt(sum_k x[i,k]^2 / dim + eps))     (pipeline.model.norm.RMSNorm)
+ *   argmax_rows out[r] = the first index of row r's maximum, a NaN counting as the maximum (torch.argmax)
  *   moe_router  Router.forward (pipeline.model.ffn) from its logits (torch's GEMM): sigmoid scores, grouped
  *               top-2 group scores, the best topk_group groups, the top_k experts by biased score among
  *               them, normalised weights
@@ -195,6 +196,40 @@ int rope(const void *x, int dt, int64_t n, int64_t heads, int64_t ldr, int64_t l
                 }
             }
         }
+    }
+    return 0;
+}
+
+/* out[r] = argmax of x[r * ld + 0 .. n) (n >= 1): the first index of the maximum, or of the first NaN */
+int argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *out) {
+    if (rows < 0 || n < 1 || ld < n) return 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * ld;
+        float m = v[0];
+        int64_t j = 0;
+        int nan = 0;
+#ifdef __AVX512F__
+        __m512 vm = _mm512_set1_ps(v[0]);
+        __mmask16 un = 0;
+        for (; j + 16 <= n; j += 16) {
+            const __m512 a = _mm512_loadu_ps(v + j);
+            un |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+            vm = _mm512_max_ps(vm, a);
+        }
+        nan = un != 0;
+        m = _mm512_reduce_max_ps(vm);
+#endif
+        for (; j < n; j++) {
+            if (v[j] != v[j]) nan = 1;
+            else if (v[j] > m) m = v[j];
+        }
+        int64_t best = 0;
+        if (nan) {
+            while (v[best] == v[best]) best++;
+        } else {
+            while (v[best] != m) best++;
+        }
+        out[r] = best;
     }
     return 0;
 }
