@@ -92,8 +92,9 @@ def instrument(prof: Profiler) -> None:
             prof.wrap(runner, name, "attention")
     from pipeline.engine import mha_prefill                           # the C prefill chunk (native kernels)
 
-    if hasattr(mha_prefill, "native_prefill_attention"):
-        prof.wrap(mha_prefill, "native_prefill_attention", "attention")
+    for name in ("native_prefill_attention", "native_prefill_chunks"):   # a chunk / all of a layer's chunks
+        if hasattr(mha_prefill, name):
+            prof.wrap(mha_prefill, name, "attention")
     prof.wrap(ffn.MoE, "forward", "moe")
     from pipeline.engine import cpu_float_ffn                         # a float model's MLP and MoE in C
 

@@ -79,6 +79,50 @@ def test_mha_form_equals_the_absorbed_form(nz, int8, start, S, scores, monkeypat
     assert ((got - ref).abs().max() / ref.abs().max()).item() <= FORM_RTOL
 
 
+@pytest.mark.parametrize("kind, nz", [("int8", False), ("int8", True), ("bf16", False), ("bf16", True),
+                                      ("float32", False)])          # (NZ has no float32 form)
+def test_one_call_for_every_chunk_equals_a_call_per_chunk(kind, nz):
+    """mha_prefill.native_prefill_chunks (the runner's: every chunk of a layer's step in one C call that
+    reads the cache blocks itself) gives each chunk's rows the bits of native_prefill_attention on that
+    chunk alone (torch's float32 copy of the blocks), for chunks of several sequences at several starts;
+    rows of no chunk are left as they were; a block outside the cache is refused before anything runs."""
+    from pipeline.engine import mha_prefill
+    from pipeline.engine.paged_cache import PagedLatentCache
+
+    if mha_prefill.library() is None:
+        pytest.skip("no C compiler: the torch forms only")
+    g = torch.Generator().manual_seed(11)
+    H, d_n, d_v, C, R, bs = 4, 32, 32, 64, 16, 16
+    dtype = {"int8": None, "bf16": torch.bfloat16, "float32": torch.float32}[kind]
+    cache = PagedLatentCache(16, bs, C, R, dtype=dtype or torch.bfloat16,
+                             fa_k=torch.tensor(0.03) if kind == "int8" else None, nz=nz)
+    seqs = [([5, 2, 7], 0, 40), ([9, 1], 21, 9), ([12, 3, 4, 0], 50, 2), ([6], 0, 16)]   # blocks, start, S
+    for blocks, start, S in seqs:
+        T = start + S
+        cache.write(blocks, torch.randn(T, C, generator=g).bfloat16(), torch.randn(T, R, generator=g).bfloat16(), 0)
+    w_uk, w_uv = (torch.randn(H, d_n, C, generator=g) * 0.1).bfloat16().float(), \
+        (torch.randn(H, d_v, C, generator=g) * 0.1).bfloat16().float()
+    w_pack = mha_prefill.native_weights(mha_prefill.kv_weights(w_uk, w_uv.transpose(1, 2).contiguous()))
+    N = sum(S for _, _, S in seqs) + 3                      # 3 rows that belong to no chunk (decode rows)
+    q_nope, q_pe = torch.randn(N, H, d_n, generator=g), torch.randn(N, H, R, generator=g) * 0.3
+    chunks, a = [], 3
+    for blocks, start, S in seqs:
+        chunks.append((blocks, start, a, a + S))
+        a += S
+    out = torch.full((N, H, d_v), 7.0)
+    mha_prefill.native_prefill_chunks(q_nope, q_pe, cache, chunks, w_pack, d_v, SCALE, out)
+    assert torch.equal(out[:3], torch.full((3, H, d_v), 7.0))
+    for blocks, start, a, b in chunks:
+        one = mha_prefill.native_prefill_attention(q_nope[a:b], q_pe[a:b], cache, blocks, start, w_pack, d_v, SCALE)
+        assert torch.equal(out[a:b], one), (blocks, start)
+    before = out.clone()
+    with pytest.raises(ValueError, match="a block outside the cache's 16"):
+        mha_prefill.native_prefill_chunks(q_nope, q_pe, cache, chunks[:1] + [([99], 0, 3, 5)], w_pack, d_v, SCALE, out)
+    with pytest.raises(ValueError, match="does not fit its blocks"):
+        mha_prefill.native_prefill_chunks(q_nope, q_pe, cache, [([1], 10, 3, 13)], w_pack, d_v, SCALE, out)
+    assert torch.equal(out, before)
+
+
 def test_engine_logits_with_either_form(embedded_quantized, tok):
     lm = load_quantized(embedded_quantized)
     cfg = EngineConfig(num_blocks=32, block_size=16, nz=True)

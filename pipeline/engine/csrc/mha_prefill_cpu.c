@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "bf16_gemm.h"
+#include "cache_rows.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include "amx.h"
@@ -310,4 +311,47 @@ int mha_prefill(const float *q_nope, const float *q_pe, int64_t S, int64_t H, in
     free(kv);
     free(kt);
     return 0;
+}
+
+/* Every prefill chunk of one layer's step in one call, the cache rows read here: chunk i holds the query
+ * rows chunks[3i] .. chunks[3i] + chunks[3i+1] - 1 of q_nope [N, H, dn] / q_pe [N, H, R] (float32) at
+ * positions chunks[3i+2] .., its tokens in the blocks table[i * W ..] of the stores cs (latent) and ps
+ * (k_pe; see cache_rows.h); each chunk as mha_prefill over its rows, into the same rows of o [N, H, dv].
+ * Returns 0, or 1 (out of memory), 2 (a chunk that does not fit its W blocks) or 3 (a block id outside
+ * 0 .. num_blocks - 1); nothing is computed for any chunk unless every chunk's blocks are valid. */
+int mha_prefill_paged(const float *q_nope, const float *q_pe, int64_t H, int64_t dn, int64_t R, int64_t dv,
+                      int64_t C, const void *c_base, int c_dtype, int64_t c_bstride, int64_t c_tstride,
+                      int64_t c_kstride, int64_t c_kwidth, const void *p_base, int p_dtype, int64_t p_bstride,
+                      int64_t p_tstride, int64_t p_kstride, int64_t p_kwidth, int64_t block_size,
+                      int64_t num_blocks, int64_t nchunks, const int64_t *chunks, const int64_t *table, int64_t W,
+                      const uint32_t *wpack, float s_k, float scale, int amx_ok, float *o) {
+    const store_t cs = {c_base, c_dtype, c_bstride, c_tstride, c_kstride, c_kwidth, C};
+    const store_t ps = {p_base, p_dtype, p_bstride, p_tstride, p_kstride, p_kwidth, R};
+    int64_t most = 0;
+    for (int64_t i = 0; i < nchunks; i++) {
+        const int64_t S = chunks[3 * i + 1], start = chunks[3 * i + 2], T = start + S;
+        if (S < 1 || start < 0 || chunks[3 * i] < 0 || T > W * block_size) return 2;
+        for (int64_t k = 0; k < (T + block_size - 1) / block_size; k++)
+            if (table[i * W + k] < 0 || table[i * W + k] >= num_blocks) return 3;
+        most = T > most ? T : most;
+    }
+    float *c = malloc((size_t)(most * (C + R)) * sizeof(float) + 64);
+    if (!c) return 1;
+    float *pe = c + most * C;
+    int rc = 0;
+    for (int64_t i = 0; i < nchunks && !rc; i++) {
+        const int64_t a = chunks[3 * i], S = chunks[3 * i + 1], start = chunks[3 * i + 2], T = start + S;
+        const int64_t *blocks = table + i * W;
+        for (int64_t t = 0; t < T;) {                /* the tokens, a block's run at a time */
+            const int64_t blk = blocks[t / block_size], off = t % block_size;
+            const int64_t run = block_size - off < T - t ? block_size - off : T - t;
+            load_rows(c + t * C, C, &cs, blk, off, run);
+            load_rows(pe + t * R, R, &ps, blk, off, run);
+            t += run;
+        }
+        rc = mha_prefill(q_nope + a * H * dn, q_pe + a * H * R, S, H, dn, R, dv, c, pe, start, C, wpack, s_k, scale,
+                         amx_ok, o + a * H * dv);
+    }
+    free(c);
+    return rc;
 }
