@@ -6,7 +6,8 @@
 Installs nothing: VENV is a venv with vLLM's CPU build (``../shared/peers/vllm/setup.sh`` makes one; its
 README lists the known breakages this works around: vLLM is run through ``vllm_cli.py``). Each round
 starts each server in turn, in its own process group, waits until ``/v1/models`` answers, runs ``vllm
-bench serve`` unmodified at every concurrency (random 128 in / 64 out, 32 prompts, ``--ignore-eos``,
+bench serve`` unmodified at every concurrency (random 128 in / 64 out, 32 prompts, ``--ignore-eos``, new
+prompts every run: ``--seed`` from :func:`prompt_seed`, the same for every server of a round,
 greedy), and stops the group before the next server starts. The servers alternate their order from
 round to round, and each timed run waits for a quiet CPU (load average below ``--quiet``).
 
@@ -100,14 +101,23 @@ def wait_quiet(limit: float, timeout: float = 120) -> float:
         time.sleep(5)
 
 
-def bench(name: str, args, port: int, concurrency: int, out_dir: Path) -> dict:
+def prompt_seed(round_: int, concurrency: int) -> int:
+    """``vllm bench serve --seed`` of one run: the same prompts for every server of a round at one
+    concurrency, other prompts for every other run (its default seed would send the same 32 prompts to
+    every run, and a server with prefix caching would skip their prefill from the second run on; vLLM's
+    CPU build turns prefix caching off for MLA models). Concurrency 0: the round's warm-up run."""
+    return 1000 * (round_ + 1) + concurrency
+
+
+def bench(name: str, args, port: int, concurrency: int, out_dir: Path, seed: int = 0) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     fname = f"{name}-c{concurrency}-{int(time.time() * 1000)}.json"
     cmd = [str(Path(args.vllm_venv) / "bin" / "python"), str(Path(args.vllm_cli)), "bench", "serve",
            "--backend", "openai", "--host", "127.0.0.1", "--port", str(port), "--model", name,
            "--tokenizer", str(MODEL_DIR), "--dataset-name", "random", "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-           "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--save-result",
+           "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--seed", str(seed),
+           "--save-result",
            "--result-dir", str(out_dir), "--result-filename", fname]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout)
     path = out_dir / fname
@@ -143,16 +153,17 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def one_server(name: str, args, port: int, levels: list[int], out_dir: Path) -> dict[int, dict]:
+def one_server(name: str, args, port: int, levels: list[int], out_dir: Path, round_: int = 0) -> dict[int, dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / f"{name}-server.log", "a") as log:
         proc = start_server(name, args, port, log)
         try:
-            bench(name, args, port, 1, out_dir / "warmup")               # compile caches, first-request costs
+            bench(name, args, port, 1, out_dir / "warmup", prompt_seed(round_, 0))   # first-request costs
             res = {}
             for c in levels:
                 load = wait_quiet(args.quiet)
-                res[c] = {**bench(name, args, port, c, out_dir / name), "load_at_start": round(load, 2)}
+                res[c] = {**bench(name, args, port, c, out_dir / name, prompt_seed(round_, c)),
+                          "load_at_start": round(load, 2)}
                 print(name, c, json.dumps(res[c]), flush=True)
             return res
         finally:
@@ -233,11 +244,12 @@ def main() -> int:
     for r in range(args.rounds):
         k = r % len(servers)
         order = servers[k:] + servers[:k]       # each server leads in turn
-        done = {name: one_server(name, args, args.port, levels, work / f"round{r}") for name in order}
+        done = {name: one_server(name, args, args.port, levels, work / f"round{r}", r) for name in order}
         rounds.append({name: done[name] for name in servers})
     s = summarize(rounds)
     result = {"load": f"vllm bench serve, random {args.input_len} in / {args.output_len} out, {args.num_prompts} "
-                      f"prompts, greedy, ignore_eos; {args.rounds} alternating rounds; medians and ranges",
+                      f"prompts, greedy, ignore_eos, new prompts every run (--seed: prompt_seed); {args.rounds} "
+                      f"alternating rounds; medians and ranges",
               "servers": {n: LABELS[n] for n in servers}, "float_dtype": args.float_dtype,
               "ours_args": args.ours_args,
               "machine": {"cpus": os.cpu_count()}, "summary": s, "rounds": rounds}

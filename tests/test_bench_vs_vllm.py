@@ -71,3 +71,11 @@ def test_summary_and_table_have_a_row_per_server():
     assert rows[2:] == ["| 1 | dsquant, float (bf16 checkpoint) | 50 | 2.00x | 20.0 | 100.0 |",
                         "| 1 | dsquant, W8A8 + FA3 | 100 | 4.00x | 10.0 | 100.0 |",
                         "| 1 | vLLM CPU, bf16 | 25 | 1.00x | 40.0 | 100.0 |"]
+
+
+def test_every_run_sends_new_prompts_and_every_server_of_a_round_the_same():
+    """vllm bench serve's default seed sends the same prompts to every run: from the second run on a
+    prefix-caching server would skip their prefill. Each (round, concurrency) gets its own --seed."""
+    seeds = {(r, c): bench.prompt_seed(r, c) for r in range(3) for c in (0, 1, 4, 8, 16)}
+    assert len(set(seeds.values())) == len(seeds)
+    assert bench.prompt_seed(2, 16) == bench.prompt_seed(2, 16)          # a function of the run alone
