@@ -74,6 +74,17 @@ def test_tokens_equal_the_engine_in_this_process(core, qdir, reference):
         assert events[-1].finish_reason == "length" and events[-1].token_ids  # the last token carries it
 
 
+def test_the_snapshot_says_alive_as_soon_as_the_client_is_built(qdir):
+    """The ready message carries the loop's first snapshot: /health reads ``alive`` from it, and before the
+    first step's message (up to the loop's 0.5 s idle wait) it used to find an empty one and answer 503."""
+    client = EngineCoreClient(partial(build, qdir), info)
+    try:
+        snap = client.snapshot
+        assert snap["alive"] is True and snap["running"] == 0 and snap["cache_blocks_free"] == NUM_BLOCKS
+    finally:
+        client.stop()
+
+
 def test_refusal_and_abort_cross_the_pipe(core, qdir):
     tok = Tokenizer.from_dir(qdir)
     bad, long = queue.Queue(), queue.Queue()

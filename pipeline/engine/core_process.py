@@ -67,7 +67,7 @@ def _core_main(cmd_conn, evt_conn, factory: Callable[[], Any], info: Optional[Ca
         _send(evt_conn, ("step", events, loop.snapshot))
 
     loop = EngineLoop(engine, after_step=flush)
-    _send(evt_conn, ("ready", ready))
+    _send(evt_conn, ("ready", ready, dict(loop.snapshot)))    # the loop's first snapshot: alive from the start
     try:
         while True:
             try:
@@ -132,6 +132,7 @@ class EngineCoreClient:
             self.proc.join(5)
             raise RuntimeError(f"the engine core process could not build the engine:\n{msg[1]}")
         self.ready: dict = msg[1]
+        self.snapshot = msg[2]     # until the first step's message: health checks answer from this one
         self._reader = threading.Thread(target=self._read, name="llm-engine-core-reader", daemon=True)
         self._reader.start()
 
