@@ -358,7 +358,7 @@ def main(argv=None) -> int:
               "(a joined cluster's Serve is already configured)", file=sys.stderr)
         return 2
     front = "cluster's" if joining else resolve_http_proxy(args.http_proxy, cfg.api_key)
-    if args.http_proxy == "haproxy" and front == "haproxy" and not haproxy_binary():
+    if args.http_proxy == "haproxy" and not haproxy_binary():
         print("error: --http-proxy haproxy needs Ray >= 2.56 with an HAProxy binary (ray[serve] installs one; "
               "or RAY_SERVE_HAPROXY_BINARY_PATH)", file=sys.stderr)
         return 2

@@ -151,11 +151,11 @@ class LLMEngine:
         total = min(tokens or cfg.max_batched_tokens, cfg.max_batched_tokens)
         seqs = max(1, min(cfg.max_num_seqs, total))
         per = min(-(-total // seqs), self.scheduler.max_model_len)
-        seqs = min(seqs, self.allocator.num_free // -(-per // bs))
+        nb = -(-per // bs)                      # blocks per sequence
+        seqs = min(seqs, self.allocator.num_free // nb)
         if seqs < 1 or per < 1:
             return 0
-        blocks = self.allocator.allocate_many(seqs * -(-per // bs))
-        nb = -(-per // bs)
+        blocks = self.allocator.allocate_many(seqs * nb)
         vocab = self.loaded.config.vocab_size
         spans = [Span([(7 * i + j) % vocab for j in range(per)], 0, blocks[i * nb:(i + 1) * nb]) for i in range(seqs)]
         rows = [(i + 1) * per - 1 for i in range(seqs)]

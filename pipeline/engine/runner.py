@@ -120,17 +120,19 @@ class ModelRunner:
                 rows = st.decode_rows
                 o[rows] = self._decode_out(native, q_nope[rows], None if q_abs is None else q_abs[rows], qp[rows],
                                            cache, attn, st, w_uk, w_uv_t)
-            if w_pack is not None and st.multi:      # every chunk in one C call, the blocks read there
-                mha_prefill.native_prefill_chunks(q_nope, qp, cache, [(sp.blocks, sp.start, a, b)
-                                                                      for sp, a, b in st.multi],
-                                                  w_pack, w_uv_t.shape[2], attn.scale, o)
-            for sp, a, b in (() if w_pack is not None else st.multi):
-                if self.mha_prefill:
-                    o[a:b] = mha_prefill_attention(q_nope[a:b], qp[a:b], cache, sp.blocks, sp.start, w_uk, w_uv_t,
-                                                   attn.scale, w_kv)
-                else:
-                    o[a:b] = self._absorbed_out(paged_prefill_attention(q_abs[a:b], qp[a:b], cache, sp.blocks,
-                                                                        sp.start, attn.scale), w_uv_t)
+            if w_pack is not None:
+                if st.multi:                           # every chunk in one C call, the blocks read there
+                    mha_prefill.native_prefill_chunks(q_nope, qp, cache, [(sp.blocks, sp.start, a, b)
+                                                                          for sp, a, b in st.multi],
+                                                      w_pack, w_uv_t.shape[2], attn.scale, o)
+            else:
+                for sp, a, b in st.multi:
+                    if self.mha_prefill:
+                        o[a:b] = mha_prefill_attention(q_nope[a:b], qp[a:b], cache, sp.blocks, sp.start, w_uk,
+                                                       w_uv_t, attn.scale, w_kv)
+                    else:
+                        o[a:b] = self._absorbed_out(paged_prefill_attention(q_abs[a:b], qp[a:b], cache, sp.blocks,
+                                                                            sp.start, attn.scale), w_uv_t)
         h, x = rg.attn_out(layer, h, o)
         return (rg.dense_mlp if isinstance(layer.mlp, MLP) else rg.moe_mlp)(layer, h, x)
 

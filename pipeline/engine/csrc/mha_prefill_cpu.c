@@ -179,25 +179,10 @@ static void values4(const float *sc, int64_t ldk, int nq, int64_t Lmax, const fl
 /* One query row of one head, its scores sc [L..] given (scores4; overwritten): the softmax over the L
  * visible keys and the values' sum vv [L.., dv] into od [dv] (acc [dv]: scratch). */
 static void attend(float *sc, int64_t L, const float *vv, int64_t dv, float *acc, float *od) {
-    float mx = -INFINITY, sum = 0.0f;
 #ifdef __AVX512F__
-    __m512 vmx = _mm512_set1_ps(-INFINITY);
-    for (int64_t t0 = 0; t0 < L; t0 += 16) {
-        const __mmask16 live = L - t0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (L - t0)) - 1u);
-        vmx = _mm512_max_ps(vmx, _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(sc + t0)));
-    }
-    mx = _mm512_reduce_max_ps(vmx);
-    __m512 vsum = _mm512_setzero_ps();
-    for (int64_t t0 = 0; t0 < L; t0 += 16) {
-        const __mmask16 live = L - t0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (L - t0)) - 1u);
-        const __m512 p = _mm512_maskz_mov_ps(live, vexp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t0),
-                                                                         _mm512_set1_ps(mx))));
-        _mm512_storeu_ps(sc + t0, p);
-        vsum = _mm512_add_ps(vsum, p);
-    }
-    sum = _mm512_reduce_add_ps(vsum);
+    const float inv = softmax_row(sc, L, L);
     if (dv % 16 == 0) {                                        /* the values' sum, 32 columns a pass */
-        const __m512 inv = _mm512_set1_ps(1.0f / sum);
+        const __m512 vinv = _mm512_set1_ps(inv);
         for (int64_t c0 = 0; c0 < dv; c0 += 32) {
             __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
             const float *v = vv + c0;
@@ -207,22 +192,23 @@ static void attend(float *sc, int64_t L, const float *vv, int64_t dv, float *acc
                     a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v), a0);
                     a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16), a1);
                 }
-                _mm512_storeu_ps(od + c0 + 16, _mm512_mul_ps(a1, inv));
+                _mm512_storeu_ps(od + c0 + 16, _mm512_mul_ps(a1, vinv));
             } else {
                 for (int64_t t = 0; t < L; t++, v += dv) a0 = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), _mm512_loadu_ps(v), a0);
             }
-            _mm512_storeu_ps(od + c0, _mm512_mul_ps(a0, inv));
+            _mm512_storeu_ps(od + c0, _mm512_mul_ps(a0, vinv));
         }
         return;
     }
 #else
+    float mx = -INFINITY, sum = 0.0f;
     for (int64_t t = 0; t < L; t++) mx = sc[t] > mx ? sc[t] : mx;
     for (int64_t t = 0; t < L; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
+    const float inv = 1.0f / sum;
 #endif
     for (int64_t d = 0; d < dv; d++) acc[d] = 0.0f;
     for (int64_t t = 0; t < L; t++)
         for (int64_t d = 0; d < dv; d++) acc[d] += sc[t] * vv[t * dv + d];
-    const float inv = 1.0f / sum;
     for (int64_t d = 0; d < dv; d++) od[d] = acc[d] * inv;
 }
 
