@@ -119,6 +119,34 @@ def test_the_amx_tiles_agree_with_the_fma_chains(monkeypatch):
 
 
 @needs_native
+def test_the_avx2_chains_are_the_avx512_ones_bit_for_bit(monkeypatch):
+    """Built for AVX2 + FMA without AVX-512 the linears run the same fused chain per column, 8 columns to a
+    register: the same bits as the AVX-512 build (on a CPU without AVX-512 both builds are the AVX2 one),
+    odd k, partial last blocks and row counts 1-5 included."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        flags = ""
+    if " avx2" not in flags or " fma" not in flags:
+        pytest.skip("no AVX2 + FMA on this CPU")
+    no_amx = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+    builds = [NativeLibrary(cpu_float.CSRC / "float_ops_cpu.c", cpu_float._declare, EXACT_FLAGS + no_amx + extra,
+                            what=what) for extra, what in (((), "FMA-only float ops"),
+                                                           (("-mno-avx512f",), "AVX2 float ops"))]
+    for m, k, n in ((1, 256, 4096), (3, 301, 70), (4, 128, 384), (5, 77, 17), (16, 768, 256)):
+        lin = _head(n, k, seed=m)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 2
+        outs = []
+        with torch.no_grad():
+            for b in builds:
+                monkeypatch.setattr(cpu_float, "_LIB", b)
+                outs.append(NativeLinear(lin)(x))
+                monkeypatch.undo()
+        assert torch.equal(outs[0], outs[1]), (m, k, n)
+        _head_close(outs[1], lin(x))
+
+
+@needs_native
 def test_linear_state_dict_edits_fallbacks_and_refusals():
     lin = _head(40, 24)
     nat = NativeLinear(lin)

@@ -177,10 +177,16 @@ def test_a_changed_weight_is_repacked():
     assert mod.weight_scale.dtype == torch.float64 and torch.equal(mod(x), torch_path(mod, x))
 
 
-def test_the_plain_c_loops_equal_the_vnni_ones(monkeypatch):
-    """The same source built for the baseline x86-64 / any CPU (no -march: no AVX-512, the plain C loops)."""
+@pytest.mark.parametrize("extra", [(), ("-mavx2",)], ids=["plain-c", "avx2"])
+def test_the_plain_c_and_avx2_loops_equal_the_native_ones(monkeypatch, extra):
+    """The same source built for the baseline x86-64 / any CPU (no -march: no AVX-512, the plain C loops),
+    and for AVX2 without AVX-512 (the vpmaddwd loops): the same int32 products, so the same outputs as
+    this machine's build (VNNI, AVX2 or AMX)."""
+    if extra and " avx2" not in _cpu_flags():
+        pytest.skip("no AVX2 on this CPU")
     plain = NativeLibrary(cpu_linear.SOURCE, cpu_linear._declare,
-                          tuple(f for f in EXACT_FLAGS if not f.startswith("-march=")), what="plain C kernel")
+                          tuple(f for f in EXACT_FLAGS if not f.startswith("-march=")) + extra,
+                          what="plain C kernel" if not extra else "AVX2 C kernel")
     lib = plain.library()
     assert lib is not None and lib.native_has_vnni() == 0
     g = torch.Generator().manual_seed(5)
@@ -195,6 +201,13 @@ def test_the_plain_c_loops_equal_the_vnni_ones(monkeypatch):
                for rows in ROWS for dt in (torch.float32, torch.bfloat16)]
         assert m.last_kernel == NATIVE
         assert all(torch.equal(a, b) for a, b in zip(got, want[id(m)])), m.kind
+
+
+def _cpu_flags() -> str:
+    try:
+        return open("/proc/cpuinfo").read()
+    except OSError:
+        return ""
 
 
 def test_the_amx_tiles_equal_the_vnni_ones(monkeypatch):

@@ -50,6 +50,7 @@ def _declare_attention(dll: ctypes.CDLL) -> None:
     dll.mla_decode.restype = i32
     dll.mla_decode_absorbed.argtypes = [p, i64, p, p, i64] + dll.mla_decode.argtypes[1:]
     dll.mla_decode_absorbed.restype = i32
+    dll.mla_decode_vectorized.argtypes, dll.mla_decode_vectorized.restype = [], i32
 
 
 def _declare_write(dll: ctypes.CDLL) -> None:
@@ -69,13 +70,23 @@ def library() -> Optional[ctypes.CDLL]:
     return _ATTENTION.library()
 
 
+def serving_library() -> Optional[ctypes.CDLL]:
+    """The decode attention library where the engine should serve with it: built with its AVX-512 loops.
+    Built for a CPU without AVX-512 its loops are plain C (the tests still check them), 2x slower than
+    torch's ops on an AVX2 EPYC (benchmarks/engine_profile_avx2.json), so the engine keeps torch there."""
+    dll = _ATTENTION.library()
+    return dll if dll is not None and dll.mla_decode_vectorized() else None
+
+
 def write_library() -> Optional[ctypes.CDLL]:
     """The cache write library, or None."""
     return _WRITE.library()
 
 
 def status() -> str:
-    return f"attention: {_ATTENTION.status()}; cache write: {_WRITE.status()}"
+    dll = _ATTENTION.library()
+    plain = " (plain C: the engine serves with torch's ops)" if dll is not None and not dll.mla_decode_vectorized() else ""
+    return f"attention: {_ATTENTION.status()}{plain}; cache write: {_WRITE.status()}"
 
 
 def reset() -> None:

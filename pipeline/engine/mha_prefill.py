@@ -48,6 +48,7 @@ WHOLE_SCORES_MAX = 1 << 22
 def _declare(dll: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     dll.mha_prefill_has_amx.argtypes, dll.mha_prefill_has_amx.restype = [], i32
+    dll.mha_prefill_vectorized.argtypes, dll.mha_prefill_vectorized.restype = [], i32
     dll.mha_prefill.argtypes = [p, p, i64, i64, i64, i64, i64, p, p, i64, i64, p, f32, f32, i32, p]
     dll.mha_prefill.restype = i32
     dll.mha_prefill_paged.argtypes = [p, p, i64, i64, i64, i64, i64, p, i32, i64, i64, i64, i64, p, i32, i64, i64, i64,
@@ -61,6 +62,14 @@ _LIB = NativeLibrary(Path(__file__).with_name("csrc") / "mha_prefill_cpu.c", _de
 
 def library() -> Optional[ctypes.CDLL]:
     return _LIB.library()
+
+
+def serving_library() -> Optional[ctypes.CDLL]:
+    """The library where the engine should serve with it: built with its AVX-512 loops. Built without them
+    its loops are plain C (the tests still check them), ~20x slower than torch's ops on an AVX2 EPYC
+    (benchmarks/engine_profile_avx2.json), so the engine keeps torch there."""
+    dll = _LIB.library()
+    return dll if dll is not None and dll.mha_prefill_vectorized() else None
 
 
 def native_weights(w_kv: torch.Tensor) -> Optional[torch.Tensor]:

@@ -99,16 +99,19 @@ class ModelRunner:
         w = self._w_abs.get(id(attn))
         if w is None:
             w_uk, w_uv = attn.absorbed_weights()
+            # torch's prefill ops where the C loops are plain (no AVX-512) and the compute is float32; a bf16
+            # model keeps the C call (torch's bf16 ops change tokens between whole and chunked prefill)
+            lib = mha_prefill.serving_library() if w_uk.dtype == torch.float32 else mha_prefill.library()
             w_uk, w_uv_t = w_uk.float().contiguous(), w_uv.float().transpose(1, 2).contiguous()
             w_kv = kv_weights(w_uk, w_uv_t)
-            native = self.mha_prefill and self.kernels == NATIVE and mha_prefill.library() is not None
+            native = self.mha_prefill and self.kernels == NATIVE and lib is not None
             w = self._w_abs[id(attn)] = (w_uk, w_uv_t, w_kv, mha_prefill.native_weights(w_kv) if native else None)
         return w
 
     def _layer(self, layer, cache: PagedLatentCache, h: torch.Tensor, st: "StepInputs") -> torch.Tensor:
         attn, rg = layer.self_attn, self.regions
         w_uk, w_uv_t, w_kv, w_pack = self._absorbed(attn)
-        native = self.kernels == NATIVE and cpu_attention.library() is not None   # absorbs in its own call
+        native = self.kernels == NATIVE and cpu_attention.serving_library() is not None   # absorbs itself
         need_abs = not native or bool(st.multi and not self.mha_prefill)
         q_nope, q_abs, qp, c, k_pe = rg.attn_in(layer, h, st.cos, st.sin, w_uk if need_abs else None)
         cache.write_slots(st.slots, c, k_pe)                     # the step's tokens, one write per layer

@@ -12,7 +12,8 @@
  * summation order (sequential, fused) differs from torch's GEMM, so outputs agree with F.linear within
  * float32 rounding of that order. The order does not depend on m, on the row's place among the rows of a
  * call, nor on the column tiling: a row's result is the same whatever else is in the call.
- * Without AVX-512 the same loops in plain C (acc = acc + w * x, unfused under -ffp-contract=off).
+ * Without AVX-512, on AVX2 + FMA, the same fused chain 8 columns to a register (the same bits as AVX-512's);
+ * else the same loops in plain C (acc = acc + w * x, unfused under -ffp-contract=off).
  *
  * With AMX (built for a CPU with AMX-BF16 and granted the tile state by the kernel) every call whose k is a
  * multiple of 32 runs on the tiles instead, at any m (so a row's result still never depends on the call):
@@ -29,7 +30,7 @@
 
 #include <stdint.h>
 #include "dtypes.h"
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 #include <stdlib.h>
@@ -114,6 +115,54 @@ static void bf16_tile_large(int mr, int nbk, const float *const *xr, int64_t k, 
         switch (nbk) { BF16_TILE_CASE(4, 1) BF16_TILE_CASE(4, 2) BF16_TILE_CASE(4, 3) default: BF16_TILE_CASE(4, 4) }
 }
 #undef BF16_TILE_CASE
+#endif
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define BF16_GEMM_AVX2 1
+/* mr (<= 4) rows (pointers xr) x the block of 16 columns b: y[i * ldy + 16 * b + c], each column's chain of
+ * fused multiply-adds in AVX-512's order (two registers of 8 columns per block). */
+static inline __attribute__((always_inline)) void bf16_tile_avx2(const int mr, const float *const *xr, int64_t k,
+                                                                 const uint32_t *pack, int64_t b, int64_t n,
+                                                                 float *y, int64_t ldy) {
+    const int64_t kh = bf16_gemm_pairs(k), full = k / 2;
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    __m256 acc[4][2];
+    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    const uint32_t *wp = pack + b * kh * 16;
+    for (int64_t s = 0; s < full; s++) {
+        __m256 we[2], wo[2];
+        for (int h = 0; h < 2; h++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(wp + s * 16 + 8 * h));
+            we[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            wo[h] = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+        }
+        for (int i = 0; i < mr; i++) {
+            const __m256 xe = _mm256_broadcast_ss(xr[i] + 2 * s), xo = _mm256_broadcast_ss(xr[i] + 2 * s + 1);
+            for (int h = 0; h < 2; h++) acc[i][h] = _mm256_fmadd_ps(we[h], xe, acc[i][h]);
+            for (int h = 0; h < 2; h++) acc[i][h] = _mm256_fmadd_ps(wo[h], xo, acc[i][h]);
+        }
+    }
+    if (kh > full)                          /* odd k: the last input alone (x[k] is never read) */
+        for (int h = 0; h < 2; h++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(wp + full * 16 + 8 * h));
+            const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            for (int i = 0; i < mr; i++) acc[i][h] = _mm256_fmadd_ps(we, _mm256_set1_ps(xr[i][2 * full]), acc[i][h]);
+        }
+    const int64_t c0 = 16 * b, left = n - c0;
+    for (int i = 0; i < mr; i++) {
+        if (left >= 16) {
+            _mm256_storeu_ps(y + i * ldy + c0, acc[i][0]);
+            _mm256_storeu_ps(y + i * ldy + c0 + 8, acc[i][1]);
+        } else {
+            float t[16];
+            _mm256_storeu_ps(t, acc[i][0]);
+            _mm256_storeu_ps(t + 8, acc[i][1]);
+            memcpy(y + i * ldy + c0, t, (size_t)left * sizeof(float));
+        }
+    }
+}
+#else
+#define BF16_GEMM_AVX2 0
 #endif
 
 #if BF16_GEMM_AMX
@@ -213,6 +262,18 @@ static int bf16_gemm(const float *const *xr, int64_t m, int64_t k, const uint32_
             }
         }
     }
+#elif BF16_GEMM_AVX2
+    const int64_t nb = bf16_gemm_blocks(n);
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t r = 0; r < m; r += 4) {
+            const int mr = m - r < 4 ? (int)(m - r) : 4;
+            switch (mr) {
+            case 4: bf16_tile_avx2(4, xr + r, k, pack, b, n, y + r * ldy, ldy); break;
+            case 3: bf16_tile_avx2(3, xr + r, k, pack, b, n, y + r * ldy, ldy); break;
+            case 2: bf16_tile_avx2(2, xr + r, k, pack, b, n, y + r * ldy, ldy); break;
+            default: bf16_tile_avx2(1, xr + r, k, pack, b, n, y + r * ldy, ldy); break;
+            }
+        }
 #else
     const int64_t kh = bf16_gemm_pairs(k);
     for (int64_t i = 0; i < m; i++)

@@ -18,7 +18,9 @@
  * (u8 x s8, four products summed into each int32 lane). sum_j u_j w_j = sum_j q_j w_j + 128 sum_j w_j,
  * so acc = that - wsum with wsum = 128 * row sum of W, computed at packing. Everything is modulo 2^32
  * (vpdpbusd wraps, the subtraction is unsigned) and the true |acc| <= 128 * 128 * k < 2^31 for k <= 131071,
- * so the int32 result is exact. Without VNNI the same layout is summed by plain C loops.
+ * so the int32 result is exact. Without AVX-512 VNNI, on AVX2, the same layout is summed with vpmaddwd
+ * (both operands widened to int16: u8 -> [0, 255], s8 -> [-128, 127]; each int32 lane gets two exact
+ * products, a lane pair per column and step, added at the end), the same int32 result; else plain C.
  *
  * With AMX (built for a CPU that has it, and the kernel grants the process the tile state) a call of at
  * least AMX_MIN_ROWS rows and kp a multiple of 64 runs on the tiles instead: tdpbusd is the same u8 x s8
@@ -36,6 +38,12 @@
 #define HAVE_VNNI 1
 #else
 #define HAVE_VNNI 0
+#endif
+#if !HAVE_VNNI && defined(__AVX2__)
+#include <immintrin.h>
+#define HAVE_AVX2_GEMM 1
+#else
+#define HAVE_AVX2_GEMM 0
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #include "amx.h"
@@ -219,6 +227,37 @@ static inline __attribute__((always_inline)) void tile(const int mr, const uint8
 }
 #endif
 
+#if HAVE_AVX2_GEMM
+/* mr (<= 2) rows x one block of 16 columns, all of k, on AVX2. A step's 4 activations, widened to int16
+ * and repeated 4 times, meet 4 columns' 4 weights (16 int16): vpmaddwd leaves per column two int32 lanes
+ * (inputs 0+1, 2+3), summed over the steps; hadd joins each column's two lanes at the end. */
+static inline __attribute__((always_inline)) void tile_avx2(const int mr, const uint8_t *const *ar,
+                                                            const int8_t *wbb, int64_t ks, const int32_t *sbb,
+                                                            int32_t *c, int64_t ldc) {
+    __m256i acc[2][4];
+    for (int i = 0; i < mr; i++)
+        for (int g = 0; g < 4; g++) acc[i][g] = _mm256_setzero_si256();
+    for (int64_t s = 0; s < ks; s++) {
+        __m256i a[2];
+        for (int i = 0; i < mr; i++) {
+            int32_t a4;
+            memcpy(&a4, ar[i] + 4 * s, 4);
+            a[i] = _mm256_cvtepu8_epi16(_mm_set1_epi32(a4));
+        }
+        for (int g = 0; g < 4; g++) {
+            const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wbb + s * 64 + g * 16)));
+            for (int i = 0; i < mr; i++) acc[i][g] = _mm256_add_epi32(acc[i][g], _mm256_madd_epi16(w, a[i]));
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int h = 0; h < 2; h++) {          /* columns 8h .. 8h+7: [c0 c1 c4 c5 | c2 c3 c6 c7], reordered */
+            __m256i v = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][2 * h], acc[i][2 * h + 1]), 0xD8);
+            v = _mm256_sub_epi32(v, _mm256_loadu_si256((const __m256i *)(sbb + 8 * h)));
+            _mm256_storeu_si256((__m256i *)(c + i * ldc + 8 * h), v);
+        }
+}
+#endif
+
 #if HAVE_AMX
 /* The product of gemm() on the AMX tiles, kp % 64 == 0: blocks of 32 rows x 32 columns (C tiles 0-3, the
  * rows' A tiles 4-5, the columns' B tiles 6-7), k in steps of 64. A block of gathered rows (``rows``) or
@@ -293,6 +332,13 @@ static void gemm(const uint8_t *a, int64_t lda, const int64_t *rows, int64_t m, 
             case 2: tile(2, ar, wb, ks, sb, cp, np); break;
             default: tile(1, ar, wb, ks, sb, cp, np); break;
             }
+#elif HAVE_AVX2_GEMM
+            for (int i = 0; i < mr; i += 2)
+                for (int b = 0; b < PANEL; b++) {
+                    const int8_t *wbb = wb + b * ks * 64;
+                    if (mr - i >= 2) tile_avx2(2, ar + i, wbb, ks, sb + b * COLS, cp + i * np + b * COLS, np);
+                    else tile_avx2(1, ar + i, wbb, ks, sb + b * COLS, cp + i * np + b * COLS, np);
+                }
 #else
             for (int i = 0; i < mr; i++)
                 for (int b = 0; b < PANEL; b++) {

@@ -27,6 +27,15 @@
 #define HAVE_AMX 0
 #endif
 
+/* 1 when built with the AVX-512 loops (else plain C, which the engine serves with torch's ops instead). */
+int mha_prefill_vectorized(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int mha_prefill_has_amx(void) {
 #if HAVE_AMX
     return amx_usable();

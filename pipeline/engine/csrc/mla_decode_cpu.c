@@ -286,6 +286,15 @@ static int decode(const float *q, int64_t dn, const float *w_uk, const float *w_
     return 0;
 }
 
+/* 1 when built with the AVX-512 loops (else plain C, which the engine serves with torch's ops instead). */
+int mla_decode_vectorized(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int mla_decode(const float *q_abs, const float *q_pe, int64_t B, int64_t H, int64_t C, int64_t R,
                const void *c_base, int c_dtype, int64_t c_bstride, int64_t c_tstride, int64_t c_kstride,
                int64_t c_kwidth, const void *p_base, int p_dtype, int64_t p_bstride, int64_t p_tstride,
