@@ -6,7 +6,9 @@ unfinished at a time (backpressure). Samples go round-robin to the replica chain
 Each call returns that (sample, stage)'s statistics; the driver keeps one result per (sample, stage) and
 merges them in sample order at the end, so the result does not depend on timing, on replicas, or on
 how often a sample was redone. A sample whose chain fails for a retryable reason (lost actor, node or
-object) is resubmitted whole, up to ``attempts`` times; any other error fails the job at once.
+object) is resubmitted whole, up to ``attempts`` times; any other error fails the job at once. A chain
+whose actor is met restarting waits for it (a backoff) without spending an attempt, for up to
+``restart_wait_s``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import ray
 
-from actors.ray_errors import app_error, is_retryable
+from actors.ray_errors import Restarts, app_error, is_restarting, is_retryable
 from actors.ray_session import DistOptions, JobFailed
 from pipeline.quant.stage import STATS
 
@@ -34,7 +36,8 @@ def run_pass(actors: list[list[Any]], kind: str, samples: Sequence[Sequence[int]
     n_stages, n_rep = len(actors), len(actors[0])
     results: list[list[Any]] = [[None] * n_stages for _ in samples]
     remaining: dict[int, set[int]] = {}          # sample -> stages not yet returned (current attempt)
-    gen = [0] * len(samples)                       # attempt number of each sample
+    gen = [0] * len(samples)                       # attempt number of each sample (tells stale results)
+    lost = [0] * len(samples)                      # attempts lost (an actor met restarting is not one)
     pending: dict[Any, tuple[int, int, int]] = {}  # ref -> (sample, stage, attempt)
     queue = deque(range(len(samples)))
     open_per_rep = [0] * n_rep
@@ -50,18 +53,26 @@ def run_pass(actors: list[list[Any]], kind: str, samples: Sequence[Sequence[int]
             pending[st] = (j, k, gen[j])
         remaining[j] = set(range(n_stages))
 
+    restarts = Restarts(dist.restart_wait_s)
     while queue or pending:
         # top up each replica chain (a redone sample goes first: it is at the queue's head)
+        now = time.monotonic()
         while queue:
             j = queue[0]
             redo = j in remaining
             if not redo and open_per_rep[j % n_rep] >= dist.in_flight:
                 break
+            if any(restarts.resting((k, j % n_rep), now) for k in range(n_stages)):
+                break  # its chain has an actor met restarting: wait for it
             queue.popleft()
             if not redo:
                 open_per_rep[j % n_rep] += 1
             submit(j)
-        ready, _ = ray.wait(list(pending), num_returns=1, timeout=dist.progress_s)
+        wake = restarts.wake_in(time.monotonic())
+        if not pending:
+            time.sleep(wake if wake is not None else 0.05)
+            continue
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(dist.progress_s, wake or dist.progress_s))
         for ref in ready:
             j, k, g = pending.pop(ref)
             if g != gen[j]:
@@ -72,12 +83,18 @@ def run_pass(actors: list[list[Any]], kind: str, samples: Sequence[Sequence[int]
                 if not is_retryable(err):
                     raise CalibrationFailed(f"{kind} pass, sample {j}, stage {k}: {app_error(err)}") from app_error(err)
                 gen[j] += 1
-                if gen[j] >= dist.attempts:
-                    raise CalibrationFailed(f"{kind} pass: sample {j} failed {gen[j]} times; last at stage {k}: "
+                if is_restarting(err) and restarts.met((k, j % n_rep), time.monotonic()):
+                    log(f"calibration {kind}: sample {j} met a restarting actor at stage {k}; redoing it once it is back")
+                    queue.appendleft(j)
+                    continue
+                lost[j] += 1
+                if lost[j] >= dist.attempts:
+                    raise CalibrationFailed(f"{kind} pass: sample {j} failed {lost[j]} times; last at stage {k}: "
                                             f"{type(err).__name__}: {err}") from err
                 log(f"calibration {kind}: sample {j} lost at stage {k} ({type(err).__name__}); redoing it")
                 queue.appendleft(j)
                 continue
+            restarts.back((k, j % n_rep))
             remaining[j].discard(k)
             done_per_stage[k] += 1
             if on_event is not None:

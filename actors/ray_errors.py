@@ -3,6 +3,8 @@ the work elsewhere can succeed."""
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import ray.exceptions as rex
 
 RETRYABLE = (rex.RayActorError, rex.ObjectLostError, rex.WorkerCrashedError, rex.NodeDiedError,
@@ -22,3 +24,44 @@ def app_error(err: BaseException) -> BaseException:
     """The application exception inside a RayTaskError (what the user should read)."""
     cause = getattr(err, "cause", None) if isinstance(err, rex.RayTaskError) else None
     return cause if isinstance(cause, BaseException) else err
+
+
+def is_restarting(err: BaseException) -> bool:
+    """The actor is restarting (Ray's ActorUnavailableError): the same actor takes work again once it is
+    back, so meeting it is a wait, not a lost attempt (resubmitted at once, every attempt would meet the
+    restart in milliseconds)."""
+    cause = getattr(err, "cause", None) if isinstance(err, rex.RayTaskError) else None
+    return isinstance(err, rex.ActorUnavailableError) or isinstance(cause, rex.ActorUnavailableError)
+
+
+class Restarts:
+    """The actors met restarting, by key: each rests before it takes work again (0.25 s, doubling to 4 s
+    while it stays unavailable); one unavailable for longer than ``limit_s`` counts as lost (``met``
+    returns False and the caller spends an attempt)."""
+
+    def __init__(self, limit_s: float):
+        self.limit_s = limit_s
+        self._since: dict[Any, float] = {}
+        self._times: dict[Any, int] = {}
+        self._until: dict[Any, float] = {}
+
+    def met(self, key: Any, now: float) -> bool:
+        """``key``'s actor is restarting: rest it. False once it has been so for longer than limit_s."""
+        since = self._since.setdefault(key, now)
+        n = self._times.get(key, 0)
+        self._times[key] = n + 1
+        self._until[key] = now + min(0.25 * 2 ** n, 4.0)
+        return now - since <= self.limit_s
+
+    def back(self, key: Any) -> None:
+        """``key``'s actor did work: it is up."""
+        for d in (self._since, self._times, self._until):
+            d.pop(key, None)
+
+    def resting(self, key: Any, now: float) -> bool:
+        return self._until.get(key, 0.0) > now
+
+    def wake_in(self, now: float) -> Optional[float]:
+        """Seconds until the first resting actor may take work; None when none rests."""
+        ahead = [t - now for t in self._until.values() if t > now]
+        return min(ahead) if ahead else None

@@ -34,6 +34,7 @@ class DistOptions:
     in_flight: int = 4                      # calibration samples in flight per replica chain (backpressure)
     max_restarts: int = 4                   # per actor
     attempts: int = 3                       # per sample chain and per unit, the first included
+    restart_wait_s: float = 120.0           # how long an actor met restarting is waited for (no attempt spent)
     verify: str = "sha256"                  # how committed shards of an earlier run are checked on resume
     object_store_memory: int = GiB // 2     # for a local Ray started here
     name: str = "dsquant"
@@ -45,6 +46,8 @@ class DistOptions:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f} must be an integer >= 1, got {v!r}")
+        if not self.restart_wait_s >= 0:
+            raise ValueError(f"restart_wait_s must be >= 0, got {self.restart_wait_s!r}")
         if self.cpus_per_actor <= 0 and self.gpus_per_actor <= 0:
             raise ValueError("an actor needs cpus_per_actor > 0 or gpus_per_actor > 0")
 

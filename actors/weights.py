@@ -4,7 +4,9 @@ an actor taking its own stage's layers first (it holds their weights from calibr
 them again) and then any unit left (read from the source), so that no actor idles while work remains.
 An actor writes the unit's shards straight to the destination and returns their records; the driver
 stores a commit record per shard as each unit returns (what a rerun trusts). A unit lost for a retryable
-reason is redone, up to ``attempts`` times, on whichever actor is free; other errors are not retried.
+reason is redone, up to ``attempts`` times, on whichever actor is free; other errors are not retried. An
+actor met restarting rests (a backoff) and the unit goes to another, without spending an attempt, for up
+to ``restart_wait_s``.
 The job fails at the end with every failed unit's shards named."""
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import ray
 
-from actors.ray_errors import app_error, is_retryable
+from actors.ray_errors import Restarts, app_error, is_restarting, is_retryable
 from actors.ray_session import DistOptions, JobFailed
 from pipeline.quant.shard_layout import Shard
 
@@ -48,9 +50,12 @@ def run_weights(actors: Sequence[tuple[int, Any]], owner: Mapping[str, Optional[
     written = 0
     t0 = last_log = time.monotonic()
     done = 0
+    restarts = Restarts(dist.restart_wait_s)
     while queue or pending:
-        for a in list(free):
-            free_stages = {f[0] for f in free}
+        now = time.monotonic()
+        ready_free = [a for a in free if not restarts.resting(a[1], now)]
+        for a in ready_free:
+            free_stages = {f[0] for f in ready_free if f in free}
             u = next((u for u in queue if owner.get(u) == a[0]), None)  # its own layer first
             if u is None:  # else one whose owner is busy (or none): never one its free owner will take
                 u = next((u for u in queue if owner.get(u) is None or owner[u] not in free_stages), None)
@@ -59,13 +64,21 @@ def run_weights(actors: Sequence[tuple[int, Any]], owner: Mapping[str, Optional[
             free.remove(a)
             queue.remove(u)
             pending[a[1].write_unit.remote(dst, of_unit[u], stats_ref, smooth_ref, alpha, smoothing_key)] = (u, a)
-        ready, _ = ray.wait(list(pending), num_returns=1, timeout=dist.progress_s)
+        wake = restarts.wake_in(time.monotonic())
+        if not pending:
+            time.sleep(wake if wake is not None else 0.05)
+            continue
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(dist.progress_s, wake or dist.progress_s))
         for ref in ready:
             u, a = pending.pop(ref)
             free.append(a)
             try:
                 records, types = ray.get(ref)
             except Exception as err:  # noqa: BLE001 - classified below
+                if is_restarting(err) and restarts.met(a[1], time.monotonic()):
+                    log(f"weights: unit {u} met a restarting actor (stage {a[0]}); redoing it once it is back")
+                    queue.insert(0, u)
+                    continue
                 attempts[u] = attempts.get(u, 0) + 1
                 if is_retryable(err) and attempts[u] < dist.attempts:
                     log(f"weights: unit {u} lost ({type(err).__name__}); redoing it")
@@ -74,6 +87,7 @@ def run_weights(actors: Sequence[tuple[int, Any]], owner: Mapping[str, Optional[
                     failed[u] = f"{type(app_error(err)).__name__}: {app_error(err)}"
                     log(f"weights: unit {u} failed: {failed[u]}")
                 continue
+            restarts.back(a[1])
             on_unit(u, records, types)
             done += 1
             written += sum(r.size for r in records)
