@@ -90,7 +90,7 @@ static inline __attribute__((always_inline)) void bf16_tile(const int mr, const 
 #pragma GCC unroll 8
     for (int b = 0; b < nbk; b++) {
         const int64_t c0 = 16 * (b0 + b), left = n - c0;
-        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+        const __mmask16 mask = tail_mask16(left);
 #pragma GCC unroll 4
         for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(y + i * ldy + c0, mask, acc[i][b]);
     }

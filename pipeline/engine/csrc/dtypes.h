@@ -8,6 +8,15 @@
 
 enum { DT_INT8 = 0, DT_BF16 = 1, DT_FP16 = 2, DT_F32 = 3 };
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* The lanes of a 16-lane vector that hold the last `left` elements of a row: all 16 when left >= 16, none
+ * when left <= 0. */
+static inline __mmask16 tail_mask16(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : (__mmask16)0;
+}
+#endif
+
 /* bfloat16 bits -> float32 (exact: the high half of a float32). */
 static inline float bf16_to_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;

@@ -45,7 +45,7 @@ static void silu_mul(const float *g, const float *u, float *h, int64_t I) {
 #ifdef __AVX512F__
     const __m512 one = _mm512_set1_ps(1.0f);
     for (int64_t j = 0; j < I; j += 16) {
-        const __mmask16 mk = I - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (I - j)) - 1u);
+        const __mmask16 mk = tail_mask16(I - j);
         const __m512 gv = _mm512_maskz_loadu_ps(mk, g + j), uv = _mm512_maskz_loadu_ps(mk, u + j);
         const __m512 e = vexp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
         _mm512_mask_storeu_ps(h + j, mk, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), uv));

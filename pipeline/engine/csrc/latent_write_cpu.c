@@ -41,7 +41,7 @@ static void quantize(int8_t *restrict dst, const void *src, int src_dtype, int64
      * clamp, NaN -> 0 (a tail masked) */
     const __m512 vs = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
     for (; j0 < n; j0 += 16) {
-        const __mmask16 mk = n - j0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j0)) - 1u);
+        const __mmask16 mk = tail_mask16(n - j0);
         const __m512 q = _mm512_div_ps(load16(src, src_dtype, j0, mk), vs);
         __m512 r = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         const __mmask16 num = _mm512_cmp_ps_mask(r, r, _CMP_ORD_Q);

@@ -147,14 +147,14 @@ static void scores4(const float *const *qn, const float *const *qr, int nq, int6
 static float softmax_row(float *sc, int64_t L, int64_t Lmax) {
     __m512 vmx = _mm512_set1_ps(-INFINITY);
     for (int64_t t0 = 0; t0 < L; t0 += 16) {
-        const __mmask16 live = L - t0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (L - t0)) - 1u);
+        const __mmask16 live = tail_mask16(L - t0);
         vmx = _mm512_max_ps(vmx, _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(sc + t0)));
     }
     const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx));
     __m512 vsum = _mm512_setzero_ps();
     for (int64_t t0 = 0; t0 < Lmax; t0 += 16) {
         const int64_t left = L - t0;
-        const __mmask16 live = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+        const __mmask16 live = tail_mask16(left);
         const __m512 p = _mm512_maskz_mov_ps(live, vexp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t0), mx)));
         _mm512_storeu_ps(sc + t0, p);
         vsum = _mm512_add_ps(vsum, p);

@@ -157,14 +157,14 @@ static float softmax_tile(float *restrict sh, int64_t n, float m_old, float *alp
 #ifdef __AVX512F__
     __m512 vm = _mm512_set1_ps(m_old);
     for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 mk = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        const __mmask16 mk = tail_mask16(n - i);
         vm = _mm512_mask_max_ps(vm, mk, vm, _mm512_maskz_loadu_ps(mk, sh + i));
     }
     mx = _mm512_reduce_max_ps(vm);
     const __m512 vmx = _mm512_set1_ps(mx);
     __m512 vs = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 mk = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        const __mmask16 mk = tail_mask16(n - i);
         const __m512 p = _mm512_maskz_mov_ps(mk, vexp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sh + i), vmx)));
         _mm512_mask_storeu_ps(sh + i, mk, p);
         vs = _mm512_add_ps(vs, p);
