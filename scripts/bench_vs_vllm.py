@@ -35,8 +35,9 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path[:0] = [str(REPO / "scripts"), str(REPO)]
 from plot_serving import plot  # noqa: E402
+from pipeline.cbuild import cpu_description  # noqa: E402
 
 MODEL_DIR = REPO / "pipeline" / "assets" / "dsv3-tiny-pydoc"
 QUANTIZED = REPO / "out" / "dsv3-tiny-pydoc-w8a8-fa3"
@@ -252,7 +253,7 @@ def main() -> int:
                       f"alternating rounds; medians and ranges",
               "servers": {n: LABELS[n] for n in servers}, "float_dtype": args.float_dtype,
               "ours_args": args.ours_args,
-              "machine": {"cpus": os.cpu_count()}, "summary": s, "rounds": rounds}
+              "machine": cpu_description(), "summary": s, "rounds": rounds}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     series = [{"label": LABELS[n],
                "points": [{"concurrency": c, "output_tok_s": s[n][c]["output_throughput"]["median"],

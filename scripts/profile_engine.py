@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 from actors.serve_config import DEFAULT_ENGINE  # noqa: E402
 from bench_io import write_result  # noqa: E402
+from pipeline.cbuild import cpu_description  # noqa: E402
 
 REGIONS = ("schedule", "prepare", "model other", "cache write", "attention", "moe", "linears", "sampling",
            "stop/detok")
@@ -195,7 +196,7 @@ def main() -> int:
     res = {"model_dir": Path(args.model_dir).name, "batch": args.batch, "compile": args.compile, "prompt_len": args.prompt_len,
            "new_tokens": args.new_tokens, "mtp": args.mtp, "threads": args.threads, "wall_s": round(wall, 3),
            "output_tok_s": round((eng.stats.generated_tokens - generated) / wall, 1),
-           "kernels": eng.runner.kernels, "decode": summarize(decode), "prefill": summarize(prefill)}
+           "kernels": eng.runner.kernels, "machine": cpu_description(), "decode": summarize(decode), "prefill": summarize(prefill)}
     write_result(args.out, res)
     return 0
 
@@ -233,7 +234,7 @@ def rounds(args) -> int:
                    f"medians per run), {Path(args.model_dir).name}, B sequences x {args.prompt_len} prompt tokens "
                    f"x {args.new_tokens} new, greedy, {args.threads} torch thread(s); alternating rounds of "
                    f"DSQUANT_KERNELS = {', '.join(kernels)} per batch size, each run a fresh process",
-           "load_at_end": loadavg(), "runs": {}}
+           "machine": cpu_description(), "load_at_end": loadavg(), "runs": {}}
     for b, per in got.items():
         res["runs"][b] = {}
         for k, runs in per.items():

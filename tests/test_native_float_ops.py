@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.cbuild import EXACT_FLAGS, NativeLibrary
+from pipeline.cbuild import EXACT_FLAGS, NativeLibrary, cpu_flags
 from pipeline.engine import cpu_float
 from pipeline.engine.cpu_float import (LINEAR_C_ROWS, NativeHeadLinear, NativeLinear, NativeRMSNorm, NativeRouter,
                                        use_native_float_ops)
@@ -22,7 +22,6 @@ from pipeline.engine.loader import load_model, load_quantized
 from pipeline.engine.sampling import SamplingParams
 from pipeline.model.ffn import Router
 from pipeline.model.norm import RMSNorm
-from cpu_flags import cpu_flags
 
 # Linears: the same float32 products (bf16 widened exactly), summed in another order (one FMA chain per
 # output): measured max |diff| <= 7e-7 of max |ref| (k <= 768; 1.2e-6 absolute at max |logit| ~3).
@@ -124,7 +123,7 @@ def test_the_avx2_chains_are_the_avx512_ones_bit_for_bit(monkeypatch):
     """Built for AVX2 + FMA without AVX-512 the linears run the same fused chain per column, 8 columns to a
     register: the same bits as the AVX-512 build (on a CPU without AVX-512 both builds are the AVX2 one),
     odd k, partial last blocks and row counts 1-5 included."""
-    if not {"avx2", "fma"} <= cpu_flags():
+    if not {"avx2", "fma"} <= set(cpu_flags().split()):
         pytest.skip("no AVX2 + FMA on this CPU")
     no_amx = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
     builds = [NativeLibrary(cpu_float.CSRC / "float_ops_cpu.c", cpu_float._declare, EXACT_FLAGS + no_amx + extra,

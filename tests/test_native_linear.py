@@ -14,12 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.cbuild import EXACT_FLAGS, NativeLibrary
+from pipeline.cbuild import EXACT_FLAGS, NativeLibrary, cpu_flags
 from pipeline.engine import cpu_linear
 from pipeline.engine.loader import load_quantized
 from pipeline.engine.qlinear import (EXACT, FAST, FP32_CHUNKED, INT_MM, NATIVE, Int8Linear, Int8LinearError,
                                      W8A8DynamicLinear, W8A8StaticLinear, quantize_per_token, quantize_static)
-from cpu_flags import cpu_flags
 
 pytestmark = [pytest.mark.skipif(cpu_linear.library() is None, reason="no C compiler: the torch path only"),
               pytest.mark.usefixtures("one_torch_thread")]        # conftest: fast on 2 shared cores
@@ -183,7 +182,7 @@ def test_the_plain_c_and_avx2_loops_equal_the_native_ones(monkeypatch, extra):
     """The same source built for the baseline x86-64 / any CPU (no -march: no AVX-512, the plain C loops),
     and for AVX2 without AVX-512 (the vpmaddwd loops): the same int32 products, so the same outputs as
     this machine's build (VNNI, AVX2 or AMX)."""
-    if extra and "avx2" not in cpu_flags():
+    if extra and "avx2" not in cpu_flags().split():
         pytest.skip("no AVX2 on this CPU")
     plain = NativeLibrary(cpu_linear.SOURCE, cpu_linear._declare,
                           tuple(f for f in EXACT_FLAGS if not f.startswith("-march=")) + extra,

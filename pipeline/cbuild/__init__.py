@@ -53,6 +53,23 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
+#: The vector extensions the kernels choose between (what a benchmark's figures depend on).
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+
+
+def cpu_description() -> dict:
+    """This machine for a benchmark's record: the CPU's model name, its CPU count, and which of
+    VECTOR_FLAGS it has."""
+    name = platform.processor() or "unknown"
+    try:
+        name = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                     if ln.startswith("model name")), name)
+    except OSError:
+        pass
+    have = set(cpu_flags().split())
+    return {"cpu": name, "cpus": os.cpu_count(), "vector": [f for f in VECTOR_FLAGS if f in have]}
+
+
 def cache_dir() -> Path:
     for d in (os.environ.get("DSQUANT_CACHE_DIR"), Path.home() / ".cache" / "dsquant",
               Path(tempfile.gettempdir()) / f"dsquant-{getattr(os, 'getuid', lambda: 0)()}"):
