@@ -27,10 +27,13 @@ def make_engine(config: ServeConfig, deployment: str, tok):
     from actors.rank_group import build_sharded_engine
 
     opts = getattr(config, deployment).ray_actor_options
-    return build_sharded_engine(config.model_path, parallel, config.engine, tok, combine=config.moe_combine,
-                                cpus_per_rank=float(opts.get("num_cpus", 1) or 0),
-                                gpus_per_rank=float(opts.get("num_gpus", 0) or 0),
-                                threads_per_rank=config.torch_threads)
+    engine = build_sharded_engine(config.model_path, parallel, config.engine, tok, combine=config.moe_combine,
+                                  cpus_per_rank=float(opts.get("num_cpus", 1) or 0),
+                                  gpus_per_rank=float(opts.get("num_gpus", 0) or 0),
+                                  threads_per_rank=config.torch_threads)
+    if parallel.dp == 1:    # every rank runs rank 0's warm-up step (ShardedRunner broadcasts it); a DP-attention
+        engine.warm_up()    # replica's groups step together (forward_dp) and have no warm-up yet
+    return engine
 
 
 def placement(config: ServeConfig, deployment: str) -> dict:

@@ -180,6 +180,7 @@ def main() -> int:
     params = SamplingParams(max_new_tokens=args.new_tokens)
     for n in (1, 2, args.batch):          # warm-up, not profiled (compiles every size class when compiling)
         eng.generate(prompts(n, 24), SamplingParams(max_new_tokens=4))
+    eng.warm_up()                         # what a served engine runs first: a full-size prompt step, decode
     prof = Profiler()
     instrument(prof)
     decode, prefill = [], []

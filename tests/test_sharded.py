@@ -164,6 +164,7 @@ LAYOUTS = [pytest.param(dict(tp=2), id="tp2-moe_tp2"), pytest.param(dict(tp=2, m
 def test_exact_combine_is_bit_identical_to_one_rank(ray_cluster, embedded_quantized, tok, single, layout):
     eng = _sharded(embedded_quantized, layout, tok, "exact")
     try:
+        assert eng.warm_up(tokens=96) > 0        # as a served replica starts (actors.engine_replica): no trace
         p = ParallelConfig(**layout)
         ids = tok.encode_chat([{"role": "user", "content": QUESTIONS[0]}])
         seen_single, seen_rank0 = _capture(single.loaded.model), _capture(eng.loaded.model)
@@ -202,6 +203,7 @@ def test_dp_attention_groups_each_give_the_single_rank_logits(ray_cluster, embed
     the CPU a 1-row GEMV and a 2-row GEMM round differently); the int8 linears stay exact."""
     eng = _sharded(embedded_quantized, layout, tok, "exact")
     try:
+        assert eng.warm_up(tokens=96) > 0        # as a served replica starts (actors.engine_replica): no trace
         p = ParallelConfig(**layout)
         ids = tok.encode_chat([{"role": "user", "content": QUESTIONS[2]}])
         want = _prefill_then_decode(single.runner, ids)
