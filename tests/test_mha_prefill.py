@@ -33,7 +33,7 @@ def _plain_library():
     if not _PLAIN:
         _PLAIN.append(NativeLibrary(mha_prefill._LIB.source, mha_prefill._declare,
                                     tuple(f for f in BASE_FLAGS if not f.startswith("-march=")), what="plain C"))
-    assert _PLAIN[0].library() is not None and _PLAIN[0].library().mha_prefill_has_amx() == 0
+    assert _PLAIN[0].library() is not None and _PLAIN[0].library().mha_prefill_has_bf16_dot() == 0
     return _PLAIN[0]
 
 
@@ -43,8 +43,8 @@ def _plain_library():
 @pytest.mark.parametrize("scores", ["whole", "flash", "native-amx", "native-fma", "native-plain"])
 def test_mha_form_equals_the_absorbed_form(nz, int8, start, S, scores, monkeypatch):
     """Every way of attending: the scores held whole, torch's flash kernel past WHOLE_SCORES_MAX, the C call
-    (its decompression product on the AMX tiles or in FMA loops; the weights rounded to bf16 values, as a
-    checkpoint's are)."""
+    (its decompression product on bf16 dot products -- the AMX tiles, or AVX512-BF16 without AMX -- or in
+    FMA loops; the weights rounded to bf16 values, as a checkpoint's are)."""
     from pipeline.engine import mha_prefill
     from pipeline.engine.paged_cache import PagedLatentCache
 

@@ -48,6 +48,7 @@ WHOLE_SCORES_MAX = 1 << 22
 def _declare(dll: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     dll.mha_prefill_has_amx.argtypes, dll.mha_prefill_has_amx.restype = [], i32
+    dll.mha_prefill_has_bf16_dot.argtypes, dll.mha_prefill_has_bf16_dot.restype = [], i32
     dll.mha_prefill_vectorized.argtypes, dll.mha_prefill_vectorized.restype = [], i32
     dll.mha_prefill.argtypes = [p, p, i64, i64, i64, i64, i64, p, p, i64, i64, p, f32, f32, i32, p]
     dll.mha_prefill.restype = i32
@@ -85,7 +86,8 @@ def native_prefill_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: Pa
                              start: int, w_pack: torch.Tensor, d_v: int, softmax_scale: float,
                              amx: bool = True) -> torch.Tensor:
     """:func:`mha_prefill_attention` in one C call (module docstring); ``w_pack``: :func:`native_weights`;
-    ``amx=False``: the FMA loops even where the AMX tiles could run (tests compare the two). RuntimeError
+    ``amx=False``: the FMA loops even where bf16 dot products could run (the AMX tiles, or AVX512-BF16's
+    vdpbf16ps without AMX; tests compare the two). RuntimeError
     when the library is not available."""
     lib = _LIB.library()
     if lib is None:

@@ -8,7 +8,8 @@
  *
  * The decompression product runs on the AMX tiles (tdpbf16ps: bf16 inputs, float32 sums) when the caller
  * says the latent values are bf16 values (an int8 cache's integers, a bf16 cache's values: exact) and the
- * CPU has AMX; else through bf16_gemm.h's FMA loops (float32 x, the packed bf16 weight widened). Either
+ * CPU has AMX, on AVX512-BF16's vdpbf16ps where it has that and no AMX; else through bf16_gemm.h's FMA
+ * loops (float32 x, the packed bf16 weight widened). Either
  * way every product is exact and the sums are float32; the attention is float32 FMAs and an exp
  * polynomial (relative error ~2 ulp). So the output agrees with the torch form within float32 rounding,
  * not bit for bit; a chunk's result depends only on its own inputs (never on the other chunks of a step).
@@ -79,6 +80,49 @@ static void gemm_amx_bf16(const uint16_t *a, int64_t mp, int64_t k, const uint32
     _tile_release();
 }
 #endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define HAVE_DPBF16 1
+/* y [m, 16 * nb] (row stride 16 * nb) = a [m, k] bf16 bits @ W.T with AVX512-BF16's vdpbf16ps, k even:
+ * every product exact (bf16 x bf16), float32 sums a pair of k at a time; 4 rows x 4 column blocks of 16 in
+ * registers. For CPUs with AVX512-BF16 and no AMX (the tiles' dot products, 16 lanes wide). */
+static void gemm_dpbf16(const uint16_t *a, int64_t m, int64_t k, const uint32_t *pack, int64_t nb, float *y) {
+    const int64_t kh = k / 2, ldy = nb * 16;
+    for (int64_t r0 = 0; r0 < m; r0 += 4) {
+        const int nr = m - r0 < 4 ? (int)(m - r0) : 4;
+        const uint16_t *ar[4];
+        for (int r = 0; r < 4; r++) ar[r] = a + (r0 + (r < nr ? r : 0)) * k;      /* short block: repeats */
+        for (int64_t b0 = 0; b0 < nb; b0 += 4) {
+            const int nc = nb - b0 < 4 ? (int)(nb - b0) : 4;
+            const uint32_t *w[4];
+            for (int u = 0; u < 4; u++) w[u] = pack + (b0 + (u < nc ? u : 0)) * kh * 16;
+            __m512 acc[4][4];
+            for (int r = 0; r < 4; r++)
+                for (int u = 0; u < 4; u++) acc[r][u] = _mm512_setzero_ps();
+            for (int64_t s = 0; s < kh; s++) {
+                __m512i bv[4];
+                for (int u = 0; u < 4; u++) bv[u] = _mm512_loadu_si512((const void *)(w[u] + s * 16));
+                for (int r = 0; r < 4; r++) {
+                    uint32_t pair;
+                    memcpy(&pair, ar[r] + 2 * s, 4);          /* a[r][2s] low, a[r][2s+1] high, as packed */
+                    const __m512i av = _mm512_set1_epi32((int)pair);
+                    for (int u = 0; u < 4; u++)
+                        acc[r][u] = _mm512_dpbf16_ps(acc[r][u], (__m512bh)av, (__m512bh)bv[u]);
+                }
+            }
+            for (int r = 0; r < nr; r++)
+                for (int u = 0; u < nc; u++) _mm512_storeu_ps(y + (r0 + r) * ldy + (b0 + u) * 16, acc[r][u]);
+        }
+    }
+}
+#else
+#define HAVE_DPBF16 0
+#endif
+
+/* 1 when the decompression product can run on bf16 dot products here (AMX tiles or AVX512-BF16). */
+int mha_prefill_has_bf16_dot(void) {
+    return HAVE_DPBF16 || mha_prefill_has_amx();
+}
 
 #ifdef __AVX512F__
 #include "vexp.h"
@@ -235,8 +279,12 @@ int mha_prefill(const float *q_nope, const float *q_pe, int64_t S, int64_t H, in
     if (!kv || !kt) { free(kv); free(kt); return 1; }
     float *sc = kt + D * T64, *vv = sc + 4 * T64, *acc = vv + T * dv;
     int done = 0;
+#if HAVE_AMX || HAVE_DPBF16
+    int tiles = 0;
 #if HAVE_AMX
-    if (amx_ok && C % 32 == 0 && amx_usable()) {
+    tiles = amx_ok && C % 32 == 0 && amx_usable();
+#endif
+    if (tiles || (HAVE_DPBF16 && amx_ok && C % 2 == 0)) {
         uint16_t *a = malloc((size_t)(Tp * C) * 2);
         if (a) {
             for (int64_t t = 0; t < Tp; t++)
@@ -245,7 +293,12 @@ int mha_prefill(const float *q_nope, const float *q_pe, int64_t S, int64_t H, in
                     if (t < T) memcpy(&u, c + t * C + j, 4);
                     a[t * C + j] = (uint16_t)(u >> 16);          /* exact: the value is a bf16 value */
                 }
-            gemm_amx_bf16(a, Tp, C, wpack, nb, kv);
+#if HAVE_AMX
+            if (tiles) gemm_amx_bf16(a, Tp, C, wpack, nb, kv);
+#endif
+#if HAVE_DPBF16
+            if (!tiles) gemm_dpbf16(a, T, C, wpack, nb, kv);
+#endif
             free(a);
             done = 1;
         }
