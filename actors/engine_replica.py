@@ -31,8 +31,7 @@ def make_engine(config: ServeConfig, deployment: str, tok):
                                   cpus_per_rank=float(opts.get("num_cpus", 1) or 0),
                                   gpus_per_rank=float(opts.get("num_gpus", 0) or 0),
                                   threads_per_rank=config.torch_threads)
-    if parallel.dp == 1:    # every rank runs rank 0's warm-up step (ShardedRunner broadcasts it); a DP-attention
-        engine.warm_up()    # replica's groups step together (forward_dp) and have no warm-up yet
+    engine.warm_up()        # every rank runs rank 0's warm-up step (its runner broadcasts it); dp groups together
     return engine
 
 

@@ -17,7 +17,7 @@ from, or written to, the ranks of the group that computes or will own the sequen
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Sequence
+from typing import Optional, Sequence
 
 from pipeline.engine.dist_runner import DPRunner
 from pipeline.engine.engine import EngineStats, LLMEngine
@@ -116,6 +116,25 @@ class DPEngine:
             events += g.end_step(w) if w.spans else w.events
         self.steps += 1
         return events
+
+    def warm_up(self, tokens: Optional[int] = None) -> int:
+        """LLMEngine.warm_up for every dp group at once (their steps run together, as a served step's do):
+        each group's tokens on blocks of its own, given back after. Returns the tokens run, all groups."""
+        if self.has_work:
+            return 0
+        work = [g.warm_up_work(tokens) for g in self.groups]
+        try:
+            if all(w is None for w in work):
+                return 0
+            self.runner.forward_dp([(w[0], w[1]) if w else None for w in work])
+            if self.runner.mtp_id is not None:
+                self.runner.mtp_dp([(w[0], list(range(sum(sp.n for sp in w[0]))), w[1]) if w else None
+                                    for w in work])
+        finally:
+            for g, w in zip(self.groups, work):
+                if w is not None:
+                    g.allocator.free_all(w[2])
+        return sum(sp.n for w in work if w for sp in w[0])
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[int]]:
         seqs = [self.add_request(p, params) for p in prompts]

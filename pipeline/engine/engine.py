@@ -147,6 +147,21 @@ class LLMEngine:
         run (0 when the engine is busy or has no room)."""
         if self.has_work:
             return 0
+        work = self.warm_up_work(tokens)
+        if work is None:
+            return 0
+        spans, rows, blocks = work
+        try:
+            _, hidden = self.runner.forward(spans, rows)
+            if self.runner.mtp_id is not None:
+                self.runner.mtp_forward(spans, hidden, range(sum(sp.n for sp in spans)), rows)
+        finally:
+            self.allocator.free_all(blocks)
+        return sum(sp.n for sp in spans)
+
+    def warm_up_work(self, tokens: Optional[int] = None) -> Optional[tuple[list[Span], list[int], list[int]]]:
+        """:meth:`warm_up`'s step (spans, last rows, the blocks taken for them: the caller gives them
+        back), or None when there is no room."""
         cfg, bs = self.config, self.config.block_size
         total = min(tokens or cfg.max_batched_tokens, cfg.max_batched_tokens)
         seqs = max(1, min(cfg.max_num_seqs, total))
@@ -154,18 +169,11 @@ class LLMEngine:
         nb = -(-per // bs)                      # blocks per sequence
         seqs = min(seqs, self.allocator.num_free // nb)
         if seqs < 1 or per < 1:
-            return 0
+            return None
         blocks = self.allocator.allocate_many(seqs * nb)
         vocab = self.loaded.config.vocab_size
         spans = [Span([(7 * i + j) % vocab for j in range(per)], 0, blocks[i * nb:(i + 1) * nb]) for i in range(seqs)]
-        rows = [(i + 1) * per - 1 for i in range(seqs)]
-        try:
-            _, hidden = self.runner.forward(spans, rows)
-            if self.runner.mtp_id is not None:
-                self.runner.mtp_forward(spans, hidden, range(seqs * per), rows)
-        finally:
-            self.allocator.free_all(blocks)
-        return seqs * per
+        return spans, [(i + 1) * per - 1 for i in range(seqs)], blocks
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Seq:
         seq = self.scheduler.add(prompt_ids, params, self.eos_id)
