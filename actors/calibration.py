@@ -68,11 +68,7 @@ def run_pass(actors: list[list[Any]], kind: str, samples: Sequence[Sequence[int]
             if not redo:
                 open_per_rep[j % n_rep] += 1
             submit(j)
-        wake = restarts.wake_in(time.monotonic())
-        if not pending:
-            time.sleep(wake if wake is not None else 0.05)
-            continue
-        ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(dist.progress_s, wake or dist.progress_s))
+        ready = restarts.wait(pending, dist.progress_s)
         for ref in ready:
             j, k, g = pending.pop(ref)
             if g != gen[j]:

@@ -3,8 +3,10 @@ the work elsewhere can succeed."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import time
+from typing import Any, Optional, Sequence
 
+import ray
 import ray.exceptions as rex
 
 RETRYABLE = (rex.RayActorError, rex.ObjectLostError, rex.WorkerCrashedError, rex.NodeDiedError,
@@ -30,8 +32,7 @@ def is_restarting(err: BaseException) -> bool:
     """The actor is restarting (Ray's ActorUnavailableError): the same actor takes work again once it is
     back, so meeting it is a wait, not a lost attempt (resubmitted at once, every attempt would meet the
     restart in milliseconds)."""
-    cause = getattr(err, "cause", None) if isinstance(err, rex.RayTaskError) else None
-    return isinstance(err, rex.ActorUnavailableError) or isinstance(cause, rex.ActorUnavailableError)
+    return isinstance(app_error(err), rex.ActorUnavailableError)
 
 
 class Restarts:
@@ -60,6 +61,16 @@ class Restarts:
 
     def resting(self, key: Any, now: float) -> bool:
         return self._until.get(key, 0.0) > now
+
+    def wait(self, pending: Sequence[Any], timeout_s: float) -> list:
+        """``ray.wait`` for the first of ``pending`` to finish, for at most timeout_s or until a resting
+        actor may take work again; with nothing pending, sleep until then. Returns the finished refs."""
+        wake = self.wake_in(time.monotonic())
+        if not pending:
+            time.sleep(wake if wake is not None else 0.05)
+            return []
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(timeout_s, wake or timeout_s))
+        return ready
 
     def wake_in(self, now: float) -> Optional[float]:
         """Seconds until the first resting actor may take work; None when none rests."""

@@ -64,11 +64,7 @@ def run_weights(actors: Sequence[tuple[int, Any]], owner: Mapping[str, Optional[
             free.remove(a)
             queue.remove(u)
             pending[a[1].write_unit.remote(dst, of_unit[u], stats_ref, smooth_ref, alpha, smoothing_key)] = (u, a)
-        wake = restarts.wake_in(time.monotonic())
-        if not pending:
-            time.sleep(wake if wake is not None else 0.05)
-            continue
-        ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(dist.progress_s, wake or dist.progress_s))
+        ready = restarts.wait(pending, dist.progress_s)
         for ref in ready:
             u, a = pending.pop(ref)
             free.append(a)

@@ -30,6 +30,7 @@ from bench_io import loadavg, write_result  # noqa: E402
 
 import torch  # noqa: E402
 
+from pipeline.cbuild import cpu_description  # noqa: E402
 from pipeline.engine import cpu_attention  # noqa: E402
 from pipeline.engine.batched_attention import DecodeBatch, batched_decode_attention  # noqa: E402
 from pipeline.engine.kernels import dispatch  # noqa: E402
@@ -132,8 +133,7 @@ def main() -> int:
     wr = write_points(args)
     res = {"what": "one layer's decode attention (H=4, C=512, d_r=64, block 16) and cache write, torch vs native",
            "threads": args.threads, "repeat": args.repeat, "kernels": cpu_attention.status(),
-           "cpu": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                        if ln.startswith("model name")), "n/a"),
+           "cpu": cpu_description()["cpu"],
            "loadavg_before": before, "loadavg_after": loadavg(), "attention": att, "cache_write": wr}
     write_result(args.out, res, hide=("attention", "cache_write"))
     return 0

@@ -74,13 +74,9 @@ def mem_available() -> int:
 
 
 def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    from pipeline.cbuild import cpu_description
+
+    return cpu_description()["cpu"]
 
 
 def build_caches(kinds: list[str], seq_lens: list[int], seed: int = 0):

@@ -123,18 +123,18 @@ class DPEngine:
         if self.has_work:
             return 0
         work = [g.warm_up_work(tokens) for g in self.groups]
+        counts = [sum(sp.n for sp in w[0]) if w else 0 for w in work]
         try:
-            if all(w is None for w in work):
+            if not any(counts):
                 return 0
             self.runner.forward_dp([(w[0], w[1]) if w else None for w in work])
             if self.runner.mtp_id is not None:
-                self.runner.mtp_dp([(w[0], list(range(sum(sp.n for sp in w[0]))), w[1]) if w else None
-                                    for w in work])
+                self.runner.mtp_dp([(w[0], list(range(n)), w[1]) if w else None for w, n in zip(work, counts)])
         finally:
             for g, w in zip(self.groups, work):
                 if w is not None:
                     g.allocator.free_all(w[2])
-        return sum(sp.n for w in work if w for sp in w[0])
+        return sum(counts)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[int]]:
         seqs = [self.add_request(p, params) for p in prompts]

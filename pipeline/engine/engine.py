@@ -151,13 +151,14 @@ class LLMEngine:
         if work is None:
             return 0
         spans, rows, blocks = work
+        n = sum(sp.n for sp in spans)
         try:
             _, hidden = self.runner.forward(spans, rows)
             if self.runner.mtp_id is not None:
-                self.runner.mtp_forward(spans, hidden, range(sum(sp.n for sp in spans)), rows)
+                self.runner.mtp_forward(spans, hidden, range(n), rows)
         finally:
             self.allocator.free_all(blocks)
-        return sum(sp.n for sp in spans)
+        return n
 
     def warm_up_work(self, tokens: Optional[int] = None) -> Optional[tuple[list[Span], list[int], list[int]]]:
         """:meth:`warm_up`'s step (spans, last rows, the blocks taken for them: the caller gives them
