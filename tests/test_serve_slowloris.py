@@ -41,11 +41,14 @@ class SlowClients:
         self.head, self.every = head, every
         self.socks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(n)]
         self.t0 = time.time()
-        for s in self.socks:
-            if prefix:
-                s.sendall(prefix)
-            s.setblocking(False)
         self.sent = [0] * n
+        for i, s in enumerate(self.socks):
+            # the head's first byte goes at once: the server's clock runs from the connection, and a slow
+            # head whose first byte came only after the timeout (this thread starved on a loaded CPU) would
+            # be an idle connection, closed without a 408
+            s.sendall(prefix + self.head[:1])
+            self.sent[i] = len(self.head[:1])
+            s.setblocking(False)
         self.replies = [b""] * n
         self.closed_at: list[float | None] = [None] * n
         self._stop = threading.Event()
