@@ -7,10 +7,10 @@
 
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
+#include "dtypes.h"
+#if defined(__AVX512F__) || DSQUANT_AVX2
 #include <immintrin.h>
 #endif
-#include "dtypes.h"
 
 typedef struct {
     const void *base;
@@ -39,6 +39,9 @@ static void to_f32(float *restrict dst, const void *src, int dtype, int64_t n) {
 #ifdef __AVX512F__
         for (; i + 16 <= n; i += 16)
             _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + i))));
+#elif DSQUANT_AVX2 && defined(__F16C__)
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
 #endif
         for (; i < n; i++) dst[i] = half_to_float(s[i]);
         break;
@@ -49,14 +52,36 @@ static void to_f32(float *restrict dst, const void *src, int dtype, int64_t n) {
 }
 
 
+#if defined(__AVX512F__) || DSQUANT_AVX2
+#ifdef __AVX512F__
+#define ROW_LANES 16
+/* ROW_LANES int8 (bf16) elements at src -> float32 at d */
+static inline void int8_lanes(float *d, const char *src) {
+    _mm512_storeu_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src))));
+}
+static inline void bf16_lanes(float *d, const char *src) {
+    _mm512_storeu_si512(d, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
+}
+#else
+#define ROW_LANES 8
+static inline void int8_lanes(float *d, const char *src) {
+    _mm256_storeu_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src))));
+}
+static inline void bf16_lanes(float *d, const char *src) {
+    _mm256_storeu_si256((__m256i *)d, _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
+}
+#endif
+#endif
+
 /* tokens off .. off + count - 1 of block `blk` of store st -> float32 rows dst[i * ld + 0 .. cols). Chunk
  * by chunk, token by token within a chunk: the block's memory is read in order (NZ: fractal by fractal).
- * int8 and bf16 chunks of a multiple of 16 columns take a loop of their own (the decode step's stores). */
+ * int8 and bf16 chunks of a multiple of ROW_LANES columns (AVX-512: 16, AVX2: 8) take a vector loop of
+ * their own (the decode step's stores). */
 static void load_rows(float *restrict dst, int64_t ld, const store_t *st, int64_t blk, int64_t off, int64_t count) {
     const size_t es = dtype_size(st->dtype);
     const char *base = (const char *)st->base + (size_t)(blk * st->bstride + off * st->tstride) * es;
-#ifdef __AVX512F__
-    if ((st->dtype == DT_INT8 || st->dtype == DT_BF16) && st->kwidth % 16 == 0 && st->cols % st->kwidth == 0) {
+#ifdef ROW_LANES
+    if ((st->dtype == DT_INT8 || st->dtype == DT_BF16) && st->kwidth % ROW_LANES == 0 && st->cols % st->kwidth == 0) {
         const size_t kstep = (size_t)st->kstride * es, tstep = (size_t)st->tstride * es;
         const int64_t w = st->kwidth;
         for (int64_t j = 0; j < st->cols; j += w, base += kstep) {
@@ -64,14 +89,10 @@ static void load_rows(float *restrict dst, int64_t ld, const store_t *st, int64_
             float *d = dst + j;
             if (st->dtype == DT_INT8)
                 for (int64_t t = 0; t < count; t++, src += tstep, d += ld)
-                    for (int64_t i = 0; i < w; i += 16)
-                        _mm512_storeu_ps(d + i, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                            _mm_loadu_si128((const __m128i *)(src + i)))));
+                    for (int64_t i = 0; i < w; i += ROW_LANES) int8_lanes(d + i, src + i);
             else
                 for (int64_t t = 0; t < count; t++, src += tstep, d += ld)
-                    for (int64_t i = 0; i < w; i += 16)
-                        _mm512_storeu_si512(d + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                            _mm256_loadu_si256((const __m256i *)(src + 2 * i))), 16));
+                    for (int64_t i = 0; i < w; i += ROW_LANES) bf16_lanes(d + i, src + 2 * i);
         }
         return;
     }

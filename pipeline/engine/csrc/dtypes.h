@@ -17,6 +17,20 @@ static inline __mmask16 tail_mask16(int64_t left) {
 }
 #endif
 
+/* AVX2 + FMA without AVX-512: the kernels' 8-lane loops (AVX-512 machines keep their 16-lane ones). */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define DSQUANT_AVX2 1
+#include <immintrin.h>
+/* The lanes of an 8-lane vector that hold the last `left` elements of a row (all bits set in those lanes):
+ * all 8 when left >= 8, none when left <= 0. For _mm256_maskload_ps / _mm256_maskstore_ps. */
+static inline __m256i tail_mask8(int64_t left) {
+    const int k = left >= 8 ? 8 : left > 0 ? (int)left : 0;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#else
+#define DSQUANT_AVX2 0
+#endif
+
 /* bfloat16 bits -> float32 (exact: the high half of a float32). */
 static inline float bf16_to_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;

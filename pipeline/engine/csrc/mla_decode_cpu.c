@@ -15,6 +15,7 @@
  * and finally o_lat = acc * (s_k / l). Only positions t < L_b are visited (no masking needed; L_b >= 1).
  * With AVX-512 the exps run 16 at a time (vexp.h's Cephes polynomial) and each token's score is one FMA
  * chain over the latent and then the rope columns, the heads' four sums reduced together (reduce4).
+ * With AVX2 + FMA and no AVX-512 the same loops run 8 lanes wide (reduce4_8, vexp8_ps).
  * Float32 throughout; the sums run in another order than torch's GEMMs, so results agree with the torch
  * path within float32 rounding (tests/test_native_attention.py measures it).
  *
@@ -29,13 +30,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
+#include "dtypes.h"
+#include "cache_rows.h"
+#if defined(__AVX512F__) || DSQUANT_AVX2
 #include <immintrin.h>
 #include "vexp.h"
 #endif
-
-#include "dtypes.h"
-#include "cache_rows.h"
 
 #ifdef __AVX512F__
 /* The four horizontal sums of a0 .. a3 (lanes 0 .. 3 of the result). Each sum adds only its own vector's
@@ -55,6 +55,20 @@ static inline __attribute__((always_inline)) void fma4(__m512 *a, const float *q
     for (int64_t j = 0; j < n; j += 16) {
         const __m512 v = _mm512_loadu_ps(x + j);
         for (int k = 0; k < 4; k++) a[k] = _mm512_fmadd_ps(_mm512_loadu_ps(q + k * n + j), v, a[k]);
+    }
+}
+#elif DSQUANT_AVX2
+/* reduce4 on 8 lanes: each sum adds only its own vector's lanes, as ((0+1)+(2+3)) + ((4+5)+(6+7)) */
+static inline __m128 reduce4_8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 c = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
+}
+
+/* fma4 on 8 lanes (n a multiple of 8) */
+static inline __attribute__((always_inline)) void fma4_8(__m256 *a, const float *q, const float *x, int64_t n) {
+    for (int64_t j = 0; j < n; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j);
+        for (int k = 0; k < 4; k++) a[k] = _mm256_fmadd_ps(_mm256_loadu_ps(q + k * n + j), v, a[k]);
     }
 }
 #endif
@@ -85,6 +99,23 @@ static void dots(float *restrict s, int64_t T, const float *restrict qa, const f
             for (int64_t j = 0; j < np; j += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + j), _mm512_loadu_ps(xi + j), a);
             for (int64_t j = 0; j < rp; j += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(r0 + j), _mm512_loadu_ps(pi + j), a);
             s[h * T + i] = _mm_cvtss_f32(_mm_mul_ps(reduce4(a, z, z, z), _mm_set1_ps(mul)));
+        }
+#elif DSQUANT_AVX2
+        for (; h + 4 <= H; h += 4) {
+            __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            fma4_8(a, qa + h * np, xi, np);
+            fma4_8(a, qp + h * rp, pi, rp);
+            float d[4];
+            _mm_storeu_ps(d, _mm_mul_ps(reduce4_8(a[0], a[1], a[2], a[3]), _mm_set1_ps(mul)));
+            for (int k = 0; k < 4; k++) s[(h + k) * T + i] = d[k];
+        }
+        for (; h < H; h++) {
+            const float *q0 = qa + h * np, *r0 = qp + h * rp;
+            __m256 a = _mm256_setzero_ps();
+            const __m256 z = a;
+            for (int64_t j = 0; j < np; j += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + j), _mm256_loadu_ps(xi + j), a);
+            for (int64_t j = 0; j < rp; j += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(r0 + j), _mm256_loadu_ps(pi + j), a);
+            s[h * T + i] = _mm_cvtss_f32(_mm_mul_ps(reduce4_8(a, z, z, z), _mm_set1_ps(mul)));
         }
 #endif
         for (; h < H; h++) {
@@ -134,6 +165,39 @@ static void accumulate_v(float *restrict acc, const float *restrict alpha, const
             _mm512_storeu_ps(ch + j, a);
         }
     }
+#elif DSQUANT_AVX2
+    for (; h + 4 <= H; h += 4) {
+        const float *p0 = p + h * T, *p1 = p0 + T, *p2 = p1 + T, *p3 = p2 + T;
+        float *c0 = acc + h * np, *c1 = c0 + np, *c2 = c1 + np, *c3 = c2 + np;
+        __m256 s0 = _mm256_set1_ps(alpha[h]), s1 = _mm256_set1_ps(alpha[h + 1]);
+        __m256 s2 = _mm256_set1_ps(alpha[h + 2]), s3 = _mm256_set1_ps(alpha[h + 3]);
+        for (int64_t j = 0; j < np; j += 8) {
+            __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(c0 + j), s0), a1 = _mm256_mul_ps(_mm256_loadu_ps(c1 + j), s1);
+            __m256 a2 = _mm256_mul_ps(_mm256_loadu_ps(c2 + j), s2), a3 = _mm256_mul_ps(_mm256_loadu_ps(c3 + j), s3);
+            for (int64_t i = 0; i < n; i++) {
+                __m256 v = _mm256_loadu_ps(x + i * np + j);
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(p0[i]), v, a0);
+                a1 = _mm256_fmadd_ps(_mm256_set1_ps(p1[i]), v, a1);
+                a2 = _mm256_fmadd_ps(_mm256_set1_ps(p2[i]), v, a2);
+                a3 = _mm256_fmadd_ps(_mm256_set1_ps(p3[i]), v, a3);
+            }
+            _mm256_storeu_ps(c0 + j, a0);
+            _mm256_storeu_ps(c1 + j, a1);
+            _mm256_storeu_ps(c2 + j, a2);
+            _mm256_storeu_ps(c3 + j, a3);
+        }
+    }
+    for (; h < H; h++) {                            /* the same operations as one head of the block above */
+        const float *ph = p + h * T;
+        float *ch = acc + h * np;
+        __m256 sh = _mm256_set1_ps(alpha[h]);
+        for (int64_t j = 0; j < np; j += 8) {
+            __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ch + j), sh);
+            for (int64_t i = 0; i < n; i++)
+                a = _mm256_fmadd_ps(_mm256_set1_ps(ph[i]), _mm256_loadu_ps(x + i * np + j), a);
+            _mm256_storeu_ps(ch + j, a);
+        }
+    }
 #endif
     for (; h < H; h++) {
         float *ch = acc + h * np;
@@ -151,7 +215,8 @@ static int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
 /* The online softmax's step for one head over a tile's scores sh[0..n): the new running max (returned),
  * sh[i] = exp(sh[i] - max), *alpha = exp(old max - max) (0 on the first tile: exp(-inf)), and
  * *l = alpha * l + sum_i sh[i]. With AVX-512 the exps 16 at a time (vexp.h; a tail masked, so every score
- * runs the same code) and the sum in 16 lanes, then across them; else libm's expf and a sequential sum. */
+ * runs the same code) and the sum in 16 lanes, then across them (AVX2: 8 lanes, vexp8_ps); else libm's
+ * expf and a sequential sum. */
 static float softmax_tile(float *restrict sh, int64_t n, float m_old, float *alpha, float *l) {
     float mx = m_old, sum = 0.0f;
 #ifdef __AVX512F__
@@ -171,6 +236,28 @@ static float softmax_tile(float *restrict sh, int64_t n, float m_old, float *alp
     }
     sum = _mm512_reduce_add_ps(vs);
     *alpha = m_old == -INFINITY ? 0.0f : _mm512_cvtss_f32(vexp_ps(_mm512_set1_ps(m_old - mx)));
+#elif DSQUANT_AVX2
+    __m256 vm = _mm256_set1_ps(m_old);
+    for (int64_t i = 0; i < n; i += 8) {           /* lanes past the tail keep vm */
+        const __m256 mk = _mm256_castsi256_ps(tail_mask8(n - i));
+        vm = _mm256_max_ps(vm, _mm256_blendv_ps(vm, _mm256_maskload_ps(sh + i, _mm256_castps_si256(mk)), mk));
+    }
+    __m128 h4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+    h4 = _mm_max_ps(h4, _mm_movehl_ps(h4, h4));
+    mx = _mm_cvtss_f32(_mm_max_ss(h4, _mm_movehdup_ps(h4)));
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vs = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256i mi = tail_mask8(n - i);
+        const __m256 p = _mm256_and_ps(_mm256_castsi256_ps(mi),
+                                       vexp8_ps(_mm256_sub_ps(_mm256_maskload_ps(sh + i, mi), vmx)));
+        _mm256_maskstore_ps(sh + i, mi, p);
+        vs = _mm256_add_ps(vs, p);
+    }
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(vs), _mm256_extractf128_ps(vs, 1));
+    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    sum = _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
+    *alpha = m_old == -INFINITY ? 0.0f : _mm256_cvtss_f32(vexp8_ps(_mm256_set1_ps(m_old - mx)));
 #else
     for (int64_t i = 0; i < n; i++) mx = sh[i] > mx ? sh[i] : mx;
     for (int64_t i = 0; i < n; i++) {
@@ -212,6 +299,31 @@ static void small_gemm(float *restrict y, int64_t ldy, const float *restrict x, 
             __m512 a = _mm512_setzero_ps();
             for (int64_t k = 0; k < K; k++) a = _mm512_fmadd_ps(_mm512_set1_ps(xr[k]), _mm512_loadu_ps(w + k * N + j0), a);
             _mm512_storeu_ps(y + r * ldy + j0, a);
+        }
+    }
+#elif DSQUANT_AVX2
+    for (; j0 + 8 <= N; j0 += 8) {
+        int64_t r = 0;
+        for (; r + 4 <= M; r += 4) {
+            const float *x0 = x + r * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t k = 0; k < K; k++) {
+                const __m256 v = _mm256_loadu_ps(w + k * N + j0);
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(x0[k]), v, a0);
+                a1 = _mm256_fmadd_ps(_mm256_set1_ps(x1[k]), v, a1);
+                a2 = _mm256_fmadd_ps(_mm256_set1_ps(x2[k]), v, a2);
+                a3 = _mm256_fmadd_ps(_mm256_set1_ps(x3[k]), v, a3);
+            }
+            _mm256_storeu_ps(y + r * ldy + j0, a0);
+            _mm256_storeu_ps(y + (r + 1) * ldy + j0, a1);
+            _mm256_storeu_ps(y + (r + 2) * ldy + j0, a2);
+            _mm256_storeu_ps(y + (r + 3) * ldy + j0, a3);
+        }
+        for (; r < M; r++) {
+            const float *xr = x + r * ldx;
+            __m256 a = _mm256_setzero_ps();
+            for (int64_t k = 0; k < K; k++) a = _mm256_fmadd_ps(_mm256_set1_ps(xr[k]), _mm256_loadu_ps(w + k * N + j0), a);
+            _mm256_storeu_ps(y + r * ldy + j0, a);
         }
     }
 #endif
@@ -286,9 +398,9 @@ static int decode(const float *q, int64_t dn, const float *w_uk, const float *w_
     return 0;
 }
 
-/* 1 when built with the AVX-512 loops (else plain C, which the engine serves with torch's ops instead). */
+/* 1 when built with the AVX-512 or AVX2 loops (else plain C, which the engine serves with torch's ops instead). */
 int mla_decode_vectorized(void) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || DSQUANT_AVX2
     return 1;
 #else
     return 0;
