@@ -99,8 +99,9 @@ class ModelRunner:
         w = self._w_abs.get(id(attn))
         if w is None:
             w_uk, w_uv = attn.absorbed_weights()
-            # torch's prefill ops where the C loops are plain (no AVX-512) and the compute is float32; a bf16
-            # model keeps the C call (torch's bf16 ops change tokens between whole and chunked prefill)
+            # torch's prefill ops where the C loops are plain (neither AVX-512 nor AVX2) and the compute is
+            # float32; a bf16 model keeps the C call (torch's bf16 ops change tokens between whole and chunked
+            # prefill)
             lib = mha_prefill.serving_library() if w_uk.dtype == torch.float32 else mha_prefill.library()
             w_uk, w_uv_t = w_uk.float().contiguous(), w_uv.float().transpose(1, 2).contiguous()
             w_kv = kv_weights(w_uk, w_uv_t)

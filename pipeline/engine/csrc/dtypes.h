@@ -27,6 +27,19 @@ static inline __m256i tail_mask8(int64_t left) {
     const int k = left >= 8 ? 8 : left > 0 ? (int)left : 0;
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
+
+/* The sum / the max of an 8-lane vector's lanes: ((0+4) + (2+6)) + ((1+5) + (3+7)), the max alike. */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
 #else
 #define DSQUANT_AVX2 0
 #endif

@@ -14,7 +14,7 @@
  *
  * The products and the element-wise operations are torch's float32 operations in torch's order (built
  * with -ffp-contract=off); the GEMMs sum in another order than torch's (bf16_gemm.h: an FMA chain, or the
- * AMX tiles) and the exp (vexp.h's Cephes polynomial with AVX-512, else libm's expf) may differ from
+ * AMX tiles) and the exp (vexp.h's Cephes polynomial with AVX-512 or AVX2, else libm's expf) may differ from
  * torch's vectorized exp by an ulp or two, so outputs agree within float32 rounding, not bit for bit. A
  * token's output depends only on its own row and routing, never on the other tokens of the call.
  * Returns 0, 1 (out of memory), 2 (bad sizes) or 3 (an expert id outside [0, E)).
@@ -25,7 +25,7 @@
 #include <string.h>
 
 #include "bf16_gemm.h"
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || DSQUANT_AVX2
 #include "vexp.h"
 #endif
 
@@ -39,8 +39,8 @@ typedef struct {                   /* must match cpu_float_ffn.FFNParams */
 
 static inline int64_t packed_words(int64_t n, int64_t k) { return bf16_gemm_blocks(n) * bf16_gemm_pairs(k) * 16; }
 
-/* h[j] = g[j] / (1 + exp(-g[j])) * u[j], j < I: F.silu's formula, then the product (with AVX-512 every
- * element through the same vector code, vexp.h, a tail masked; else libm's expf) */
+/* h[j] = g[j] / (1 + exp(-g[j])) * u[j], j < I: F.silu's formula, then the product (with AVX-512 or AVX2
+ * every element through the same vector code, vexp.h, a tail masked; else libm's expf) */
 static void silu_mul(const float *g, const float *u, float *h, int64_t I) {
 #ifdef __AVX512F__
     const __m512 one = _mm512_set1_ps(1.0f);
@@ -49,6 +49,14 @@ static void silu_mul(const float *g, const float *u, float *h, int64_t I) {
         const __m512 gv = _mm512_maskz_loadu_ps(mk, g + j), uv = _mm512_maskz_loadu_ps(mk, u + j);
         const __m512 e = vexp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
         _mm512_mask_storeu_ps(h + j, mk, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), uv));
+    }
+#elif DSQUANT_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t j = 0; j < I; j += 8) {
+        const __m256i mk = tail_mask8(I - j);
+        const __m256 gv = _mm256_maskload_ps(g + j, mk), uv = _mm256_maskload_ps(u + j, mk);
+        const __m256 e = vexp8_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        _mm256_maskstore_ps(h + j, mk, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), uv));
     }
 #else
     for (int64_t j = 0; j < I; j++) h[j] = g[j] / (1.0f + expf(-g[j])) * u[j];

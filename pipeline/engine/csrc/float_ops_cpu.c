@@ -19,11 +19,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
 #include "dtypes.h"
+#if defined(__AVX512F__) || DSQUANT_AVX2
+#include <immintrin.h>
+#endif
 #include "bf16_gemm.h"
 
 static inline float load_elem(const void *p, int dtype, int64_t i) {
@@ -42,6 +42,11 @@ static void row_to_f32(float *restrict dst, const void *src, int dtype, int64_t 
 static inline __m512 ld_bf16(const uint16_t *p) {
     __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+#elif DSQUANT_AVX2
+static inline __m256 ld_bf16(const uint16_t *p) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 #endif
 
@@ -74,6 +79,17 @@ static float dot(const float *a, const void *b, int bdt, int64_t k) {
         acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + c + 16), b1, acc1);
     }
     s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#elif DSQUANT_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    const float *bf = (const float *)b;
+    const uint16_t *bh = (const uint16_t *)b;
+    for (; c + 16 <= k; c += 16) {
+        __m256 b0 = bdt == DT_BF16 ? ld_bf16(bh + c) : _mm256_loadu_ps(bf + c);
+        __m256 b1 = bdt == DT_BF16 ? ld_bf16(bh + c + 8) : _mm256_loadu_ps(bf + c + 8);
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), b0, acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c + 8), b1, acc1);
+    }
+    s = hsum8(_mm256_add_ps(acc0, acc1));
 #endif
     for (; c < k; c++) s += a[c] * load_elem(b, bdt, c);
     return s;
@@ -218,6 +234,16 @@ int argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *ou
         }
         nan = un != 0;
         m = _mm512_reduce_max_ps(vm);
+#elif DSQUANT_AVX2
+        __m256 vm = _mm256_set1_ps(v[0]);
+        int un = 0;
+        for (; j + 8 <= n; j += 8) {
+            const __m256 a = _mm256_loadu_ps(v + j);
+            un |= _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+            vm = _mm256_max_ps(vm, a);
+        }
+        nan = un != 0;
+        m = hmax8(vm);
 #endif
         for (; j < n; j++) {
             if (v[j] != v[j]) nan = 1;

@@ -28,9 +28,10 @@
 #define HAVE_AMX 0
 #endif
 
-/* 1 when built with the AVX-512 loops (else plain C, which the engine serves with torch's ops instead). */
+/* 1 when built with the AVX-512 or AVX2 loops (else plain C, which the engine serves with torch's ops
+ * instead). */
 int mha_prefill_vectorized(void) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || DSQUANT_AVX2
     return 1;
 #else
     return 0;
@@ -124,7 +125,7 @@ int mha_prefill_has_bf16_dot(void) {
     return HAVE_DPBF16 || mha_prefill_has_amx();
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || DSQUANT_AVX2
 #include "vexp.h"
 #endif
 
@@ -161,14 +162,43 @@ static inline __attribute__((always_inline)) void scores_nq(const int NQ, const 
                 _mm512_storeu_ps(sc + r * ldk + t0 + 16 * u, _mm512_mul_ps(s[r][u], _mm512_set1_ps(scale)));
     }
 }
+#elif DSQUANT_AVX2
+/* qk_chunk on AVX2: s[r][u] += q[r][d] * k[d][8u ..], 16 keys (two registers) for each of NQ rows */
+static inline __attribute__((always_inline)) void qk_chunk8(__m256 s[4][2], const int NQ, const float *const *q,
+                                                            const float *k, int64_t ldk, int64_t n) {
+    for (int64_t d = 0; d < n; d++, k += ldk) {
+        const __m256 k0 = _mm256_loadu_ps(k), k1 = _mm256_loadu_ps(k + 8);
+        for (int r = 0; r < NQ; r++) {
+            const __m256 qb = _mm256_broadcast_ss(q[r] + d);
+            s[r][0] = _mm256_fmadd_ps(qb, k0, s[r][0]);
+            s[r][1] = _mm256_fmadd_ps(qb, k1, s[r][1]);
+        }
+    }
+}
+
+/* scores_nq on AVX2: keys 16 at a time (L rounded up to 16; the rows are 64-padded), the same sums per key */
+static inline __attribute__((always_inline)) void scores_nq(const int NQ, const float *const *qn,
+                                                            const float *const *qr, int64_t dn, int64_t R,
+                                                            const float *kt, int64_t ldk, int64_t L, float scale,
+                                                            float *sc) {
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        __m256 s[4][2];
+        for (int r = 0; r < 4; r++) s[r][0] = s[r][1] = _mm256_setzero_ps();
+        qk_chunk8(s, NQ, qn, kt + t0, ldk, dn);                   /* the nope columns, then the rope ones */
+        qk_chunk8(s, NQ, qr, kt + dn * ldk + t0, ldk, R);
+        for (int r = 0; r < NQ; r++)
+            for (int u = 0; u < 2; u++)
+                _mm256_storeu_ps(sc + r * ldk + t0 + 8 * u, _mm256_mul_ps(s[r][u], _mm256_set1_ps(scale)));
+    }
+}
 #endif
 
 /* scale * (q . k) of up to 4 query rows (nq) of one head against keys 0 .. L-1 (L: the last row's count;
- * with AVX-512 rounded up to 64), into sc [4][ldk]: each key chunk's loads serve every row (16 FMA chains),
- * a row's sum over the nope columns then the rope ones. */
+ * with AVX-512 rounded up to 64, AVX2 16), into sc [4][ldk]: each key chunk's loads serve every row (16 FMA
+ * chains; AVX2: 8), a row's sum over the nope columns then the rope ones. */
 static void scores4(const float *const *qn, const float *const *qr, int nq, int64_t dn, int64_t R,
                     const float *kt, int64_t ldk, int64_t L, float scale, float *sc) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || DSQUANT_AVX2
     switch (nq) {
     case 4: scores_nq(4, qn, qr, dn, R, kt, ldk, L, scale, sc); break;
     case 3: scores_nq(3, qn, qr, dn, R, kt, ldk, L, scale, sc); break;
@@ -227,6 +257,48 @@ static void values4(const float *sc, int64_t ldk, int nq, int64_t Lmax, const fl
     for (int r = 0; r < nq; r++)
         for (int u = 0; u < nv; u++) _mm512_storeu_ps(od[r] + 16 * u, _mm512_mul_ps(a[r][u], _mm512_set1_ps(inv[r])));
 }
+#elif DSQUANT_AVX2
+/* softmax_row on AVX2 (8 lanes, vexp8_ps): zeros from L to Lmax (rounded up to 8); returns 1 / sum. */
+static float softmax_row(float *sc, int64_t L, int64_t Lmax) {
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    __m256 vmx = ninf;
+    for (int64_t t0 = 0; t0 < L; t0 += 8)
+        vmx = _mm256_max_ps(vmx, _mm256_blendv_ps(ninf, _mm256_loadu_ps(sc + t0), _mm256_castsi256_ps(tail_mask8(L - t0))));
+    const __m256 mx = _mm256_set1_ps(hmax8(vmx));
+    __m256 vsum = _mm256_setzero_ps();
+    for (int64_t t0 = 0; t0 < Lmax; t0 += 8) {
+        const __m256 live = _mm256_castsi256_ps(tail_mask8(L - t0));
+        const __m256 p = _mm256_and_ps(live, vexp8_ps(_mm256_sub_ps(_mm256_loadu_ps(sc + t0), mx)));
+        _mm256_storeu_ps(sc + t0, p);
+        vsum = _mm256_add_ps(vsum, p);
+    }
+    return 1.0f / hsum8(vsum);
+}
+
+/* values4 on AVX2, dv a multiple of 8: 16 columns (two registers) of every row a pass, then an 8-column
+ * tail; each value row's loads serve every query row, one FMA chain per row and 8 columns. */
+static void values4(const float *sc, int64_t ldk, int nq, int64_t Lmax, const float *vv, int64_t dv,
+                    const float *inv, float *const *od) {
+    for (int64_t c0 = 0; c0 < dv; c0 += 16) {
+        const int two = c0 + 16 <= dv;
+        __m256 a[4][2];
+        for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < Lmax; t++) {
+            const float *v = vv + t * dv + c0;
+            const __m256 v0 = _mm256_loadu_ps(v), v1 = two ? _mm256_loadu_ps(v + 8) : v0;
+            for (int r = 0; r < nq; r++) {
+                const __m256 p = _mm256_broadcast_ss(sc + r * ldk + t);
+                a[r][0] = _mm256_fmadd_ps(p, v0, a[r][0]);
+                a[r][1] = _mm256_fmadd_ps(p, v1, a[r][1]);
+            }
+        }
+        for (int r = 0; r < nq; r++) {
+            const __m256 s = _mm256_set1_ps(inv[r]);
+            _mm256_storeu_ps(od[r] + c0, _mm256_mul_ps(a[r][0], s));
+            if (two) _mm256_storeu_ps(od[r] + c0 + 8, _mm256_mul_ps(a[r][1], s));
+        }
+    }
+}
 #endif
 
 /* One query row of one head, its scores sc [L..] given (scores4; overwritten): the softmax over the L
@@ -253,6 +325,8 @@ static void attend(float *sc, int64_t L, const float *vv, int64_t dv, float *acc
         }
         return;
     }
+#elif DSQUANT_AVX2
+    const float inv = softmax_row(sc, L, L);
 #else
     float mx = -INFINITY, sum = 0.0f;
     for (int64_t t = 0; t < L; t++) mx = sc[t] > mx ? sc[t] : mx;
@@ -337,8 +411,12 @@ int mha_prefill(const float *q_nope, const float *q_pe, int64_t S, int64_t H, in
                 qr[r] = q_pe + ((i0 + r) * H + h) * R;
             }
             scores4(qn, qr, nq, dn, R, kt, T64, start + i0 + nq, scale, sc);
+#if defined(__AVX512F__) || DSQUANT_AVX2
 #ifdef __AVX512F__
             if (dv % 16 == 0 && dv <= 64) {                        /* the rows' values' sums together */
+#else
+            if (dv % 8 == 0) {
+#endif
                 float inv[4];
                 float *od[4];
                 for (int r = 0; r < nq; r++) {

@@ -242,9 +242,7 @@ static float softmax_tile(float *restrict sh, int64_t n, float m_old, float *alp
         const __m256 mk = _mm256_castsi256_ps(tail_mask8(n - i));
         vm = _mm256_max_ps(vm, _mm256_blendv_ps(vm, _mm256_maskload_ps(sh + i, _mm256_castps_si256(mk)), mk));
     }
-    __m128 h4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
-    h4 = _mm_max_ps(h4, _mm_movehl_ps(h4, h4));
-    mx = _mm_cvtss_f32(_mm_max_ss(h4, _mm_movehdup_ps(h4)));
+    mx = hmax8(vm);
     const __m256 vmx = _mm256_set1_ps(mx);
     __m256 vs = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i += 8) {
@@ -254,9 +252,7 @@ static float softmax_tile(float *restrict sh, int64_t n, float m_old, float *alp
         _mm256_maskstore_ps(sh + i, mi, p);
         vs = _mm256_add_ps(vs, p);
     }
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(vs), _mm256_extractf128_ps(vs, 1));
-    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    sum = _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
+    sum = hsum8(vs);
     *alpha = m_old == -INFINITY ? 0.0f : _mm256_cvtss_f32(vexp8_ps(_mm256_set1_ps(m_old - mx)));
 #else
     for (int64_t i = 0; i < n; i++) mx = sh[i] > mx ? sh[i] : mx;
