@@ -5,7 +5,7 @@
  * int8 -- the float32 operations of paged_cache._to_int8 one by one (x -> float32 is exact from
  * bf16 / fp16 / float32; IEEE division; rint in the default rounding mode is round half to even; NaN
  * gives 0 as torch's conversion does). Built with -ffp-contract=off, so the result is bit-identical; with
- * AVX-512 the same operations 16 lanes at a time (the division is IEEE in both).
+ * AVX-512 the same operations 16 lanes at a time, with AVX2 8 (the division is IEEE in all three).
  * Otherwise the element bytes are copied as they are (the caller converts dtypes with torch first).
  *
  * NZ padding columns of the row's last chunk are written as zero, as the torch code does.
@@ -15,11 +15,11 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
 #include "dtypes.h"
+#if defined(__AVX512F__) || DSQUANT_AVX2
+#include <immintrin.h>
+#endif
 
 
 #ifdef __AVX512F__
@@ -31,6 +31,19 @@ static inline __m512 load16(const void *src, int src_dtype, int64_t j, __mmask16
     if (src_dtype == DT_FP16)
         return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, (const uint16_t *)src + j));
     return _mm512_maskz_loadu_ps(mk, (const float *)src + j);
+}
+#elif DSQUANT_AVX2
+/* 8 elements of src from element j -> float32, exactly (fp16 needs F16C: without it fp16
+ * rows keep the scalar loop) */
+static inline __m256 load8(const void *src, int src_dtype, int64_t j) {
+    if (src_dtype == DT_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + j))), 16));
+#ifdef __F16C__
+    if (src_dtype == DT_FP16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + j)));
+#endif
+    return _mm256_loadu_ps((const float *)src + j);
 }
 #endif
 
@@ -47,6 +60,23 @@ static void quantize(int8_t *restrict dst, const void *src, int src_dtype, int64
         const __mmask16 num = _mm512_cmp_ps_mask(r, r, _CMP_ORD_Q);
         r = _mm512_maskz_mov_ps(num, _mm512_min_ps(_mm512_max_ps(r, lo), hi));
         _mm_mask_storeu_epi8(dst + j0, mk, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r)));
+    }
+#elif DSQUANT_AVX2
+    /* the same operations 8 lanes at a time over whole vectors; the tail takes the scalar loop (the same
+     * IEEE operations, so the same bytes) */
+#ifndef __F16C__
+    if (src_dtype != DT_FP16)
+#endif
+    {
+        const __m256 vs = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+        for (; j0 + 8 <= n; j0 += 8) {
+            const __m256 q = _mm256_div_ps(load8(src, src_dtype, j0), vs);
+            __m256 r = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            r = _mm256_and_ps(_mm256_cmp_ps(r, r, _CMP_ORD_Q), _mm256_min_ps(_mm256_max_ps(r, lo), hi));
+            const __m256i i32 = _mm256_cvtps_epi32(r);       /* in [-127, 127]: the packs below are exact */
+            const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+            _mm_storel_epi64((__m128i *)(dst + j0), _mm_packs_epi16(i16, i16));
+        }
     }
 #endif
     for (int64_t j = j0; j < n; j++) {
