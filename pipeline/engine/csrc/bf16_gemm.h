@@ -30,7 +30,7 @@
 
 #include <stdint.h>
 #include "dtypes.h"
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__) || DSQUANT_AVX2
 #include <immintrin.h>
 #endif
 #include <stdlib.h>
@@ -117,8 +117,7 @@ static void bf16_tile_large(int mr, int nbk, const float *const *xr, int64_t k, 
 #undef BF16_TILE_CASE
 #endif
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-#define BF16_GEMM_AVX2 1
+#if DSQUANT_AVX2     /* dtypes.h: AVX2 + FMA, no AVX-512 */
 /* mr (<= 4) rows (pointers xr) x the block of 16 columns b: y[i * ldy + 16 * b + c], each column's chain of
  * fused multiply-adds in AVX-512's order (two registers of 8 columns per block). */
 static inline __attribute__((always_inline)) void bf16_tile_avx2(const int mr, const float *const *xr, int64_t k,
@@ -161,8 +160,6 @@ static inline __attribute__((always_inline)) void bf16_tile_avx2(const int mr, c
         }
     }
 }
-#else
-#define BF16_GEMM_AVX2 0
 #endif
 
 #if BF16_GEMM_AMX
@@ -262,7 +259,7 @@ static int bf16_gemm(const float *const *xr, int64_t m, int64_t k, const uint32_
             }
         }
     }
-#elif BF16_GEMM_AVX2
+#elif DSQUANT_AVX2
     const int64_t nb = bf16_gemm_blocks(n);
     for (int64_t b = 0; b < nb; b++)
         for (int64_t r = 0; r < m; r += 4) {

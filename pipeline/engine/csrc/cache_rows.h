@@ -39,7 +39,7 @@ static void to_f32(float *restrict dst, const void *src, int dtype, int64_t n) {
 #ifdef __AVX512F__
         for (; i + 16 <= n; i += 16)
             _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + i))));
-#elif DSQUANT_AVX2 && defined(__F16C__)
+#elif DSQUANT_AVX2
         for (; i + 8 <= n; i += 8)
             _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
 #endif

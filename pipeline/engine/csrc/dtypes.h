@@ -17,8 +17,9 @@ static inline __mmask16 tail_mask16(int64_t left) {
 }
 #endif
 
-/* AVX2 + FMA without AVX-512: the kernels' 8-lane loops (AVX-512 machines keep their 16-lane ones). */
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* AVX2 + FMA (+ F16C, which every AVX2 CPU has) without AVX-512: the kernels' 8-lane loops (AVX-512
+ * machines keep their 16-lane ones). */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define DSQUANT_AVX2 1
 #include <immintrin.h>
 /* The lanes of an 8-lane vector that hold the last `left` elements of a row (all bits set in those lanes):

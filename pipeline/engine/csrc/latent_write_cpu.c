@@ -33,16 +33,13 @@ static inline __m512 load16(const void *src, int src_dtype, int64_t j, __mmask16
     return _mm512_maskz_loadu_ps(mk, (const float *)src + j);
 }
 #elif DSQUANT_AVX2
-/* 8 elements of src from element j -> float32, exactly (fp16 needs F16C: without it fp16
- * rows keep the scalar loop) */
+/* 8 elements of src from element j -> float32, exactly */
 static inline __m256 load8(const void *src, int src_dtype, int64_t j) {
     if (src_dtype == DT_BF16)
         return _mm256_castsi256_ps(_mm256_slli_epi32(
             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + j))), 16));
-#ifdef __F16C__
     if (src_dtype == DT_FP16)
         return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + j)));
-#endif
     return _mm256_loadu_ps((const float *)src + j);
 }
 #endif
@@ -64,19 +61,14 @@ static void quantize(int8_t *restrict dst, const void *src, int src_dtype, int64
 #elif DSQUANT_AVX2
     /* the same operations 8 lanes at a time over whole vectors; the tail takes the scalar loop (the same
      * IEEE operations, so the same bytes) */
-#ifndef __F16C__
-    if (src_dtype != DT_FP16)
-#endif
-    {
-        const __m256 vs = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
-        for (; j0 + 8 <= n; j0 += 8) {
-            const __m256 q = _mm256_div_ps(load8(src, src_dtype, j0), vs);
-            __m256 r = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            r = _mm256_and_ps(_mm256_cmp_ps(r, r, _CMP_ORD_Q), _mm256_min_ps(_mm256_max_ps(r, lo), hi));
-            const __m256i i32 = _mm256_cvtps_epi32(r);       /* in [-127, 127]: the packs below are exact */
-            const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
-            _mm_storel_epi64((__m128i *)(dst + j0), _mm_packs_epi16(i16, i16));
-        }
+    const __m256 vs = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    for (; j0 + 8 <= n; j0 += 8) {
+        const __m256 q = _mm256_div_ps(load8(src, src_dtype, j0), vs);
+        __m256 r = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r = _mm256_and_ps(_mm256_cmp_ps(r, r, _CMP_ORD_Q), _mm256_min_ps(_mm256_max_ps(r, lo), hi));
+        const __m256i i32 = _mm256_cvtps_epi32(r);           /* in [-127, 127]: the packs below are exact */
+        const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+        _mm_storel_epi64((__m128i *)(dst + j0), _mm_packs_epi16(i16, i16));
     }
 #endif
     for (int64_t j = j0; j < n; j++) {

@@ -239,6 +239,7 @@ static float softmax_row(float *sc, int64_t L, int64_t Lmax) {
 /* od[r] = inv[r] * sum_{t < Lmax} p[r][t] * vv[t] for nq (<= 4) rows of probabilities p = sc + r * ldk
  * (zero past each row's own keys), dv (16, 32, 48 or 64) columns: each value row loaded once for every
  * query row, one FMA chain per row and 16 columns. */
+#define VALUES4_FITS(dv) ((dv) % 16 == 0 && (dv) <= 64)
 static void values4(const float *sc, int64_t ldk, int nq, int64_t Lmax, const float *vv, int64_t dv,
                     const float *inv, float *const *od) {
     const int nv = (int)(dv / 16);
@@ -277,6 +278,7 @@ static float softmax_row(float *sc, int64_t L, int64_t Lmax) {
 
 /* values4 on AVX2, dv a multiple of 8: 16 columns (two registers) of every row a pass, then an 8-column
  * tail; each value row's loads serve every query row, one FMA chain per row and 8 columns. */
+#define VALUES4_FITS(dv) ((dv) % 8 == 0)
 static void values4(const float *sc, int64_t ldk, int nq, int64_t Lmax, const float *vv, int64_t dv,
                     const float *inv, float *const *od) {
     for (int64_t c0 = 0; c0 < dv; c0 += 16) {
@@ -411,12 +413,8 @@ int mha_prefill(const float *q_nope, const float *q_pe, int64_t S, int64_t H, in
                 qr[r] = q_pe + ((i0 + r) * H + h) * R;
             }
             scores4(qn, qr, nq, dn, R, kt, T64, start + i0 + nq, scale, sc);
-#if defined(__AVX512F__) || DSQUANT_AVX2
-#ifdef __AVX512F__
-            if (dv % 16 == 0 && dv <= 64) {                        /* the rows' values' sums together */
-#else
-            if (dv % 8 == 0) {
-#endif
+#ifdef VALUES4_FITS
+            if (VALUES4_FITS(dv)) {                                /* the rows' values' sums together */
                 float inv[4];
                 float *od[4];
                 for (int r = 0; r < nq; r++) {
