@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compile", dest="compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the layers' work around attention (start-up takes a minute or two "
                          f"longer; default: {'on' if E.compile else 'off'})")
+    ap.add_argument("--decode-graph", dest="decode_graph", action=argparse.BooleanOptionalAction, default=None,
+                    help="replay pure decode steps' C kernel calls on persistent tensors (the same bits as eager; "
+                         f"default: {'on' if E.decode_graph else 'off'})")
     ap.add_argument("--engine-process", dest="engine_process", action=argparse.BooleanOptionalAction, default=None,
                     help=f"step the engine in a child process of the replica, not on its thread "
                          f"(default: {'on' if dd.engine_process else 'off'})")
@@ -147,7 +150,8 @@ def make_config(args: argparse.Namespace):
                                          "engine_in_ingress", "engine_cpus")
            if getattr(args, k) is not None}
     engine = {k: getattr(args, k) for k in ("num_blocks", "block_size", "max_num_seqs", "max_batched_tokens",
-                                            "max_model_len", "nz", "mtp", "prefix_caching", "compile", "device")
+                                            "max_model_len", "nz", "mtp", "prefix_caching", "compile", "decode_graph",
+                                            "device")
               if getattr(args, k) is not None}
     llm_opts = dict(cfg.llm.ray_actor_options)
     if args.llm_num_cpus is not None:

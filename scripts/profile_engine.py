@@ -73,6 +73,12 @@ class Profiler:
 
         setattr(owner, attr, timed)
 
+    def timer(self, region: str, seconds: float) -> None:
+        """A replayed decode step's op (ModelRunner.graph_timer): its region's time, inside the open one."""
+        self.step[region] += seconds
+        if self.stack:
+            self.stack[-1][2] += seconds
+
 
 def instrument(prof: Profiler) -> None:
     import torch
@@ -159,7 +165,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=0,
                     help="> 0: alternating rounds of every --batches x --kernels run, each in a fresh process")
     ap.add_argument("--batches", default="1,8,16", help="batch sizes of the --rounds form")
-    ap.add_argument("--kernels", default="torch,native", help="DSQUANT_KERNELS values of the --rounds form")
+    ap.add_argument("--kernels", default="torch,native",
+                    help="DSQUANT_KERNELS values of the --rounds form (a value ending in -eager: those kernels "
+                         "with DSQUANT_DECODE_GRAPH=0, no replayed decode steps)")
     args = ap.parse_args()
     if args.rounds > 0:
         return rounds(args)
@@ -183,6 +191,7 @@ def main() -> int:
     eng.warm_up()                         # what a served engine runs first: a full-size prompt step, decode
     prof = Profiler()
     instrument(prof)
+    eng.runner.graph_timer = prof.timer   # replayed decode steps (engine.decode_graph) time each op
     decode, prefill = [], []
     for p in batch:
         eng.add_request(p, params)
@@ -224,8 +233,11 @@ def rounds(args) -> int:
                 for k in kernels:
                     out = Path(tmp) / f"{r}-{b}-{k}.json"
                     print(f"round {r + 1}/{args.rounds}: batch {b}, kernels {k} (load {loadavg()})", flush=True)
+                    env = {**os.environ, "DSQUANT_KERNELS": k.removesuffix("-eager")}
+                    if k.endswith("-eager"):            # the same kernels, every step eager
+                        env["DSQUANT_DECODE_GRAPH"] = "0"
                     subprocess.run([sys.executable, __file__, "--batch", str(b), "--out", str(out), *flags],
-                                   check=True, stdout=subprocess.DEVNULL, env={**os.environ, "DSQUANT_KERNELS": k})
+                                   check=True, stdout=subprocess.DEVNULL, env=env)
                     got[str(b)][k].append(json.loads(out.read_text()))
 
     def spread(xs: list[float]) -> dict:

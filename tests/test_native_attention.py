@@ -234,8 +234,9 @@ def test_torch_fallbacks(monkeypatch):
 QUESTIONS = ["What's deep learning?", "Explain list comprehensions.", "What is a decorator?"]
 
 
-def _generate(qdir, tok, monkeypatch, kernels, nz):
-    """Greedy tokens of the embedded model with ``kernels``, and how many decode calls took each path."""
+def _generate(qdir, tok, monkeypatch, kernels, nz, decode_graph=False):
+    """Greedy tokens of the embedded model with ``kernels``, and how many decode calls took each path (of
+    the eager steps: a replayed decode step, ``decode_graph``, binds the C call once)."""
     monkeypatch.setenv(dispatch.ENV, kernels)
     # the engine serves with the C call only where its loops are vectorized (AVX-512); here it runs the C
     # call whatever this machine's build, so that its tokens are checked on every CPU
@@ -248,7 +249,7 @@ def _generate(qdir, tok, monkeypatch, kernels, nz):
             calls[_key] += 1
             return _real(*a, **kw)
         monkeypatch.setattr(runner_mod, name, counted)
-    eng = LLMEngine.from_dir(qdir, tokenizer=tok, num_blocks=64, block_size=16, nz=nz)
+    eng = LLMEngine.from_dir(qdir, tokenizer=tok, num_blocks=64, block_size=16, nz=nz, decode_graph=decode_graph)
     assert eng.runner.kernels == kernels
     prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
     out = eng.generate(prompts, SamplingParams(max_new_tokens=16))
@@ -264,3 +265,5 @@ def test_engine_gives_the_same_greedy_tokens(qdir, tok, monkeypatch, nz):
     assert ref_calls["native"] == 0 and ref_calls["torch"] > 0
     assert calls["torch"] == 0 and calls["native"] == ref_calls["torch"]
     assert got == ref
+    replayed, calls = _generate(qdir, tok, monkeypatch, "native", nz, decode_graph=True)
+    assert replayed == ref and calls == {"torch": 0, "native": 0}       # every decode step replayed

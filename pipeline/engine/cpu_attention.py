@@ -150,29 +150,61 @@ def decode_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, cache, batch, soft
     if not isinstance(tile, int) or tile < 1:
         raise ValueError(f"native decode attention: tile must be an integer >= 1, got {tile!r}")
     q_abs, q_pe, table, lengths = q_abs.contiguous(), q_pe.contiguous(), table.contiguous(), lengths.contiguous()
-    c, pe = cache.c, cache.pe
-    args = (q_pe.data_ptr(), B, H, C, cache.d_r,
-            c.data_ptr(), _dtype(c, "the cache latent"), *_strides(c, cache.nz),
-            pe.data_ptr(), _dtype(pe, "the cache k_pe"), *_strides(pe, cache.nz),
-            table.data_ptr(), table.shape[1], lengths.data_ptr(), cache.block_size, cache.num_blocks,
-            cache.scale_value, softmax_scale, tile)
     if absorbed:
         w_uk, w_uv_t = w_uk.contiguous(), w_uv_t.contiguous()
         out = torch.empty(B, H, w_uv_t.shape[2], dtype=torch.float32)
-        rc = lib.mla_decode_absorbed(q_abs.data_ptr(), width, w_uk.data_ptr(), w_uv_t.data_ptr(), w_uv_t.shape[2],
-                                     *args, out.data_ptr())
     else:
         out = torch.empty(B, H, C, dtype=torch.float32)
-        rc = lib.mla_decode(q_abs.data_ptr(), *args, out.data_ptr())
+    fn, head, tail = _decode_parts(lib, q_abs, q_pe, cache, softmax_scale, tile, w_uk, w_uv_t, out)
+    rc = fn(*head, table.data_ptr(), table.shape[1], lengths.data_ptr(), *tail)
     if rc:
         raise ValueError(f"native decode attention: {_ERRORS.get(rc, f'error {rc}')}")
     return out
 
 
+def _decode_parts(lib, q: torch.Tensor, q_pe: torch.Tensor, cache, softmax_scale: float, tile: int,
+                  w_uk: Optional[torch.Tensor], w_uv_t: Optional[torch.Tensor], out: torch.Tensor) -> tuple:
+    """(the C function, its arguments before the block table's three, those after) for contiguous float32
+    ``q`` (q_abs, or q_nope with the absorbed weights), ``q_pe`` and ``out``."""
+    B, H, width = q.shape
+    c, pe = cache.c, cache.pe
+    head = (q_pe.data_ptr(), B, H, cache.C, cache.d_r,
+            c.data_ptr(), _dtype(c, "the cache latent"), *_strides(c, cache.nz),
+            pe.data_ptr(), _dtype(pe, "the cache k_pe"), *_strides(pe, cache.nz))
+    tail = (cache.block_size, cache.num_blocks, cache.scale_value, softmax_scale, tile, out.data_ptr())
+    if w_uk is None:
+        return lib.mla_decode, (q.data_ptr(), *head), tail
+    return lib.mla_decode_absorbed, (q.data_ptr(), width, w_uk.data_ptr(), w_uv_t.data_ptr(), w_uv_t.shape[2],
+                                     *head), tail
+
+
+def bind_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, cache, softmax_scale: float, w_uk: torch.Tensor,
+                w_uv_t: torch.Tensor, out: torch.Tensor, tile: int = DEFAULT_TILE) -> Optional[tuple]:
+    """(C function, arguments before the block table, arguments after it, tensors to hold) of
+    :func:`decode_attention` with the absorbed weights into ``out`` [B, H, d_v], for the tensors' current
+    storage: a call passes ``(table pointer, table width, lengths pointer)`` between the two (a step's
+    DecodeBatch); None where the engine would not serve decode attention with C on these tensors."""
+    lib = serving_library()
+    B, H, d_n = q_nope.shape
+    ok = (lib is not None and all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
+                                  for t in (q_nope, q_pe, w_uk, w_uv_t, out))
+          and cache.c.is_cpu and cache.c.dtype in _DTYPES and cache.pe.dtype in _DTYPES
+          and q_pe.shape == (B, H, cache.d_r) and w_uk.shape == (H, d_n, cache.C)
+          and w_uv_t.dim() == 3 and w_uv_t.shape[:2] == (H, cache.C) and out.shape == (B, H, w_uv_t.shape[2]))
+    if not ok:
+        return None
+    fn, head, tail = _decode_parts(lib, q_nope, q_pe, cache, softmax_scale, tile, w_uk, w_uv_t, out)
+    return fn, head, tail, (w_uk, w_uv_t)
+
+
+def _put_args(rows: torch.Tensor, slots: torch.Tensor, store: torch.Tensor, cache, scale: float) -> tuple:
+    return (rows.data_ptr(), _DTYPES[rows.dtype], rows.shape[0], rows.shape[1], slots.data_ptr(),
+            cache.num_blocks * cache.block_size, store.data_ptr(), _DTYPES[store.dtype], cache.block_size,
+            *_strides(store, cache.nz), scale)
+
+
 def _put(lib, rows: torch.Tensor, slots: torch.Tensor, store: torch.Tensor, cache, scale: float) -> None:
-    rc = lib.latent_write(rows.data_ptr(), _DTYPES[rows.dtype], rows.shape[0], rows.shape[1], slots.data_ptr(),
-                          cache.num_blocks * cache.block_size, store.data_ptr(), _DTYPES[store.dtype],
-                          cache.block_size, *_strides(store, cache.nz), scale)
+    rc = lib.latent_write(*_put_args(rows, slots, store, cache, scale))
     if rc:
         raise ValueError("write_slots: a slot outside the cache's "
                          f"{cache.num_blocks} x {cache.block_size} slots")
@@ -194,3 +226,30 @@ def write_slots(cache, slots: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor)
     _put(lib, c, slots, cache.c, cache, cache.scale_value if cache.is_int8 else 1.0)
     _put(lib, pe, slots, cache.pe, cache, 1.0)
     return True
+
+
+def bind_write(cache, slots: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor) -> Optional[list]:
+    """:func:`write_slots` as a list of (function, arguments, tensors to hold) for the tensors' current
+    storage (contiguous ``slots`` int64 [S], ``c`` [S, C], ``k_pe`` [S, d_r]): torch's casts into buffers
+    of the cache's dtypes where write_slots casts (functions returning None), then the C calls; None where
+    write_slots would not call C."""
+    lib = _WRITE.library()
+    if lib is None or c.dtype not in _DTYPES or c.dtype == torch.int8 or slots.dtype != torch.long \
+            or not cache.c.device.type == c.device.type == k_pe.device.type == slots.device.type == "cpu" \
+            or not (slots.is_contiguous() and c.is_contiguous() and k_pe.is_contiguous()):
+        return None
+    ops = []
+
+    def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if t.dtype == dtype:
+            return t
+        buf = torch.empty(t.shape, dtype=dtype)
+        ops.append((buf.copy_, (t,), ()))
+        return buf
+    if not cache.is_int8:
+        c = cast(c, cache.c.dtype)
+    pe = cast(k_pe, cache.pe.dtype)
+    ops.append((lib.latent_write, _put_args(c, slots, cache.c, cache, cache.scale_value if cache.is_int8 else 1.0),
+                (c,)))
+    ops.append((lib.latent_write, _put_args(pe, slots, cache.pe, cache, 1.0), (pe,)))
+    return ops

@@ -173,9 +173,26 @@ class NativeLinear(nn.Linear):
             return F.linear(x, w)
         out = torch.empty(x.shape[:-1] + (self.out_features,), dtype=torch.float32)
         if m:
-            _check(lib.bf16_linear(x.data_ptr(), m, k, ldx, bits.data_ptr(), self.out_features, out.data_ptr()),
-                   "linear")
+            _check(lib.bf16_linear(*self.call_args(x, m, ldx, bits, out)), "linear")
         return out
+
+    def call_args(self, x: torch.Tensor, m: int, ldx: int, bits: torch.Tensor, out: torch.Tensor) -> tuple:
+        """``bf16_linear``'s arguments for float32 rows ``x`` (m of them, row stride ldx) into ``out``."""
+        return x.data_ptr(), m, self.in_features, ldx, bits.data_ptr(), self.out_features, out.data_ptr()
+
+    def bind(self, x: torch.Tensor, out: torch.Tensor) -> Optional[tuple]:
+        """(C function, arguments, the packed weight to hold) computing forward(x) into ``out`` (contiguous
+        float32, x's rows) as forward would, for the tensors' current storage (pipeline.engine.decode_graph);
+        None where forward would not run the C kernel on x as it is."""
+        if x.dtype != torch.float32 or not x.is_cpu or x.shape[-1] != self.in_features or x.stride(-1) != 1:
+            return None
+        x2, m, ldx = _rows(x)
+        bits = self.packed() if m <= LINEAR_C_ROWS and x2 is x else None
+        lib = _LIB.library() if bits is not None else None
+        if lib is None or out.dtype != torch.float32 or not out.is_contiguous() \
+                or out.shape != x.shape[:-1] + (self.out_features,):
+            return None
+        return lib.bf16_linear, self.call_args(x, m, ldx, bits, out), (bits,)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias=False, C=bf16 bits"
@@ -204,9 +221,33 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
     if xs.shape[0]:
-        _check(lib.rope(xs.data_ptr(), _DT[x.dtype], xs.shape[0], xs.shape[1], xs.stride(0), xs.stride(1), d,
-                        cos.data_ptr(), sin.data_ptr(), out.data_ptr()), "rope")
+        _check(lib.rope(*_rope_args(x, xs, cos, sin, out)), "rope")
     return out
+
+
+def _rope_args(x: torch.Tensor, xs: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> tuple:
+    return (xs.data_ptr(), _DT[x.dtype], xs.shape[0], xs.shape[1], xs.stride(0), xs.stride(1), x.shape[-1],
+            cos.data_ptr(), sin.data_ptr(), out.data_ptr())
+
+
+def bind_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> Optional[tuple]:
+    """(C function, arguments, tensors to hold) computing rope(x, cos, sin) into ``out`` (contiguous, x's
+    shape and dtype) for the tensors' current storage; None where :func:`rope` would not call C (or would
+    copy x first)."""
+    lib = _LIB.library()
+    heads = x.dim() == cos.dim() + 1
+    lead = x.shape[:-2] if heads else x.shape[:-1]
+    if lib is None or x.dtype not in _DT or cos.dtype != torch.float32 or sin.dtype != torch.float32 \
+            or not (x.is_cpu and cos.is_cpu and sin.is_cpu) or x.shape[-1] % 2 \
+            or cos.shape != lead + (x.shape[-1] // 2,) or sin.shape != cos.shape or x.stride(-1) != 1 \
+            or not (cos.is_contiguous() and sin.is_contiguous() and out.is_contiguous()) \
+            or out.shape != x.shape or out.dtype != x.dtype:
+        return None
+    try:
+        xs = x.view(-1, x.shape[-2] if heads else 1, x.shape[-1])
+    except RuntimeError:
+        return None
+    return lib.rope, _rope_args(x, xs, cos, sin, out), ()
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:
@@ -241,9 +282,27 @@ class NativeRMSNorm(RMSNorm):
         w = w.detach().contiguous()
         out = torch.empty(shape, dtype=out_dtype)
         if rows:
-            _check(lib.rms_norm(x.data_ptr(), _DT[x.dtype], rows, shape[-1], ldx, w.data_ptr(), _DT[w.dtype],
-                                self.eps, out.data_ptr(), _DT[out_dtype]), "RMSNorm")
+            _check(lib.rms_norm(*self._args(x, rows, shape[-1], ldx, w, out)), "RMSNorm")
         return out
+
+    def _args(self, x, rows: int, dim: int, ldx: int, w: torch.Tensor, out: torch.Tensor) -> tuple:
+        return (x.data_ptr(), _DT[x.dtype], rows, dim, ldx, w.data_ptr(), _DT[w.dtype], self.eps, out.data_ptr(),
+                _DT[out.dtype])
+
+    def bind(self, x: torch.Tensor, out: torch.Tensor) -> Optional[tuple]:
+        """(C function, arguments, the weight held) computing forward(x) into ``out`` (contiguous, x's
+        shape, the promoted dtype) for the tensors' current storage; None where forward would not call C
+        on x as it is (pipeline.engine.decode_graph)."""
+        lib, w = _LIB.library(), self.weight
+        if lib is None or x.dtype not in _DT or w.dtype not in _DT or not (x.is_cpu and w.is_cpu) or w.dim() != 1 \
+                or x.dim() == 0 or x.shape[-1] != w.shape[0] or not out.is_contiguous() or out.shape != x.shape \
+                or out.dtype != torch.promote_types(x.dtype, w.dtype):
+            return None
+        x2, rows, ldx = _rows(x)
+        if x2 is not x:
+            return None
+        w = w.detach().contiguous()
+        return lib.rms_norm, self._args(x, rows, x.shape[-1], ldx, w, out), (w,)
 
 
 class NativeRouter(Router):
@@ -269,16 +328,31 @@ class NativeRouter(Router):
                 or x.shape[1] != w.shape[1] or _autograd(x, w):
             return super().forward(x)
         n = x.shape[0]
-        logits = F.linear(x.float(), w.detach().float()).contiguous()   # Router.forward's own op
-        b = b.detach().float().contiguous()
-        top_k = self.top_k
-        weights = torch.empty(n, top_k, dtype=torch.float32)
-        idx = torch.empty(n, top_k, dtype=torch.int64)
+        weights = torch.empty(n, self.top_k, dtype=torch.float32)
+        idx = torch.empty(n, self.top_k, dtype=torch.int64)
         if n:
-            _check(lib.moe_router(logits.data_ptr(), n, w.shape[0], b.data_ptr(), self.n_group, self.topk_group,
-                                  top_k, int(bool(self.norm_topk_prob)), self.scaling, weights.data_ptr(),
-                                  idx.data_ptr()), "router")
+            _check(self._route(lib, x, w.detach().float(), b.detach().float().contiguous(), weights, idx), "router")
         return weights, idx
+
+    def _route(self, lib, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, weights: torch.Tensor,
+               idx: torch.Tensor) -> int:
+        logits = F.linear(x.float(), w).contiguous()      # Router.forward's own op
+        return lib.moe_router(logits.data_ptr(), x.shape[0], w.shape[0], b.data_ptr(), self.n_group,
+                              self.topk_group, self.top_k, int(bool(self.norm_topk_prob)), self.scaling,
+                              weights.data_ptr(), idx.data_ptr())
+
+    def bind(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> Optional[tuple]:
+        """(a function returning the C call's status, no arguments, tensors to hold) routing ``x`` [N, hidden]
+        into ``weights`` float32 / ``idx`` int64 [N, top_k] (contiguous) as forward does; None where forward
+        would not call C."""
+        lib, w, b = _LIB.library(), self.weight, self.e_score_correction_bias
+        if lib is None or x.dtype not in _DT or w.dtype not in _DT or not (x.is_cpu and w.is_cpu and b.is_cpu) \
+                or x.dim() != 2 or x.shape[1] != w.shape[1] or weights.shape != (x.shape[0], self.top_k) \
+                or idx.shape != weights.shape or weights.dtype != torch.float32 or idx.dtype != torch.int64 \
+                or not (weights.is_contiguous() and idx.is_contiguous()):
+            return None
+        w, b = w.detach().float(), b.detach().float().contiguous()
+        return (lambda: self._route(lib, x, w, b, weights, idx)), (), (w, b)
 
 
 def _is_head(name: str) -> bool:

@@ -153,23 +153,52 @@ def _run(pk: PackedFFN, flat: torch.Tensor, weights: Optional[torch.Tensor] = No
     if flat.stride(-1) != 1 or (N > 1 and flat.stride(0) < pk.H):
         flat = flat.contiguous()
     out = torch.empty(N, pk.H, dtype=torch.float32)
-    load = top_k = None
+    load = None
     if pk.E:
         if weights is None or idx is None or idx.dim() != 2 or idx.shape[0] != N or weights.shape != idx.shape:
             raise ValueError(f"MoE: routes idx {None if idx is None else list(idx.shape)} / weights "
                              f"{None if weights is None else list(weights.shape)} do not fit {N} tokens")
-        top_k = idx.shape[1]
         idx, weights = idx.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous()
         load = torch.empty(pk.E, dtype=torch.int64)
-    rc = _LIB.library().float_ffn(pk.ref, flat.data_ptr(), N, flat.stride(0) if N > 1 else pk.H, top_k or 1,
-                                  None if idx is None else idx.data_ptr(),
-                                  None if weights is None else weights.data_ptr(),
-                                  None if load is None else load.data_ptr(), out.data_ptr())
+    rc = _LIB.library().float_ffn(*_ffn_args(pk, flat, out, weights, idx, load))
     if rc == 3:
         raise ValueError(f"MoE: router expert ids outside [0, {pk.E}) (min {int(idx.min())}, max {int(idx.max())})")
     if rc:
         raise ValueError(f"native float FFN: {_ERRORS.get(rc, f'error {rc}')}")
     return out, load
+
+
+def _ffn_args(pk: PackedFFN, flat: torch.Tensor, out: torch.Tensor, weights: Optional[torch.Tensor],
+              idx: Optional[torch.Tensor], load: Optional[torch.Tensor]) -> tuple:
+    N = flat.shape[0]
+    return (pk.ref, flat.data_ptr(), N, flat.stride(0) if N > 1 else pk.H, 1 if idx is None else idx.shape[1],
+            None if idx is None else idx.data_ptr(), None if weights is None else weights.data_ptr(),
+            None if load is None else load.data_ptr(), out.data_ptr())
+
+
+def bind(module, x: torch.Tensor, out: torch.Tensor, weights: Optional[torch.Tensor] = None,
+         idx: Optional[torch.Tensor] = None, load: Optional[torch.Tensor] = None) -> Optional[tuple]:
+    """(C function, arguments, the pack to hold) computing a NativeFloatMLP's forward of ``x`` [1, N, H] (a
+    NativeFloatMoE's: with the routes ``weights`` / ``idx`` [N, top_k] its router gives, int64 ``load``
+    [E]) into ``out`` (contiguous float32, x's shape), for the tensors' current storage
+    (pipeline.engine.decode_graph); None where forward would not make this one C call."""
+    moe = isinstance(module, NativeFloatMoE)
+    if not isinstance(module, (NativeFloatMoE, NativeFloatMLP)) or x.dtype != torch.float32 or not x.is_cpu \
+            or not x.is_contiguous() or not out.is_contiguous() or out.shape != x.shape or out.dtype != torch.float32 \
+            or _LIB.library() is None:
+        return None
+    pk = module.packed()
+    if pk is None or x.shape[-1] != pk.H or (not moe and x.numel() > FFN_C_ROWS * pk.H):
+        return None
+    if moe:
+        N = x.numel() // pk.H
+        if (module.shared_experts is not None and not pk.Is) or idx is None or weights is None or load is None \
+                or idx.shape != (N, idx.shape[1]) or weights.shape != idx.shape or idx.dtype != torch.int64 \
+                or weights.dtype != torch.float32 or load.shape != (pk.E,) or load.dtype != torch.int64 \
+                or not (idx.is_contiguous() and weights.is_contiguous()):
+            return None
+    flat = x.view(-1, pk.H)
+    return _LIB.library().float_ffn, _ffn_args(pk, flat, out, weights, idx, load), (pk,)
 
 
 def _c_input(x: torch.Tensor, params) -> bool:

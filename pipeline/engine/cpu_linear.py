@@ -221,6 +221,17 @@ def forward(mod, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def bind(mod, x: torch.Tensor, out: torch.Tensor) -> Optional[tuple]:
+    """(C function, arguments, the pack to hold) computing qlinear's forward of contiguous ``x`` [..., k]
+    into ``out`` (contiguous, x's dtype, [..., n]) for the tensors' current storage
+    (pipeline.engine.decode_graph); None where that forward would not call this kernel."""
+    if not x.is_contiguous() or not out.is_contiguous() or out.dtype != x.dtype \
+            or out.shape != x.shape[:-1] + (mod.out_features,) or not mod._native(x):
+        return None
+    pk, k = packed(mod), mod.in_features
+    return library().int8_linear, (pk.ref, x.data_ptr(), x.numel() // k, k, DTYPES[x.dtype], out.data_ptr()), (pk,)
+
+
 def apply_quantized(mod, x_q: torch.Tensor, s_tok: Optional[torch.Tensor]) -> torch.Tensor:
     """int8 rows ``x_q`` [m, k]: the exact product int32 [m, n] (``s_tok`` None: ``_acc``), or with the
     per-token scales float32 [m, 1] the dynamic epilogue, float32 [m, n] without bias (``apply_quantized``)."""

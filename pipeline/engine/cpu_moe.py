@@ -123,6 +123,34 @@ def routed(moe, flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) ->
     return out, load
 
 
+def bind_routed(moe, flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, out: torch.Tensor,
+                load: torch.Tensor) -> Optional[list]:
+    """:func:`routed` as a list of (function, arguments, tensors to hold) for the tensors' current storage
+    (pipeline.engine.decode_graph): contiguous float32 ``flat`` [N, H], the routes ``weights`` float32 /
+    ``idx`` int64 [N, top_k], into ``out`` float32 [N, H] and ``load`` int64 [E]; the two C calls and torch's
+    SiLU between them on buffers made here. None where routed would not run on these tensors."""
+    if not can_run(moe, flat) or flat.dtype != torch.float32 or flat.dim() != 2 or not flat.is_contiguous():
+        return None
+    pk, lib = packed(moe), cpu_linear.library()
+    N, top_k = idx.shape
+    if flat.shape != (N, pk.H) or weights.shape != idx.shape or weights.dtype != torch.float32 \
+            or idx.dtype != torch.int64 or out.shape != (N, pk.H) or out.dtype != torch.float32 \
+            or load.shape != (pk.E,) or load.dtype != torch.int64 \
+            or not all(t.is_contiguous() for t in (weights, idx, out, load)):
+        return None
+    S, dt = N * top_k, cpu_linear.DTYPES[flat.dtype]
+    order = torch.zeros(S, dtype=torch.int64)
+    gu = torch.zeros(S, 2 * pk.I, dtype=torch.float32)
+    h = torch.zeros(S, pk.I, dtype=torch.float32)
+    g, u = gu[:, :pk.I], gu[:, pk.I:]
+    keep = (pk, order, gu, h)
+    return [(lib.moe_gate_up, (pk.ref, flat.data_ptr(), dt, N, top_k, idx.data_ptr(), order.data_ptr(),
+                               load.data_ptr(), gu.data_ptr()), keep),
+            (lambda: torch.mul(F.silu(g), u, out=h), (), ()),
+            (lib.moe_down, (pk.ref, h.data_ptr(), dt, N, top_k, order.data_ptr(), load.data_ptr(),
+                            weights.data_ptr(), out.data_ptr()), ())]
+
+
 def shared_forward(expert, flat: torch.Tensor) -> torch.Tensor:
     """An Int8Expert on float rows through the fused linears: ``forward_quantized(*quantize_per_token(flat),
     flat.dtype)`` bit for bit (gate+up has no bias, so its output in flat's dtype is the float32 epilogue

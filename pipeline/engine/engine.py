@@ -46,6 +46,7 @@ class EngineConfig:
     fa3: bool = True                        # int8 latent cache on FA3 layers (False: the latent in bf16)
     compile: bool = False                   # torch.compile the layers' work around attention (engine.regions)
     prefix_caching: bool = True             # reuse cached full blocks across requests (engine.prefix_cache)
+    decode_graph: bool = True               # replay pure decode steps (engine.decode_graph; False: eager)
 
 
 STEP_TIMES_KEPT = 10_000
@@ -55,7 +56,7 @@ def make_runner(loaded: LoadedModel, config: EngineConfig, cls=ModelRunner, **kw
     """The model runner (``cls``) of ``loaded`` as ``config`` sets its cache (``kw``: ModelRunner's others)."""
     return cls(loaded, config.num_blocks, config.block_size, config.nz, config.device,
                getattr(torch, config.cache_dtype) if config.cache_dtype else None, config.mtp, config.fa3,
-               compile=config.compile, **kw)
+               compile=config.compile, decode_graph=config.decode_graph, **kw)
 
 
 @dataclass

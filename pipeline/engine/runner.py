@@ -11,10 +11,15 @@ the absorbed form::
 
 The MTP layer (speculative decoding) is a decoder layer with its own paged cache, run the same way on
 ``eh_proj([enorm(embed(next token)), hnorm(main hidden)])`` (:meth:`ModelRunner.mtp_forward`).
+
+A pure decode step (every piece one token, logits at every row) on the CPU's C kernels is replayed instead
+(pipeline.engine.decode_graph: the same calls bound once to persistent tensors, the same bits); the eager
+code below stays the reference and runs every other step.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -24,6 +29,8 @@ from pipeline.engine.attention import paged_prefill_attention
 from pipeline.engine import mha_prefill
 from pipeline.engine.mha_prefill import kv_weights, mha_prefill_attention
 from pipeline.engine.batched_attention import DecodeBatch, batched_decode_attention
+from pipeline.engine import decode_graph
+from pipeline.engine.decode_graph import DecodeGraph
 from pipeline.engine.regions import Regions
 from pipeline.engine.kernels.dispatch import NATIVE, TRITON, backend
 from pipeline.engine import cpu_attention, cpu_float
@@ -32,6 +39,10 @@ from pipeline.engine.loader import LoadedModel
 from pipeline.engine.paged_cache import PagedLatentCache
 from pipeline.config import model_dtype
 from pipeline.model.ffn import MLP
+
+log = logging.getLogger("dsquant.engine")
+#: Replayed decode steps kept per runner (one per row count; each holds its step's activations).
+MAX_GRAPHS = 64
 
 
 @dataclass(frozen=True)
@@ -63,12 +74,14 @@ class Span:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16, nz: bool = False,
                  device: str = "cpu", cache_dtype: torch.dtype | None = None, mtp: bool = False,
-                 fa3: bool = True, scratch: bool = False, compile: bool = False, mha_prefill: bool = True):
+                 fa3: bool = True, scratch: bool = False, compile: bool = False, mha_prefill: bool = True,
+                 decode_graph: bool = True):
         """``scratch``: one more cache block, ``scratch_block`` (= num_blocks), that no scheduler hands out:
         a DP-attention group with no work runs a one-token step there to join the others' collectives.
         ``compile``: the layers' work around attention through torch.compile (pipeline.engine.regions).
         ``mha_prefill``: multi-token pieces attend in the non-absorbed form (pipeline.engine.mha_prefill);
-        False: the absorbed form over the latent (the reference)."""
+        False: the absorbed form over the latent (the reference). ``decode_graph``: replay pure decode steps
+        (pipeline.engine.decode_graph: the same bits; False: every step eager, the reference)."""
         self.loaded, self.model, self.cfg = loaded, loaded.model, loaded.config
         self.scratch_block = num_blocks if scratch else None
         num_blocks += 1 if scratch else 0
@@ -84,6 +97,11 @@ class ModelRunner:
         self._w_abs: dict[int, tuple[torch.Tensor, ...]] = {}    # id(attn) -> absorbed weights, kv_weights
         self.regions = Regions(compile, rope=cpu_float.rope if self.kernels == NATIVE else None)
         self.mha_prefill = mha_prefill
+        self.decode_graph = decode_graph
+        self._graphs: dict[int, DecodeGraph] = {}           # row count -> its replayed decode step
+        self._graph_why: Optional[str] = None                # why steps stay eager ("" : they need not)
+        self.graph_timer = None                              # a profiler's (region, seconds) callback
+        self._graph_switches: Optional[tuple] = None         # decode_graph.switches() the graphs were made under
         self.caches = {
             i: PagedLatentCache(num_blocks, block_size, self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim,
                                 dtype=cache_dtype, fa_k=loaded.fa_k.get(i) if fa3 else None, nz=nz, device=device)
@@ -196,11 +214,48 @@ class ModelRunner:
         final normed hidden [N, h] of every token) with logits at the flat token ``rows``."""
         model = self.model
         st = self._positions(spans)
+        graph = self._graph(st, rows)
+        if graph is not None:
+            return graph.run([sp.ids[0] for sp in spans], st.cos, st.sin, st.slots, st.decode, self.graph_timer)
         h = model.embed(torch.tensor([t for sp in spans for t in sp.ids], device=self.device)[None])
         for i in range(self.cfg.num_hidden_layers):
             h = self._layer(model.model.layers[i], self.caches[i], h, st)
         hidden = model.model.norm(h)
         return model.lm_head(hidden[:, list(rows)]).float()[0], hidden[0]
+
+    def _graph(self, st: "StepInputs", rows: Sequence[int]) -> Optional[DecodeGraph]:
+        """The replayed step for ``st`` when it is a pure decode step with logits at every row (made on first
+        use per row count), else None."""
+        if not self.decode_graph or st.decode is None or not st.all_decode:
+            return None
+        sw = decode_graph.switches()
+        if sw != self._graph_switches:         # a kernel switch flipped: what the eager path calls may differ
+            self.drop_graphs()
+            self._graph_switches = sw
+        if sw[0] == "0":
+            return None
+        n = st.decode.size
+        if len(rows) != n or any(r != i for i, r in enumerate(rows)):
+            return None
+        g = self._graphs.get(n)
+        if g is None:
+            if self._graph_why is None:
+                self._graph_why = decode_graph.ineligible(self) or ""
+                if self._graph_why:
+                    log.info("decode steps stay eager: %s", self._graph_why)
+            if self._graph_why:
+                return None
+            if len(self._graphs) >= MAX_GRAPHS:
+                self._graphs.pop(next(iter(self._graphs)))     # the oldest made
+            g = self._graphs[n] = DecodeGraph(self, n)
+            if g.unbound:
+                log.info("decode graph (%d rows) calls %s as eager does", n, ", ".join(sorted(set(g.unbound))))
+        return g
+
+    def drop_graphs(self) -> None:
+        """Forget the replayed decode steps (after changing the model's weights: they point at the packed ones)."""
+        self._graphs.clear()
+        self._graph_why = None
 
     @torch.no_grad()
     def mtp_forward(self, spans: Sequence[Span], hidden: torch.Tensor, hidden_rows: Sequence[int],
