@@ -106,6 +106,11 @@ def test_when_the_runner_stays_eager(models, monkeypatch):
             return self.inner(x)
     loaded = load_model(str(EMBEDDED_MODEL_DIR))
     attn = loaded.model.model.layers[1].self_attn
+    cls = type(attn.q_a_proj)
+    attn.q_a_proj.__class__ = type("SubLinear", (cls,), {})   # a subclass may call more than its base
+    assert decode_graph.ineligible(LLMEngine(loaded, EngineConfig(num_blocks=64)).runner) \
+        == "layer 1 self_attn.q_a_proj: SubLinear"
+    attn.q_a_proj.__class__ = cls
     attn.o_proj = Wrapped(attn.o_proj)
     eng = LLMEngine(loaded, EngineConfig(num_blocks=64))
     assert decode_graph.ineligible(eng.runner) == "layer 1 self_attn.o_proj: Wrapped"

@@ -39,7 +39,7 @@ from torch import nn
 from pipeline.cbuild import _getenv
 from pipeline.engine import cpu_attention, cpu_float, cpu_float_ffn, cpu_linear, cpu_moe
 from pipeline.engine.moe import Int8Expert, Int8MoE
-from pipeline.engine.qlinear import Int8Linear
+from pipeline.engine.qlinear import Int8Linear, W8A8DynamicLinear, W8A8StaticLinear
 from pipeline.model.causal_lm import DecoderLayer
 from pipeline.model.ffn import MLP, MoE, Router
 from pipeline.model.mla import MLA
@@ -47,11 +47,11 @@ from pipeline.model.norm import RMSNorm
 from pipeline.model.rope import apply_rope
 
 SWITCH = "DSQUANT_DECODE_GRAPH"           # 0: every step eager
-#: Module types a main layer may hold for its steps to be replayed (anything else, e.g. a sharded replica's
-#: row-parallel linears with their collectives, keeps the runner eager).
-KNOWN = (DecoderLayer, MLA, RMSNorm, cpu_float.NativeRMSNorm, nn.Linear, cpu_float.NativeLinear, Int8Linear,
-         MLP, MoE, Router, cpu_float.NativeRouter, cpu_float_ffn.NativeFloatMLP, cpu_float_ffn.NativeFloatMoE,
-         Int8MoE, Int8Expert, nn.ModuleList)
+#: The module types (exactly these, not subclasses) a main layer may hold for its steps to be replayed
+#: (anything else, e.g. a sharded replica's row-parallel linears with their collectives, keeps it eager).
+KNOWN = frozenset((DecoderLayer, MLA, RMSNorm, cpu_float.NativeRMSNorm, nn.Linear, cpu_float.NativeLinear,
+                   W8A8StaticLinear, W8A8DynamicLinear, MLP, MoE, Router, cpu_float.NativeRouter,
+                   cpu_float_ffn.NativeFloatMLP, cpu_float_ffn.NativeFloatMoE, Int8MoE, Int8Expert, nn.ModuleList))
 
 
 class GraphError(ValueError):
@@ -83,10 +83,10 @@ def ineligible(runner) -> Optional[str]:
         return "not a float32 nn.Embedding"
     for i in range(runner.cfg.num_hidden_layers):
         for name, mod in model.model.layers[i].named_modules():
-            if not isinstance(mod, KNOWN):
+            if type(mod) not in KNOWN:
                 return f"layer {i} {name}: {type(mod).__name__}"
     for mod in (model.model.norm, model.lm_head):
-        if not isinstance(mod, KNOWN):
+        if type(mod) not in KNOWN:
             return f"{type(mod).__name__} head"
     return None
 
