@@ -57,6 +57,8 @@ def test_embedded_model_accuracy_target(tmp_path):
     tok = Tokenizer.from_dir(EMBEDDED_MODEL_DIR)
     _, held = corpus.load_heldout(EMBEDDED_MODEL_DIR)
     stream = token_stream(tok, [d.text for d in held])[: 4 * 256 + 1]
-    ppl, _ = evaluate(EMBEDDED_MODEL_DIR, str(tmp_path), stream, seq=256, log=lambda m: None)
+    ppl, sqnr = evaluate(EMBEDDED_MODEL_DIR, str(tmp_path), stream, seq=256, log=lambda m: None, full_only=True)
+    assert [(r["variant"], r["smooth"]) for r in ppl] == [("float", False), ("W8A8 + FA3", False),
+                                                          ("W8A8 + FA3", True)] and sqnr == []
     full = [r for r in ppl if r["variant"] == "W8A8 + FA3"]
     assert all(r["delta_pct"] < PPL_TARGET_PCT for r in full), full
