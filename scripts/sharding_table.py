@@ -53,7 +53,8 @@ def main(argv=None) -> int:
             f"{default[0].kv_bytes_per_token_bf16} B all-bf16. GB = 10^9 B; comm in KB = 10^3 B per rank per "
             f"token of the decode step (payload, and in parentheses what a ring moves).")
     md = ["# The 671B model sharded on paper", "", "Written by `scripts/sharding_table.py` "
-          "(`pipeline/plan/sharding.py`; definitions in its module doc).", "", head, "",
+          "(`pipeline/plan/sharding.py`; definitions in its module doc and those of `placement.py` and "
+          "`collectives.py` beside it).", "", head, "",
           "## Default recipe", "", RECIPES["default"][1] + ".", "", S.to_markdown(default),
           "## With --quantize-mtp", "", RECIPES["quantize_mtp"][1] + ".", "",
           S.to_markdown(results["quantize_mtp"], collectives=False)]
