@@ -159,3 +159,16 @@ def test_a_kernel_error_names_the_op_and_the_profiler_sees_each_region(models):
     bad = DecodeBatch(torch.zeros(1, 1, dtype=torch.long), torch.tensor([40]), 40, 40)   # 40 tokens in 1 block
     with pytest.raises(GraphError, match=r"decode graph \(1 rows\): op \d+ .*attention\) returned 2"):
         g.run([7], cos, sin, slots, bad)
+
+
+def test_a_thread_count_change_makes_the_graphs_again(models):
+    """The int8 linears' ``auto`` choice reads torch's thread count: a graph made under one count is not
+    replayed under another."""
+    _, _, eng = _run(models["w8a8"], _prompts(2))
+    before = list(eng.runner._graphs.values())
+    torch.set_num_threads(2)
+    try:
+        eng.generate(_prompts(2), SamplingParams(max_new_tokens=4))
+    finally:
+        torch.set_num_threads(1)
+    assert eng.runner._graphs and not any(g in before for g in eng.runner._graphs.values())

@@ -59,13 +59,14 @@ class GraphError(ValueError):
 
 
 #: The environment variables the eager path's kernel choices read per call: a graph is made again when one
-#: changes (and none is used while DSQUANT_DECODE_GRAPH=0).
+#: changes (and none is used while DSQUANT_DECODE_GRAPH=0), or torch's thread count (the int8 linears'
+#: ``auto`` choice reads it).
 WATCHED = (SWITCH, "DSQUANT_NATIVE", "DSQUANT_NATIVE_FLOAT", "DSQUANT_NATIVE_LINEAR", "DSQUANT_KERNELS")
 
 
 def switches() -> tuple:
-    """The values of :data:`WATCHED` now."""
-    return tuple(_getenv(v) for v in WATCHED)
+    """The values of :data:`WATCHED` now, and torch's intra-op thread count."""
+    return tuple(_getenv(v) for v in WATCHED) + (torch.get_num_threads(),)
 
 
 def ineligible(runner) -> Optional[str]:
