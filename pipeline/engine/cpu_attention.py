@@ -216,8 +216,7 @@ def write_slots(cache, slots: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor)
     dtypes. Dtype casts other than the int8 quantization (a float latent or k_pe in another dtype than
     the cache's) are done by torch first, so the stored bytes are torch's."""
     lib = _WRITE.library()
-    if lib is None or c.dtype not in _DTYPES or c.dtype == torch.int8 or slots.dtype != torch.long \
-            or not cache.c.device.type == c.device.type == k_pe.device.type == slots.device.type == "cpu":
+    if not _write_takes(lib, cache, slots, c, k_pe):
         return False
     if not cache.is_int8:
         c = c.to(cache.c.dtype)                 # (no copy when it is the cache's dtype already)
@@ -228,14 +227,19 @@ def write_slots(cache, slots: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor)
     return True
 
 
+def _write_takes(lib, cache, slots: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor) -> bool:
+    """Whether the C write takes these tensors (write_slots' and bind_write's condition)."""
+    return lib is not None and c.dtype in _DTYPES and c.dtype != torch.int8 and slots.dtype == torch.long \
+        and cache.c.device.type == c.device.type == k_pe.device.type == slots.device.type == "cpu"
+
+
 def bind_write(cache, slots: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor) -> Optional[list]:
     """:func:`write_slots` as a list of (function, arguments, tensors to hold) for the tensors' current
     storage (contiguous ``slots`` int64 [S], ``c`` [S, C], ``k_pe`` [S, d_r]): torch's casts into buffers
     of the cache's dtypes where write_slots casts (functions returning None), then the C calls; None where
     write_slots would not call C."""
     lib = _WRITE.library()
-    if lib is None or c.dtype not in _DTYPES or c.dtype == torch.int8 or slots.dtype != torch.long \
-            or not cache.c.device.type == c.device.type == k_pe.device.type == slots.device.type == "cpu" \
+    if not _write_takes(lib, cache, slots, c, k_pe) \
             or not (slots.is_contiguous() and c.is_contiguous() and k_pe.is_contiguous()):
         return None
     ops = []

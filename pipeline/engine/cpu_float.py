@@ -207,22 +207,26 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     (any strides that give evenly spaced rows and heads, e.g. the q_pe part of q), cos / sin [..., S, d/2]
     float32 of x's leading shape; anything else goes to apply_rope."""
     lib = _LIB.library()
-    heads = x.dim() == cos.dim() + 1
-    lead = x.shape[:-2] if heads else x.shape[:-1]
-    if lib is None or x.dtype not in _DT or cos.dtype != torch.float32 or sin.dtype != torch.float32 \
-            or not _cpu(x, cos, sin) or x.shape[-1] % 2 or cos.shape != lead + (x.shape[-1] // 2,) \
-            or sin.shape != cos.shape or _autograd(x) or torch.compiler.is_compiling() or x.stride(-1) != 1:
+    if not _rope_takes(lib, x, cos, sin) or _autograd(x) or torch.compiler.is_compiling():
         return apply_rope(x, cos, sin)
-    d = x.shape[-1]
+    heads, d = x.shape[-2] if x.dim() == cos.dim() + 1 else 1, x.shape[-1]
     try:
-        xs = x.view(-1, x.shape[-2] if heads else 1, d)
+        xs = x.view(-1, heads, d)
     except RuntimeError:                        # leading dims not evenly spaced: a copy that is
-        xs = x.reshape(-1, x.shape[-2] if heads else 1, d)
+        xs = x.reshape(-1, heads, d)
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
     if xs.shape[0]:
         _check(lib.rope(*_rope_args(x, xs, cos, sin, out)), "rope")
     return out
+
+
+def _rope_takes(lib, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether the C rope takes x / cos / sin (rope's and bind_rope's condition, autograd and tracing apart)."""
+    lead = x.shape[:-2] if x.dim() == cos.dim() + 1 else x.shape[:-1]
+    return lib is not None and x.dtype in _DT and cos.dtype == torch.float32 and sin.dtype == torch.float32 \
+        and _cpu(x, cos, sin) and not x.shape[-1] % 2 and cos.shape == lead + (x.shape[-1] // 2,) \
+        and sin.shape == cos.shape and x.stride(-1) == 1
 
 
 def _rope_args(x: torch.Tensor, xs: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> tuple:
@@ -235,16 +239,11 @@ def bind_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.
     shape and dtype) for the tensors' current storage; None where :func:`rope` would not call C (or would
     copy x first)."""
     lib = _LIB.library()
-    heads = x.dim() == cos.dim() + 1
-    lead = x.shape[:-2] if heads else x.shape[:-1]
-    if lib is None or x.dtype not in _DT or cos.dtype != torch.float32 or sin.dtype != torch.float32 \
-            or not (x.is_cpu and cos.is_cpu and sin.is_cpu) or x.shape[-1] % 2 \
-            or cos.shape != lead + (x.shape[-1] // 2,) or sin.shape != cos.shape or x.stride(-1) != 1 \
-            or not (cos.is_contiguous() and sin.is_contiguous() and out.is_contiguous()) \
+    if not _rope_takes(lib, x, cos, sin) or not (cos.is_contiguous() and sin.is_contiguous() and out.is_contiguous()) \
             or out.shape != x.shape or out.dtype != x.dtype:
         return None
     try:
-        xs = x.view(-1, x.shape[-2] if heads else 1, x.shape[-1])
+        xs = x.view(-1, x.shape[-2] if x.dim() == cos.dim() + 1 else 1, x.shape[-1])
     except RuntimeError:
         return None
     return lib.rope, _rope_args(x, xs, cos, sin, out), ()
@@ -271,10 +270,15 @@ class NativeRMSNorm(RMSNorm):
         nn.Module.__init__(self)
         self.weight, self.eps = norm.weight, norm.eps
 
+    def _takes(self, lib, x: torch.Tensor) -> bool:
+        """Whether the C call takes x (forward's and bind's condition, autograd apart)."""
+        w = self.weight
+        return lib is not None and x.dtype in _DT and w.dtype in _DT and _cpu(x, w) and w.dim() == 1 \
+            and x.dim() > 0 and x.shape[-1] == w.shape[0]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lib, w = _LIB.library(), self.weight
-        if lib is None or x.dtype not in _DT or w.dtype not in _DT or not _cpu(x, w) or w.dim() != 1 \
-                or x.dim() == 0 or x.shape[-1] != w.shape[0] or _autograd(x, w):
+        if not self._takes(lib, x) or _autograd(x, w):
             return super().forward(x)
         out_dtype = torch.promote_types(x.dtype, w.dtype)
         shape = x.shape
@@ -294,8 +298,7 @@ class NativeRMSNorm(RMSNorm):
         shape, the promoted dtype) for the tensors' current storage; None where forward would not call C
         on x as it is (pipeline.engine.decode_graph)."""
         lib, w = _LIB.library(), self.weight
-        if lib is None or x.dtype not in _DT or w.dtype not in _DT or not (x.is_cpu and w.is_cpu) or w.dim() != 1 \
-                or x.dim() == 0 or x.shape[-1] != w.shape[0] or not out.is_contiguous() or out.shape != x.shape \
+        if not self._takes(lib, x) or not out.is_contiguous() or out.shape != x.shape \
                 or out.dtype != torch.promote_types(x.dtype, w.dtype):
             return None
         x2, rows, ldx = _rows(x)
@@ -322,10 +325,15 @@ class NativeRouter(Router):
             raise ValueError(f"NativeRouter: n_group={self.n_group}, topk_group={self.topk_group}, top_k="
                              f"{self.top_k} do not fit {E} experts (groups of >= 2, top_k within the kept groups)")
 
+    def _takes(self, lib, x: torch.Tensor) -> bool:
+        """Whether the C call takes x (forward's and bind's condition, autograd apart)."""
+        w = self.weight
+        return lib is not None and x.dtype in _DT and w.dtype in _DT and _cpu(x, w, self.e_score_correction_bias) \
+            and x.dim() == 2 and x.shape[1] == w.shape[1]
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         lib, w, b = _LIB.library(), self.weight, self.e_score_correction_bias
-        if lib is None or x.dtype not in _DT or w.dtype not in _DT or not _cpu(x, w, b) or x.dim() != 2 \
-                or x.shape[1] != w.shape[1] or _autograd(x, w):
+        if not self._takes(lib, x) or _autograd(x, w):
             return super().forward(x)
         n = x.shape[0]
         weights = torch.empty(n, self.top_k, dtype=torch.float32)
@@ -346,9 +354,7 @@ class NativeRouter(Router):
         into ``weights`` float32 / ``idx`` int64 [N, top_k] (contiguous) as forward does; None where forward
         would not call C."""
         lib, w, b = _LIB.library(), self.weight, self.e_score_correction_bias
-        if lib is None or x.dtype not in _DT or w.dtype not in _DT or not (x.is_cpu and w.is_cpu and b.is_cpu) \
-                or x.dim() != 2 or x.shape[1] != w.shape[1] or weights.shape != (x.shape[0], self.top_k) \
-                or idx.shape != weights.shape or weights.dtype != torch.float32 or idx.dtype != torch.int64 \
+        if not self._takes(lib, x) or weights.shape != (x.shape[0], self.top_k) or idx.shape != weights.shape or weights.dtype != torch.float32 or idx.dtype != torch.int64 \
                 or not (weights.is_contiguous() and idx.is_contiguous()):
             return None
         w, b = w.detach().float(), b.detach().float().contiguous()

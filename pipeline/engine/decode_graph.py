@@ -109,7 +109,6 @@ class DecodeGraph:
         self.buffers: list[torch.Tensor] = []                 # the step's activations
         self.unbound: list[str] = []                          # modules called as eager calls them
         self.step_table: tuple = (0, 0, 0)                    # this step's (table, width, lengths)
-        self._step_keep: tuple = ()
         hid = cfg.hidden_size
         self.ids, self.slots = self._new(n, dtype=torch.long), self._new(n, dtype=torch.long)
         self.cos, self.sin = self._new(1, n, cfg.qk_rope_head_dim // 2), self._new(1, n, cfg.qk_rope_head_dim // 2)
@@ -211,14 +210,11 @@ class DecodeGraph:
 
     def _mlp(self, mlp: nn.Module) -> None:
         """layer.mlp(x) into t."""
-        x, t, n = self.x, self.t, self.n
+        x, t = self.x, self.t
         if isinstance(mlp, cpu_float_ffn.NativeFloatMLP) and self._bound(cpu_float_ffn.bind(mlp, x, t), "linears"):
             return
         if isinstance(mlp, cpu_float_ffn.NativeFloatMoE) and isinstance(mlp.gate, cpu_float.NativeRouter):
-            k = mlp.gate.top_k
-            weights, idx = self._new(n, k), self._new(n, k, dtype=torch.long)
-            load = self._new(len(mlp.experts), dtype=torch.long)
-            route = mlp.gate.bind(x.view(n, -1), weights, idx)
+            weights, idx, load, route = self._routes(mlp)
             ffn = cpu_float_ffn.bind(mlp, x, t, weights, idx, load)
             if route is not None and ffn is not None:
                 self._bound(route, "moe")
@@ -236,14 +232,20 @@ class DecodeGraph:
             return
         self._eager(mlp, x, t, "moe" if isinstance(mlp, (MoE, Int8MoE)) else "linears", type(mlp).__name__)
 
+    def _routes(self, moe) -> tuple:
+        """Buffers for ``moe``'s routes of x (weights, expert ids, tokens per expert) and its NativeRouter's
+        bound call filling the first two (None where it would not call C)."""
+        n, k = self.n, moe.gate.top_k
+        weights, idx = self._new(n, k), self._new(n, k, dtype=torch.long)
+        load = self._new(len(moe.experts), dtype=torch.long)
+        return weights, idx, load, moe.gate.bind(self.x.view(n, -1), weights, idx)
+
     def _int8_moe(self, moe: Int8MoE) -> bool:
         """Int8MoE's C path (cpu_moe) into t: the router, the routed experts' C calls, the shared expert's
         linears and SiLU, the sum; False (nothing added) where it would not run so."""
-        n, k = self.n, moe.gate.top_k
+        n = self.n
         flat, out = self.x.view(n, -1), self.t.view(n, -1)
-        weights, idx = self._new(n, k), self._new(n, k, dtype=torch.long)
-        load = self._new(len(moe.experts), dtype=torch.long)
-        route = moe.gate.bind(flat, weights, idx)
+        weights, idx, load, route = self._routes(moe)
         routed = cpu_moe.bind_routed(moe, flat, weights, idx, out, load)
         if route is None or routed is None:
             return False
@@ -270,24 +272,23 @@ class DecodeGraph:
         self.cos.copy_(cos)
         self.sin.copy_(sin)
         self.slots.copy_(slots)
-        table, lengths = batch.table, batch.lengths
-        self._step_keep = (table, lengths)
+        table, lengths = batch.table, batch.lengths      # (held by the caller's batch during the step)
         self.step_table = (table.data_ptr(), table.shape[1], lengths.data_ptr())
         if timer is None:
-            for fn, args, _ in self.ops:
+            for i, (fn, args, _) in enumerate(self.ops):
                 rc = fn(*args)
                 if rc.__class__ is int and rc:
-                    self._fail(fn, rc)
+                    self._fail(i, rc)
         else:
-            for fn, args, region in self.ops:
+            for i, (fn, args, region) in enumerate(self.ops):
                 t0 = time.perf_counter()
                 rc = fn(*args)
                 timer(region, time.perf_counter() - t0)
                 if rc.__class__ is int and rc:
-                    self._fail(fn, rc)
+                    self._fail(i, rc)
         return self.logits[0].clone(), self.hidden[0].clone()     # callers keep them past the next step
 
-    def _fail(self, fn, rc: int) -> None:
-        i = next(k for k, op in enumerate(self.ops) if op[0] is fn)
-        raise GraphError(f"decode graph ({self.n} rows): op {i} ({getattr(fn, '__name__', fn)!r}, "
-                         f"{self.ops[i][2]}) returned {rc}")
+    def _fail(self, i: int, rc: int) -> None:
+        fn, _, region = self.ops[i]
+        raise GraphError(f"decode graph ({self.n} rows): op {i} ({getattr(fn, '__name__', fn)!r}, {region}) "
+                         f"returned {rc}")
