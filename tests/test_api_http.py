@@ -19,6 +19,7 @@ from engine_ref import replica_engine, torch_threads  # noqa: E402
 from pipeline.engine.engine import EngineConfig, latest_logprobs  # noqa: E402
 from pipeline.engine.sampling import SamplingParams  # noqa: E402
 from pipeline.serving.logprobs import TokenStrings  # noqa: E402
+from serve_apps import deploy  # noqa: E402
 from test_serve import free_port, http  # noqa: E402
 
 MODEL = "tiny-w8a8"
@@ -40,14 +41,14 @@ def server(ray_cluster, qdir):
     """``keyed`` (colocated, API key, 8 in flight) at / (disaggregated serving's fields: tests/test_serve.py)."""
     from ray import serve
 
-    from actors.serve_app import DeploymentOptions, ServeConfig, build_app
+    from actors.serve_app import DeploymentOptions, ServeConfig
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     try:
         cpu, small = DeploymentOptions(1, {"num_cpus": 0.5}), DeploymentOptions(1, {"num_cpus": 0.1})
         keyed = ServeConfig(qdir, MODEL, ENGINE, api_key=KEY, max_in_flight=MAX_IN_FLIGHT, llm=cpu, ingress=small)
-        serve.run(build_app(keyed), name="keyed", route_prefix="/")
+        deploy({"keyed": (keyed, "/")})
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()

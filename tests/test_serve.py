@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 
 openai = pytest.importorskip("openai")
 
+from serve_apps import deploy  # noqa: E402
 from engine_ref import replica_engine, torch_threads  # noqa: E402
 from pipeline.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from pipeline.engine.sampling import SamplingParams  # noqa: E402
@@ -49,7 +50,7 @@ def server(ray_cluster, qdir):
     the base URL."""
     from ray import serve
 
-    from actors.serve_app import DeploymentOptions, ServeConfig, build_app
+    from actors.serve_app import DeploymentOptions, ServeConfig
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
@@ -61,15 +62,12 @@ def server(ray_cluster, qdir):
                             max_in_flight=2, llm=cpu, ingress=small, engine_process=False)
         disagg = ServeConfig(qdir, MODEL, ENGINE, max_in_flight=32, llm=cpu, ingress=small, mode="disaggregated",
                              prefill=cpu)
-        serve.run(build_app(main), name="main", route_prefix="/")
-        serve.run(build_app(keyed), name="keyed", route_prefix="/keyed")
-        serve.run(build_app(disagg), name="disagg", route_prefix="/disagg")
         slow = dataclasses.replace(disagg, prefill_timeout_s=0.001, prefill=small, llm=small,  # prefill always late
                                    engine_process=False)
-        serve.run(build_app(slow), name="slowprefill", route_prefix="/slowprefill")
         split = dataclasses.replace(main, engine_in_ingress=False, llm=small,  # an LLMServer deployment apart
                                     engine_process=False)
-        serve.run(build_app(split), name="split", route_prefix="/split")
+        deploy({"main": (main, "/"), "keyed": (keyed, "/keyed"), "disagg": (disagg, "/disagg"),
+                "slowprefill": (slow, "/slowprefill"), "split": (split, "/split")})
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()

@@ -17,6 +17,7 @@ import urllib.request
 import pytest
 import torch
 
+from serve_apps import deploy  # noqa: E402
 from pipeline.engine.engine import LLMEngine
 from pipeline.engine.sampling import SamplingParams, sample
 from pipeline.serving import openai_api as api
@@ -263,7 +264,7 @@ def server(ray_cluster, qdir):
     /slowprefill. Yields the base URL."""
     from ray import serve
 
-    from actors.serve_app import DeploymentOptions, ServeConfig, build_app
+    from actors.serve_app import DeploymentOptions, ServeConfig
     from pipeline.engine.engine import EngineConfig
 
     port = _free_port()
@@ -274,10 +275,8 @@ def server(ray_cluster, qdir):
         keyed = ServeConfig(qdir, MODEL, engine, api_key=KEY, llm=cpu, ingress=small, max_body_bytes=64 * 1024,
                             body_timeout_s=2.0)
         disagg = ServeConfig(qdir, MODEL, engine, llm=cpu, ingress=small, prefill=cpu, mode="disaggregated")
-        serve.run(build_app(keyed), name="keyed", route_prefix="/keyed")
-        serve.run(build_app(disagg), name="disagg", route_prefix="/disagg")
         slow = dataclasses.replace(disagg, prefill_timeout_s=0.001, prefill=small, llm=small)  # prefill always late
-        serve.run(build_app(slow), name="slowprefill", route_prefix="/slowprefill")
+        deploy({"keyed": (keyed, "/keyed"), "disagg": (disagg, "/disagg"), "slowprefill": (slow, "/slowprefill")})
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()

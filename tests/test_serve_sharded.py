@@ -20,6 +20,7 @@ import pytest
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
 
+from serve_apps import deploy  # noqa: E402
 from pipeline.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from pipeline.engine.sampling import SamplingParams  # noqa: E402
 from pipeline.text.tokenizer import Tokenizer  # noqa: E402
@@ -47,7 +48,7 @@ def mindie_block(path: str) -> dict:
 def server(ray_cluster, embedded_quantized):
     from ray import serve
 
-    from actors.serve_app import DeploymentOptions, ServeConfig, build_app
+    from actors.serve_app import DeploymentOptions, ServeConfig
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
@@ -63,9 +64,7 @@ def server(ray_cluster, embedded_quantized):
                                          ingress=DeploymentOptions(1, {"num_cpus": 0.1}))
         dp = ServeConfig(embedded_quantized, "tiny-sharded", EngineConfig(**ENGINE), parallel={"dp": 2, "moe_ep": 2},
                          llm=DeploymentOptions(1, rank), ingress=DeploymentOptions(1, {"num_cpus": 0.1}))
-        serve.run(build_app(colo), name="colo", route_prefix="/")
-        serve.run(build_app(dp), name="dp", route_prefix="/dp")
-        serve.run(build_app(disagg), name="disagg", route_prefix="/disagg")
+        deploy({"colo": (colo, "/"), "dp": (dp, "/dp"), "disagg": (disagg, "/disagg")})
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
