@@ -20,7 +20,8 @@
  * (vpdpbusd wraps, the subtraction is unsigned) and the true |acc| <= 128 * 128 * k < 2^31 for k <= 131071,
  * so the int32 result is exact. Without AVX-512 VNNI, on AVX2, the same layout is summed with vpmaddwd
  * (both operands widened to int16: u8 -> [0, 255], s8 -> [-128, 127]; each int32 lane gets two exact
- * products, a lane pair per column and step, added at the end), the same int32 result; else plain C.
+ * products, a lane pair per column and step, added at the end; three rows per tile, each row widened to
+ * int16 once per panel), the same int32 result; else plain C.
  *
  * With AMX (built for a CPU that has it, and the kernel grants the process the tile state) a call of at
  * least AMX_MIN_ROWS rows and kp a multiple of 64 runs on the tiles instead: tdpbusd is the same u8 x s8
@@ -109,6 +110,23 @@ static inline void store_u8(uint8_t *u, __m512 t) {
     __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(t), _mm512_set1_epi32(128));
     _mm_storeu_si128((__m128i *)u, _mm512_cvtepi32_epi8(q));
 }
+#elif HAVE_AVX2_GEMM
+/* 8 floats at x (bf16 or float32) */
+static inline __m256 load8(const void *x, int32_t dt, int64_t i) {
+    if (dt == DT_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i))), 16));
+    return _mm256_loadu_ps((const float *)x + i);
+}
+
+/* store_u8 of 8 values (the same rounding and clamp: NaN -> -128 as on AVX-512) */
+static inline void store_u8x8(uint8_t *u, __m256 t) {
+    t = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-128.0f)), _mm256_set1_ps(127.0f));
+    const __m256i q = _mm256_add_epi32(_mm256_cvtps_epi32(t), _mm256_set1_epi32(128));     /* 0 .. 255 */
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    _mm_storel_epi64((__m128i *)u, _mm_packus_epi16(w, w));
+}
 #endif
 
 static void quant_static(const void *x, int32_t dt, int64_t m, int64_t k, int64_t ldx, float sc, float off,
@@ -120,6 +138,10 @@ static void quant_static(const void *x, int32_t dt, int64_t m, int64_t k, int64_
         const __m512 vs = _mm512_set1_ps(sc), vo = _mm512_set1_ps(off);
         for (; j + 16 <= k; j += 16)
             store_u8(ur + j, _mm512_add_ps(_mm512_div_ps(load16(x, dt, r * ldx + j), vs), vo));
+#elif HAVE_AVX2_GEMM
+        const __m256 vs = _mm256_set1_ps(sc), vo = _mm256_set1_ps(off);
+        for (; j + 8 <= k; j += 8)
+            store_u8x8(ur + j, _mm256_add_ps(_mm256_div_ps(load8(x, dt, r * ldx + j), vs), vo));
 #endif
         for (; j < k; j++)
             ur[j] = (uint8_t)((int32_t)clampq(rintf(load_x(x, dt, r * ldx + j) / sc + off)) + 128);
@@ -135,6 +157,13 @@ static void quant_dynamic_row(const void *x, int32_t dt, int64_t k, uint8_t *ur,
     __m512 vm = _mm512_setzero_ps();      /* max(a, vm) keeps vm when a is NaN, as the scalar loop does */
     for (; j + 16 <= k; j += 16) vm = _mm512_max_ps(_mm512_abs_ps(load16(x, dt, j)), vm);
     amax = _mm512_reduce_max_ps(vm);
+#elif HAVE_AVX2_GEMM
+    __m256 vm = _mm256_setzero_ps();      /* max(a, vm) keeps vm when a is NaN, as the scalar loop does */
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (; j + 8 <= k; j += 8) vm = _mm256_max_ps(_mm256_and_ps(load8(x, dt, j), absmask), vm);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 #endif
     for (; j < k; j++) {
         float a = fabsf(load_x(x, dt, j));
@@ -147,6 +176,9 @@ static void quant_dynamic_row(const void *x, int32_t dt, int64_t k, uint8_t *ur,
 #if HAVE_VNNI
     const __m512 vs = _mm512_set1_ps(s);
     for (; j + 16 <= k; j += 16) store_u8(ur + j, _mm512_div_ps(load16(x, dt, j), vs));
+#elif HAVE_AVX2_GEMM
+    const __m256 vs = _mm256_set1_ps(s);
+    for (; j + 8 <= k; j += 8) store_u8x8(ur + j, _mm256_div_ps(load8(x, dt, j), vs));
 #endif
     for (; j < k; j++) ur[j] = (uint8_t)((int32_t)clampq(rintf(load_x(x, dt, j) / s)) + 128);
     for (j = k; j < kp; j++) ur[j] = 128;
@@ -228,21 +260,23 @@ static inline __attribute__((always_inline)) void tile(const int mr, const uint8
 #endif
 
 #if HAVE_AVX2_GEMM
-/* mr (<= 2) rows x one block of 16 columns, all of k, on AVX2. A step's 4 activations, widened to int16
- * and repeated 4 times, meet 4 columns' 4 weights (16 int16): vpmaddwd leaves per column two int32 lanes
- * (inputs 0+1, 2+3), summed over the steps; hadd joins each column's two lanes at the end. */
-static inline __attribute__((always_inline)) void tile_avx2(const int mr, const uint8_t *const *ar,
+#define MR_AVX2 3   /* rows per AVX2 tile: each widened weight vector serves 3 rows (measured 1.3x two) */
+/* mr (<= 3) rows x one block of 16 columns, all of k, on AVX2. The rows come widened to int16 (u16: the
+ * caller's widen_rows, once per row and panel); a step's 4 activations (8 bytes, repeated 4 times) meet 4
+ * columns' 4 weights (16 int16): vpmaddwd leaves per column two int32 lanes (inputs 0+1, 2+3), summed
+ * over the steps; hadd joins each column's two lanes at the end. */
+static inline __attribute__((always_inline)) void tile_avx2(const int mr, const uint16_t *const *ar,
                                                             const int8_t *wbb, int64_t ks, const int32_t *sbb,
                                                             int32_t *c, int64_t ldc) {
-    __m256i acc[2][4];
+    __m256i acc[MR_AVX2][4];
     for (int i = 0; i < mr; i++)
         for (int g = 0; g < 4; g++) acc[i][g] = _mm256_setzero_si256();
     for (int64_t s = 0; s < ks; s++) {
-        __m256i a[2];
+        __m256i a[MR_AVX2];
         for (int i = 0; i < mr; i++) {
-            int32_t a4;
-            memcpy(&a4, ar[i] + 4 * s, 4);
-            a[i] = _mm256_cvtepu8_epi16(_mm_set1_epi32(a4));
+            int64_t a4;
+            memcpy(&a4, ar[i] + 4 * s, 8);
+            a[i] = _mm256_set1_epi64x(a4);
         }
         for (int g = 0; g < 4; g++) {
             const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wbb + s * 64 + g * 16)));
@@ -255,6 +289,17 @@ static inline __attribute__((always_inline)) void tile_avx2(const int mr, const 
             v = _mm256_sub_epi32(v, _mm256_loadu_si256((const __m256i *)(sbb + 8 * h)));
             _mm256_storeu_si256((__m256i *)(c + i * ldc + 8 * h), v);
         }
+}
+
+/* rows a[r] (u8, kp of them) -> w16 [mr][kp] u16 */
+static void widen_rows(const uint8_t *const *ar, int mr, int64_t kp, uint16_t *w16) {
+    for (int i = 0; i < mr; i++) {
+        uint16_t *d = w16 + i * kp;
+        int64_t j = 0;
+        for (; j + 16 <= kp; j += 16)
+            _mm256_storeu_si256((__m256i *)(d + j), _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(ar[i] + j))));
+        for (; j < kp; j++) d[j] = ar[i][j];
+    }
 }
 #endif
 
@@ -304,8 +349,9 @@ static void gemm_amx(const uint8_t *a, int64_t lda, const int64_t *rows, int64_t
 }
 #endif
 
+/* stage16: scratch of MR_AVX2 * kp u16 for the AVX2 tiles (scratch_t.w16; unused by the other paths) */
 static void gemm(const uint8_t *a, int64_t lda, const int64_t *rows, int64_t m, const int8_t *wpack,
-                 const int32_t *wsum, int64_t np, int64_t kp, int32_t *c) {
+                 const int32_t *wsum, int64_t np, int64_t kp, int32_t *c, uint16_t *stage16) {
     int64_t ks = kp / 4;
 #if HAVE_AMX
     if (m >= AMX_MIN_ROWS && kp % 64 == 0 && amx_usable()) {
@@ -317,6 +363,32 @@ static void gemm(const uint8_t *a, int64_t lda, const int64_t *rows, int64_t m, 
         }
     }
 #endif
+#if HAVE_AVX2_GEMM
+    for (int64_t p = 0; p < np / (COLS * PANEL); p++) {
+        const int8_t *wb = wpack + p * PANEL * ks * 64;
+        const int32_t *sb = wsum + p * COLS * PANEL;
+        for (int64_t r0 = 0; r0 < m; r0 += MR_AVX2) {
+            int mr = (int)(m - r0 < MR_AVX2 ? m - r0 : MR_AVX2);
+            const uint8_t *ar[MR_AVX2];
+            const uint16_t *wr[MR_AVX2];
+            for (int i = 0; i < mr; i++) {
+                ar[i] = a + (rows ? rows[r0 + i] : r0 + i) * lda;
+                wr[i] = stage16 + i * kp;
+            }
+            widen_rows(ar, mr, kp, stage16);
+            int32_t *cp = c + r0 * np + p * COLS * PANEL;
+            for (int b = 0; b < PANEL; b++) {
+                const int8_t *wbb = wb + b * ks * 64;
+                switch (mr) {
+                case 3: tile_avx2(3, wr, wbb, ks, sb + b * COLS, cp + b * COLS, np); break;
+                case 2: tile_avx2(2, wr, wbb, ks, sb + b * COLS, cp + b * COLS, np); break;
+                default: tile_avx2(1, wr, wbb, ks, sb + b * COLS, cp + b * COLS, np); break;
+                }
+            }
+        }
+    }
+#else
+    (void)stage16;
     for (int64_t p = 0; p < np / (COLS * PANEL); p++) {
         const int8_t *wb = wpack + p * PANEL * ks * 64;
         const int32_t *sb = wsum + p * COLS * PANEL;
@@ -332,13 +404,6 @@ static void gemm(const uint8_t *a, int64_t lda, const int64_t *rows, int64_t m, 
             case 2: tile(2, ar, wb, ks, sb, cp, np); break;
             default: tile(1, ar, wb, ks, sb, cp, np); break;
             }
-#elif HAVE_AVX2_GEMM
-            for (int i = 0; i < mr; i += 2)
-                for (int b = 0; b < PANEL; b++) {
-                    const int8_t *wbb = wb + b * ks * 64;
-                    if (mr - i >= 2) tile_avx2(2, ar + i, wbb, ks, sb + b * COLS, cp + i * np + b * COLS, np);
-                    else tile_avx2(1, ar + i, wbb, ks, sb + b * COLS, cp + i * np + b * COLS, np);
-                }
 #else
             for (int i = 0; i < mr; i++)
                 for (int b = 0; b < PANEL; b++) {
@@ -354,6 +419,7 @@ static void gemm(const uint8_t *a, int64_t lda, const int64_t *rows, int64_t m, 
 #endif
         }
     }
+#endif
 }
 
 /* ----- epilogues ---------------------------------------------------------------------------------- */
@@ -418,6 +484,52 @@ static inline void store_bf16x16(uint16_t *y, __m512 v) {
     const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(round_bf16_ps(v)), 16);
     _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(r));
 }
+#elif HAVE_AVX2_GEMM
+static inline __m256 join8(__m256d lo, __m256d hi) {
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm256_cvtpd_ps(lo)), _mm256_cvtpd_ps(hi), 1);
+}
+static inline __m256d lo_pd8(__m256i v) { return _mm256_cvtepi32_pd(_mm256_castsi256_si128(v)); }
+static inline __m256d hi_pd8(__m256i v) { return _mm256_cvtepi32_pd(_mm256_extracti128_si256(v, 1)); }
+static inline __m256d lo_psd8(__m256 v) { return _mm256_cvtps_pd(_mm256_castps256_ps128(v)); }
+static inline __m256d hi_psd8(__m256 v) { return _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)); }
+
+/* epi_dynamic of 8 products */
+static inline __m256 epi_dynamic8(int32_t epi, __m256i c, float s, __m256 ws) {
+    if (epi == EPI_FAST) return _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(s)), ws);
+    const __m256d sd = _mm256_set1_pd((double)s);
+    return join8(_mm256_mul_pd(_mm256_mul_pd(lo_pd8(c), sd), lo_psd8(ws)),
+                 _mm256_mul_pd(_mm256_mul_pd(hi_pd8(c), sd), hi_psd8(ws)));
+}
+
+/* epi1 of 8 outputs j .. j + 7 */
+static inline __m256 epi8v(const linear_t *L, const int32_t *cr, float s, int64_t j, int use_bias) {
+    const __m256i c = _mm256_loadu_si256((const __m256i *)(cr + j));
+    if (L->kind == KIND_STATIC) {
+        const __m256i qb = _mm256_loadu_si256((const __m256i *)(L->quant_bias + j));
+        const __m256 deq = _mm256_loadu_ps(L->deq + j);
+        if (L->epilogue == EPI_FAST) return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(c, qb)), deq);
+        return join8(_mm256_mul_pd(_mm256_add_pd(lo_pd8(c), lo_pd8(qb)), lo_psd8(deq)),
+                     _mm256_mul_pd(_mm256_add_pd(hi_pd8(c), hi_pd8(qb)), hi_psd8(deq)));
+    }
+    const __m256 v = epi_dynamic8(L->epilogue, c, s, _mm256_loadu_ps(L->wscale + j));
+    return use_bias && L->bias ? _mm256_add_ps(v, _mm256_loadu_ps(L->bias + j)) : v;
+}
+
+/* round_bf16_ps on 8 lanes */
+static inline __m256 round_bf16_8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    r = _mm256_slli_epi32(_mm256_srli_epi32(r, 16), 16);
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
+                            _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+/* float32 -> bf16 bits of 8 values (float_to_bf16's rounding) */
+static inline void store_bf16x8(uint16_t *y, __m256 v) {
+    const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_8(v)), 16);
+    _mm_storeu_si128((__m128i *)y, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
 #endif
 
 static void epilogue(const linear_t *L, const int32_t *c, const float *s, int64_t m, int use_bias, void *y,
@@ -433,6 +545,12 @@ static void epilogue(const linear_t *L, const int32_t *c, const float *s, int64_
             if (dt == DT_BF16) store_bf16x16((uint16_t *)y + r * n + j, v);
             else _mm512_storeu_ps((float *)y + r * n + j, v);
         }
+#elif HAVE_AVX2_GEMM
+        for (; j + 8 <= n; j += 8) {
+            __m256 v = epi8v(L, cr, sr, j, use_bias);
+            if (dt == DT_BF16) store_bf16x8((uint16_t *)y + r * n + j, v);
+            else _mm256_storeu_ps((float *)y + r * n + j, v);
+        }
 #endif
         for (; j < n; j++) {
             float v = epi1(L, cr, sr, j, use_bias);
@@ -443,16 +561,17 @@ static void epilogue(const linear_t *L, const int32_t *c, const float *s, int64_
 }
 
 /* scratch for m rows: int32 products [m + 32][np] (gemm_amx's last block writes whole tiles), scales [m],
- * u8 activations [m][kp] */
-typedef struct { uint8_t *u; int32_t *c; float *s; } scratch_t;
+ * the AVX2 tiles' widened rows [3][kp] u16, u8 activations [m][kp] */
+typedef struct { uint8_t *u; int32_t *c; float *s; uint16_t *w16; } scratch_t;
 
 static int scratch(scratch_t *t, int64_t m, int64_t kp, int64_t np) {
-    size_t cb = (size_t)((m + 32) * np) * 4, sb = (size_t)m * 4, ub = (size_t)(m * kp);
-    char *p = malloc(cb + sb + ub + 64);
+    size_t cb = (size_t)((m + 32) * np) * 4, sb = (size_t)m * 4, wb = (size_t)(3 * kp) * 2, ub = (size_t)(m * kp);
+    char *p = malloc(cb + sb + wb + ub + 64);
     if (!p) return -1;
     t->c = (int32_t *)p;
     t->s = (float *)(p + cb);
-    t->u = (uint8_t *)(p + cb + sb);
+    t->w16 = (uint16_t *)(p + cb + sb);
+    t->u = (uint8_t *)(p + cb + sb + wb);
     return 0;
 }
 
@@ -475,7 +594,7 @@ int int8_linear(const linear_t *L, const void *x, int64_t m, int64_t ldx, int32_
             quant_static(xr, dt, mr, L->k, ldx, L->in_scale, L->in_offset, t.u, L->kp);
         else
             quant_dynamic(xr, dt, mr, L->k, ldx, t.u, L->kp, t.s);
-        gemm(t.u, L->kp, NULL, mr, L->wpack, L->wsum, L->np, L->kp, t.c);
+        gemm(t.u, L->kp, NULL, mr, L->wpack, L->wsum, L->np, L->kp, t.c, t.w16);
         epilogue(L, t.c, t.s, mr, 1, (char *)y + (size_t)(r0 * L->n) * es, dt);
     }
     free(t.c);
@@ -492,7 +611,7 @@ int int8_linear_q(const linear_t *L, const int8_t *q, const float *s, int64_t m,
         const int64_t mr = m - r0 < rb ? m - r0 : rb;
         void *yr = (char *)y + (size_t)(r0 * L->n) * 4;      /* int32 or float32 */
         shift_int8(q + r0 * L->k, mr, L->k, t.u, L->kp);
-        gemm(t.u, L->kp, NULL, mr, L->wpack, L->wsum, L->np, L->kp, t.c);
+        gemm(t.u, L->kp, NULL, mr, L->wpack, L->wsum, L->np, L->kp, t.c, t.w16);
         if (s == NULL)
             for (int64_t r = 0; r < mr; r++) memcpy((int32_t *)yr + r * L->n, t.c + r * L->np, (size_t)L->n * 4);
         else
@@ -544,7 +663,7 @@ int moe_gate_up(const moe_t *M, const void *x, int32_t dt, int64_t N, int64_t to
         int64_t n_e = start[e + 1] - start[e];
         if (!n_e) continue;
         gemm(t.u, M->gu_kp, tok + start[e], n_e, M->gu_pack + e * M->gu_np * M->gu_kp, M->gu_sum + e * M->gu_np,
-             M->gu_np, M->gu_kp, t.c);
+             M->gu_np, M->gu_kp, t.c, t.w16);
         const float *ws = M->gu_scale + e * I2;
         for (int64_t r = 0; r < n_e; r++) {
             float s = t.s[tok[start[e] + r]];
@@ -555,6 +674,10 @@ int moe_gate_up(const moe_t *M, const void *x, int32_t dt, int64_t N, int64_t to
             for (; j + 16 <= I2; j += 16)
                 _mm512_storeu_ps(g + j, epi_dynamic16(M->epilogue, _mm512_loadu_si512((const void *)(cr + j)), s,
                                                       _mm512_loadu_ps(ws + j)));
+#elif HAVE_AVX2_GEMM
+            for (; j + 8 <= I2; j += 8)
+                _mm256_storeu_ps(g + j, epi_dynamic8(M->epilogue, _mm256_loadu_si256((const __m256i *)(cr + j)), s,
+                                                     _mm256_loadu_ps(ws + j)));
 #endif
             for (; j < I2; j++) g[j] = epi_dynamic(M->epilogue, cr[j], s, ws[j]);
         }
@@ -577,7 +700,7 @@ int moe_down(const moe_t *M, const void *h, int32_t dt, int64_t N, int64_t top_k
     for (int64_t e = 0, r0 = 0; e < M->E; r0 += load[e], e++) {
         if (!load[e]) continue;
         gemm(t.u + r0 * M->dn_kp, M->dn_kp, NULL, load[e], M->dn_pack + e * M->dn_np * M->dn_kp,
-             M->dn_sum + e * M->dn_np, M->dn_np, M->dn_kp, t.c);
+             M->dn_sum + e * M->dn_np, M->dn_np, M->dn_kp, t.c, t.w16);
         const float *ws = M->dn_scale + e * H;
         for (int64_t r = 0; r < load[e]; r++) {
             int64_t slot = order[r0 + r];
@@ -590,6 +713,13 @@ int moe_down(const moe_t *M, const void *h, int32_t dt, int64_t N, int64_t top_k
                                          _mm512_loadu_ps(ws + j));
                 if (dt == DT_BF16) v = round_bf16_ps(v);
                 _mm512_storeu_ps(o + j, _mm512_add_ps(_mm512_loadu_ps(o + j), _mm512_mul_ps(v, _mm512_set1_ps(w))));
+            }
+#elif HAVE_AVX2_GEMM
+            for (; j + 8 <= H; j += 8) {
+                __m256 v = epi_dynamic8(M->epilogue, _mm256_loadu_si256((const __m256i *)(cr + j)), s,
+                                        _mm256_loadu_ps(ws + j));
+                if (dt == DT_BF16) v = round_bf16_8(v);
+                _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_mul_ps(v, _mm256_set1_ps(w))));
             }
 #endif
             for (; j < H; j++) {
