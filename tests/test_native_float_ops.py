@@ -13,11 +13,11 @@ from torch import nn
 
 from pipeline.cbuild import EXACT_FLAGS, NativeLibrary, cpu_flags
 from pipeline.engine import cpu_float
-from pipeline.engine.cpu_float import (LINEAR_C_ROWS, NativeHeadLinear, NativeLinear, NativeRMSNorm, NativeRouter,
-                                       use_native_float_ops)
+from pipeline.engine.cpu_float import LINEAR_C_ROWS, NativeHeadLinear, NativeLinear, NativeRMSNorm, NativeRouter
 from pipeline.engine.cpu_float_ffn import NativeFloatMLP, NativeFloatMoE
 from pipeline.engine.engine import LLMEngine
 from pipeline.engine.kernels import dispatch
+from pipeline.engine.native_swap import use_native_float_ops
 from pipeline.engine.loader import load_model, load_quantized
 from pipeline.engine.sampling import SamplingParams
 from pipeline.model.ffn import Router

@@ -24,12 +24,11 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from pipeline.engine import qlinear as ql
-from pipeline.engine.qlinear import (
-    EXACT, FAST, FAST_EPILOGUE_ULPS, FLOAT64, FP32_CHUNKED, INT_MM, NATIVE, Int8LinearError, W8A8DynamicLinear,
-    W8A8StaticLinear, build_from_checkpoint,
-    build_int8_linear, decode_deq_scale, int8_matmul, linear_tensors, select_kernel,
-)
+from pipeline.engine import int8_arith as ql
+from pipeline.engine.int8_arith import (FLOAT64, FP32_CHUNKED, INT_MM, Int8LinearError, decode_deq_scale,
+                                       int8_matmul, select_kernel)
+from pipeline.engine.qlinear import (EXACT, FAST, FAST_EPILOGUE_ULPS, NATIVE, W8A8DynamicLinear, W8A8StaticLinear,
+                                     build_from_checkpoint, build_int8_linear, linear_tensors)
 from pipeline.model.loading import load_model
 from pipeline.quant import qparams
 from pipeline.format.description import W8A8, W8A8_DYNAMIC

@@ -1,5 +1,6 @@
 """The engine's float work besides attention and the int8 linears as C kernels on the CPU
-(csrc/float_ops_cpu.c), swapped in by :func:`use_native_float_ops` where the kernels backend is ``native``:
+(csrc/float_ops_cpu.c), swapped in by :func:`pipeline.engine.native_swap.use_native_float_ops` where the
+kernels backend is ``native``:
 
 - :class:`NativeLinear` (alias ``NativeHeadLinear``) for the lm_head (and the MTP layer's ``shared_head.head``)
   of any model, and for every other bias-free float linear (a float model's attention projections,
@@ -32,7 +33,6 @@ or ``DSQUANT_NATIVE_FLOAT=0``) nothing is swapped and the torch modules run (:fu
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 from typing import Optional
 
@@ -41,9 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.cbuild import EXACT_FLAGS, NativeLibrary
-from pipeline.engine import cpu_float_ffn
 from pipeline.engine.bf16_pack import bf16_representable, pack_bf16
-from pipeline.model.ffn import MLP, MoE, Router
+from pipeline.model.ffn import Router
 from pipeline.model.norm import RMSNorm
 from pipeline.model.rope import apply_rope
 
@@ -61,7 +60,6 @@ _ERRORS = {1: "out of memory", 2: "bad sizes"}
 #: every step's rows take the C path (a row's result then never depends on the step it was computed in:
 #: prefill and decode, prefix-cache hits and recomputed entries agree), at that cost for big prefills.
 LINEAR_C_ROWS = 2048
-log = logging.getLogger("dsquant.kernels")
 
 
 def _declare(dll: ctypes.CDLL) -> None:
@@ -359,65 +357,3 @@ class NativeRouter(Router):
             return None
         w, b = w.detach().float(), b.detach().float().contiguous()
         return (lambda: self._route(lib, x, w, b, weights, idx)), (), (w, b)
-
-
-def _is_head(name: str) -> bool:
-    return name == "lm_head" or name.endswith("shared_head.head")
-
-
-def _quantized(model: nn.Module) -> bool:
-    from pipeline.engine.qlinear import Int8Linear
-
-    return any(isinstance(m, Int8Linear) for m in model.modules())
-
-
-def _swap(name: str, mod: nn.Module, float_model: bool) -> Optional[tuple[nn.Module, str]]:
-    """The C module for ``mod`` and its kind, or None (it stays)."""
-    try:
-        if type(mod) is nn.Linear and mod.bias is None and mod.weight.dtype == torch.float32:
-            return NativeLinear(mod), "lm_head" if _is_head(name) else "linear"
-        if type(mod) is RMSNorm and mod.weight.dtype in _DT:
-            return NativeRMSNorm(mod), "rms_norm"
-        if type(mod) is Router and mod.weight.dtype in _DT:
-            return NativeRouter(mod), "router"
-        if type(mod) is MoE and float_model and cpu_float_ffn.supported(mod):
-            return cpu_float_ffn.NativeFloatMoE(mod), "moe"
-        if type(mod) is MLP and float_model and cpu_float_ffn.plain_mlp(mod):
-            return cpu_float_ffn.NativeFloatMLP(mod), "mlp"
-    except ValueError as e:                     # e.g. a linear of other values than bf16's
-        log.info("%s stays torch: %s", name, e)
-    return None
-
-
-def use_native_float_ops(model: nn.Module) -> dict[str, int]:
-    """Swap the C modules into ``model`` (in place); the counts per kind. Any model: the lm_head / MTP head
-    when a float32 linear of bf16 values, every RMSNorm of a float32 or bf16 weight, every Router that fits
-    (groups of >= 2 experts). A float model (no int8 linear) also: every MoE whose experts fit and every
-    dense MLP (cpu_float_ffn: their linears, and a MoE's shared expert, run inside the C call and stay
-    nn.Linear for the torch fallback). Every model: every other bias-free float32 linear of bf16 values
-    (a quantized model's float MTP layer's included; its MoE stays torch, its experts' linears swapped).
-    Nothing when the library is not available (:func:`status` says why)."""
-    counts = dict.fromkeys(("lm_head", "linear", "rms_norm", "router", "moe", "mlp"), 0)
-    if _LIB.library() is None:
-        return counts
-    float_model = not _quantized(model) and cpu_float_ffn.library() is not None
-    swaps, inside = [], []                       # inside: prefixes computed within a swapped C block
-    for name, mod in model.named_modules():
-        if not name or any(name == p or name.startswith(p + ".") for p in inside):
-            continue
-        new = _swap(name, mod, float_model)
-        if new is None:
-            continue
-        swaps.append((name, *new))
-        if new[1] == "mlp":
-            inside.append(name)
-        elif new[1] == "moe":
-            inside.append(name + ".experts")
-            if cpu_float_ffn.plain_mlp(mod.shared_experts):
-                inside.append(name + ".shared_experts")
-    for name, new, kind in swaps:                # parents first (named_modules' order): a MoE's router is
-        parent, _, child = name.rpartition(".")  # then set on the NativeFloatMoE, which holds it
-        setattr(model.get_submodule(parent), child, new)
-        counts[kind] += 1
-    log.info("native float ops: %s", counts)
-    return counts

@@ -1,5 +1,5 @@
 """The float model's feed-forward blocks on the CPU, each in one C call (csrc/float_ffn_cpu.c), swapped in
-by :func:`pipeline.engine.cpu_float.use_native_float_ops` for a float model (never a quantized model's:
+by :func:`pipeline.engine.native_swap.use_native_float_ops` for a float model (never a quantized model's:
 its MoEs are Int8MoE, and its float MTP layer stays torch) where the kernels backend is ``native``:
 
 - :class:`NativeFloatMoE` for a ``MoE``: the same router, experts and shared expert modules (the same state

@@ -100,7 +100,7 @@ def _native_float_ops(model: nn.Module, device) -> None:
     from pipeline.engine.kernels.dispatch import NATIVE, backend
 
     if backend(device) == NATIVE:
-        from pipeline.engine.cpu_float import use_native_float_ops
+        from pipeline.engine.native_swap import use_native_float_ops
 
         use_native_float_ops(model)
 

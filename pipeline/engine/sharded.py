@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.engine.comm import Comm
-from pipeline.engine.qlinear import W8A8DynamicLinear, W8A8StaticLinear, quantize_per_token, \
-    quantize_with_absmax
+from pipeline.engine.int8_arith import quantize_per_token, quantize_with_absmax
+from pipeline.engine.qlinear import W8A8DynamicLinear, W8A8StaticLinear
 from pipeline.model.ffn import expert_slots
 
 REDUCE, EXACT_COMBINE = "reduce", "exact"
