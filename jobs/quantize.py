@@ -74,6 +74,11 @@ def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -
     _flag(ap, "--calib-batch", type=int, default=1,
           help="calibration samples per forward, right-padded, the padding masked out of every statistic "
                "(layer-wise job only)")
+    _flag(ap, "--calib-products", choices=("fp32", "model"), default="fp32",
+          help="how the calibration forward multiplies bf16/fp16 operands: fp32 (the fp32 GEMM of the upcast "
+               "operands, rounded once: a bf16 GEMM's arithmetic, summed in another order; much faster on CPUs "
+               "without AVX-512 BF16) or model (torch's matmuls in the model dtype, the reference mode); see "
+               "pipeline/quant/products.py")
     _flag(ap, "--two-pass", action="store_true",
           help="the reference calibration: the whole float model first, then the weights read again "
                "(default: one read, layer by layer; the same files)")
@@ -145,7 +150,8 @@ def make_job(args: argparse.Namespace):
     if args.s3_endpoint:
         storage.set_options("s3", client_kwargs={"endpoint_url": args.s3_endpoint})
     recipe = Recipe(fa_quant=args.fa_quant, dynamic=args.dynamic, fa_exclude_layers=args.fa_exclude_layers,
-                    quantize_mtp=args.quantize_mtp, dialect=args.dialect, smooth=args.smooth)
+                    quantize_mtp=args.quantize_mtp, dialect=args.dialect, smooth=args.smooth,
+                    calib_products=args.calib_products)
     opts = QuantizeOptions(calib_path=args.calib_data, max_calib_tokens=args.max_calib_tokens,
                            truncate=args.truncate, smooth_alpha=args.smooth_alpha,
                            mindie_format=args.mindie_format, overwrite=args.overwrite,

@@ -14,7 +14,7 @@ import torch
 from pipeline.config import DeepseekV3Config
 from pipeline.model import build_model
 from pipeline.quant.calibrate import collect_stats
-from pipeline.quant.observers import MinMax, RecallWindow, Stats, recall_window
+from pipeline.quant.observers import MinMax, RecallWindow, Stats, recall_window, recall_window_sorted
 from pipeline.quant.qparams import QuantError
 from pipeline.quant.recipe import Recipe
 from tests.tiny import random_tensors, tiny_config
@@ -50,6 +50,22 @@ def test_recall_window_matches_brute_force(seed):
         lo, hi = recall_window(rows, ratio)
         for r in range(3):
             assert (lo[r], hi[r]) == brute_force_window(rows[r].double().tolist(), ratio), (n, ratio)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_recall_window_from_the_extremes_equals_the_sorted_rows(dtype, monkeypatch):
+    """FA3's ratios on rows as long as the embedded model's (S * 512 values): the topk path gives the
+    sorted reference's windows bit for bit, ties and duplicated extremes included, in chunks of rows."""
+    import pipeline.quant.observers as obs
+
+    monkeypatch.setattr(obs, "WINDOW_CHUNK", 3 * 20000)   # 3 rows per chunk: a partial last chunk
+    g = torch.Generator().manual_seed(7)
+    rows = (torch.randn(7, 20000, generator=g) * 3).to(dtype)
+    rows[1, :40] = rows[1].max()                                            # many copies of the maximum
+    rows[2] = torch.randint(-2, 3, (20000,), generator=g).to(dtype)        # few distinct values: ties
+    rows[3, 5], rows[3, 9] = 1e4, -1e4                                      # outliers the window drops
+    for ratio in (1.0, 0.9999, 0.999, 0.9, 0.6):
+        assert recall_window(rows, ratio) == recall_window_sorted(rows, ratio), (dtype, ratio)
 
 
 def test_recall_window_edge_cases():

@@ -110,6 +110,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         h = self.run_layers(self.embed(input_ids), range(self.config.num_hidden_layers), cache, absorb)
         return self.head(h, return_hidden)
 
+    def final_hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, S] -> the final normed hidden state [B, S, h] (what the MTP layer reads), without
+        the logits: ``forward(input_ids, return_hidden=True)[1]``, the same tensor."""
+        return self.model.norm(self.run_layers(self.embed(input_ids), range(self.config.num_hidden_layers)))
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, S] -> hidden [B, S, h] (stage 0's first step)."""
         return self.model.embed_tokens(input_ids)

@@ -24,6 +24,7 @@ from torch import nn
 from pipeline import layout
 from pipeline.model import DeepseekV3ForCausalLM
 from pipeline.quant.observers import MinMax, RecallWindow, Stat, Stats
+from pipeline.quant.products import calibration_products
 from pipeline.quant.qparams import QuantError
 from pipeline.quant.recipe import FAQUANT, W8A8, Recipe
 
@@ -117,11 +118,13 @@ def stats_layers(cfg, recipe: Recipe, layers: Optional[Iterable[int]] = None, ha
 @contextmanager
 def observing(model: DeepseekV3ForCausalLM, recipe: Recipe, layer_ids: Sequence[int]) -> Iterator[_Collector]:
     """While active, every forward through ``layer_ids`` adds its observations to the yielded collector
-    (``.stats()`` gives them). The model may hold only some layers (a pipeline stage): only
-    ``layer_ids`` are touched."""
+    (``.stats()`` gives them), and this thread's reduced-precision products follow
+    ``recipe.calib_products`` (pipeline.quant.products). The model may hold only some layers (a
+    pipeline stage): only ``layer_ids`` are touched."""
     modules = dict(model.named_modules())
     col = _Collector()
     with ExitStack() as stack:
+        stack.enter_context(calibration_products(recipe.calib_products))
         for i in layer_ids:
             for prefix, kind in recipe.layer_types(model.config, i).items():
                 if kind == W8A8:
@@ -189,7 +192,7 @@ def collect_stats(model: DeepseekV3ForCausalLM, samples: Sequence[Sequence[int]]
     with observing(model, recipe, layer_ids) as col:
         for s in _maybe_progress(samples, progress):
             ids = torch.tensor([list(s)], dtype=torch.long, device=device)
-            _, hidden = model(ids, return_hidden=True)
+            hidden = model.final_hidden(ids)   # no logits: calibration never reads them
             run_mtp(model, hidden, ids, len(model.mtp_layers) if run_mtp_layers else 0)
     return col.stats()
 

@@ -47,6 +47,7 @@ from pipeline.model import DeepseekV3ForCausalLM
 from pipeline.model.causal_lm import DecoderLayer, MTPLayer
 from pipeline.model.rope import Rotary
 from pipeline.quant.calibrate import check_samples, observing, run_layer_batched, stats_layers
+from pipeline.quant.products import calibration_products
 from pipeline.quant.observers import Stats
 from pipeline.quant.quantize_layer import deferred_weights
 from pipeline.quant.recipe import Recipe
@@ -169,7 +170,7 @@ def calibrate_layerwise(reader: CheckpointReader, recipe: Recipe, samples: Seque
                     depth = i - cfg.num_hidden_layers
                     if recipe.smooth:  # the smoothing pass runs a sample at a time (its observers see padding)
                         host.set_layer(i, fwd)
-                        with observing_smoothing(host.model, [i]) as sm:
+                        with observing_smoothing(host.model, [i], recipe.calib_products) as sm:
                             u = _run(host.model, i, u, ids, 1, mtp_depth=depth if is_mtp else None, smoothing=True)
                         smoothed = smooth_layer(fwd, i, sm, smooth_alpha)
                         # smooth_layer changes only weights it never defers, which are the same objects in
@@ -179,7 +180,8 @@ def calibrate_layerwise(reader: CheckpointReader, recipe: Recipe, samples: Seque
                         del smoothed
                     host.set_layer(i, fwd)
                     del fwd  # the host holds the forward's weights until free_layer
-                    with (observing(host.model, recipe, [i]) if i in stat_ids else nullcontext()) as col:
+                    with (observing(host.model, recipe, [i]) if i in stat_ids else nullcontext()) as col, \
+                            calibration_products(recipe.calib_products):
                         h = _run(host.model, i, h, ids, batch, mtp_depth=depth if is_mtp else None, col=col)
                     stats = col.stats() if col is not None else Stats()
                     host.free_layer(i)

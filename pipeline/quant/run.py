@@ -61,7 +61,7 @@ def prepare_float_model(src: str, recipe: Recipe, samples: list[list[int]], opts
     smooth_stats = None
     if recipe.smooth:
         layers = None if recipe.quantize_mtp else range(reader_cfg.num_hidden_layers)
-        smooth_stats = collect_smoothing_stats(model, samples, layer_ids=layers)
+        smooth_stats = collect_smoothing_stats(model, samples, layer_ids=layers, products=recipe.calib_products)
         apply_smoothing(model, smooth_stats, opts.smooth_alpha)
     return model, smooth_stats
 

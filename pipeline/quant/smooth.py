@@ -27,6 +27,8 @@ from typing import Iterator
 
 import torch
 
+from pipeline.quant.products import FP32, calibration_products
+
 EPS = 1e-5
 
 
@@ -83,9 +85,10 @@ def _attn_prefixes(model) -> dict[str, torch.nn.Module]:
 
 
 @contextmanager
-def observing_smoothing(model, layer_ids=None) -> Iterator[dict[str, ChannelAbsMax]]:
+def observing_smoothing(model, layer_ids=None, products: str = FP32) -> Iterator[dict[str, ChannelAbsMax]]:
     """While active, forwards through ``layer_ids`` (default: every layer the model holds) update the
-    yielded statistics (see :func:`collect_smoothing_stats`)."""
+    yielded statistics (see :func:`collect_smoothing_stats`); this thread's reduced-precision products
+    follow ``products`` (the recipe's ``calib_products``: pipeline.quant.products)."""
     stats: dict[str, ChannelAbsMax] = {}
     handles = []
     wanted = set(layer_ids) if layer_ids is not None else None
@@ -112,7 +115,8 @@ def observing_smoothing(model, layer_ids=None) -> Iterator[dict[str, ChannelAbsM
         q_out = attn.q_b_proj if hasattr(attn, "q_b_proj") else attn.q_proj
         handles.append(q_out.register_forward_hook(on_query))
     try:
-        yield stats
+        with calibration_products(products):
+            yield stats
     finally:
         for hd in handles:
             hd.remove()
@@ -124,14 +128,15 @@ def smoothing_runs_mtp(model, ids_len: int, layer_ids=None) -> bool:
 
 
 @torch.no_grad()
-def collect_smoothing_stats(model, samples: list[list[int]], layer_ids=None) -> dict[str, ChannelAbsMax]:
+def collect_smoothing_stats(model, samples: list[list[int]], layer_ids=None,
+                            products: str = FP32) -> dict[str, ChannelAbsMax]:
     """Per-channel |max| of what smoothing balances, from float forwards of each sample (batch of one):
     ``<layer>.attn_in`` (input_layernorm output), ``<layer>.q_b_in`` (q_a_layernorm output),
     ``<layer>.latent`` (normed latent c) and ``<layer>.q_abs`` (absorbed query, max over heads)."""
-    with observing_smoothing(model, layer_ids) as stats:
+    with observing_smoothing(model, layer_ids, products) as stats:
         for ids in samples:
             t = torch.tensor([ids], device=model.lm_head.weight.device)
-            logits, h = model(t, return_hidden=True)
+            h = model.final_hidden(t)
             if smoothing_runs_mtp(model, len(ids), layer_ids):
                 model.mtp(h[:, :-1], t[:, 1:])
     return stats

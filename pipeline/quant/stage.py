@@ -111,7 +111,7 @@ class Stage:
         else:
             h = h.to(self.device)
         ctx = observing(model, self.recipe, self.stats_layers) if kind == STATS else \
-            observing_smoothing(model, self.smooth_layers)
+            observing_smoothing(model, self.smooth_layers, self.recipe.calib_products)
         with ctx as observed:
             if spec.layers:
                 h = model.run_layers(h, spec.layers)
