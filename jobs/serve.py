@@ -22,11 +22,13 @@ import time
 from pathlib import Path
 
 from jobs._serve_env import apply as apply_serve_env, haproxy_binary, resolve_http_proxy, serve_environment
-from jobs._serve_flags import DEFAULT_MODEL, make_config, parse_args
+from jobs._serve_flags import DEFAULT_MODEL, build_parser, make_config, parse_args
 from jobs._serve_lifecycle import (EXISTING_SERVE, FRONT_DOORS, RayOwner, Stopper, _local, dropped_log_line, stop,
                                    wait_answering)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+__all__ = ["DEFAULT_MODEL", "build_parser", "parse_args", "make_config", "ensure_default_model", "main"]
 
 
 def ensure_default_model(path: str) -> None:
