@@ -74,11 +74,11 @@ def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -
     _flag(ap, "--calib-batch", type=int, default=1,
           help="calibration samples per forward, right-padded, the padding masked out of every statistic "
                "(layer-wise job only)")
-    _flag(ap, "--calib-products", choices=("fp32", "model"), default="fp32",
+    _flag(ap, "--calib-products", choices=("auto", "fp32", "model"), default="auto",
           help="how the calibration forward multiplies bf16/fp16 operands: fp32 (the fp32 GEMM of the upcast "
-               "operands, rounded once: a bf16 GEMM's arithmetic, summed in another order; much faster on CPUs "
-               "without AVX-512 BF16) or model (torch's matmuls in the model dtype, the reference mode); see "
-               "pipeline/quant/products.py")
+               "operands, rounded once: a bf16 GEMM's arithmetic, summed in another order), model (torch's "
+               "matmuls in the model dtype, the reference mode), auto: fp32 where torch has no native kernel "
+               "for the dtype (CPUs without AVX-512 BF16 or AMX), else model; see pipeline/quant/products.py")
     _flag(ap, "--two-pass", action="store_true",
           help="the reference calibration: the whole float model first, then the weights read again "
                "(default: one read, layer by layer; the same files)")

@@ -1,6 +1,7 @@
 """How the calibration forward multiplies bf16/fp16 operands (pipeline.quant.products, Recipe.calib_products):
 ``fp32`` is the fp32 GEMM of the upcast operands rounded once, bit for bit, and within one rounding of torch's
-own reduced-precision matmul; only the calibration thread sees it; the statistics it gives stay within a
+own reduced-precision matmul; ``auto`` (the default) upcasts only where torch has no native kernel; only the
+calibration thread sees the mode; the statistics it gives stay within a
 named bound of the reference mode's (``model``), and the static linears' and the weights' are the same."""
 
 from __future__ import annotations
@@ -70,6 +71,27 @@ def test_other_operands_and_the_model_mode_are_left_alone():
         assert torch.equal(F.linear(x, w, b), F.linear(x, w, b))
 
 
+def test_auto_upcasts_only_where_torch_has_no_native_kernel(monkeypatch):
+    import pipeline.quant.products as products
+
+    x, w, _ = _operands(torch.bfloat16, seed=3)
+    upcast = F.linear(x.float(), w.float()).to(torch.bfloat16)
+    native = products.has_native_gemm(torch.bfloat16, torch.device("cpu"))
+    with calibration_products("auto"):
+        got = F.linear(x, w)
+    assert torch.equal(got, F.linear(x, w) if native else upcast)
+    assert products.resolved("auto", torch.bfloat16) == ("model (auto: torch's bfloat16 matmuls on cpu)" if native else
+                                                         "fp32 (auto: torch has no native bfloat16 GEMM on this cpu)")
+    assert products.resolved("fp32", torch.bfloat16) == "fp32 (asked)"
+    assert products.resolved("auto", torch.float32) == "float32 model (nothing to upcast)"
+    assert products.resolved("auto", torch.bfloat16, "cuda") == "model (auto: torch's bfloat16 matmuls on cuda)"
+    for has in (True, False):
+        monkeypatch.setattr(products, "has_native_gemm", lambda dt, dev, has=has: has)
+        with calibration_products("auto"):
+            got = F.linear(x, w)
+        assert torch.equal(got, F.linear(x, w) if has else upcast), has
+
+
 def test_only_the_calibration_thread_sees_the_mode():
     x, w, _ = _operands(torch.bfloat16, seed=1)
     out: dict = {}
@@ -83,18 +105,18 @@ def test_only_the_calibration_thread_sees_the_mode():
 
 
 def test_the_recipe_names_a_bad_mode():
-    with pytest.raises(QuantError, match="recipe: field 'calib_products' must be one of \\('fp32', 'model'\\), got 'fp64'"):
+    with pytest.raises(QuantError, match="recipe: field 'calib_products' must be one of \\('auto', 'fp32', 'model'\\), got 'fp64'"):
         Recipe(calib_products="fp64")
     with pytest.raises(QuantError, match="calib_products"):
         Recipe.from_dict({"calib_products": 32})
-    assert Recipe().calib_products == "fp32" and Recipe.from_dict({}).to_dict()["calib_products"] == "fp32"
+    assert Recipe().calib_products == "auto" and Recipe.from_dict({}).to_dict()["calib_products"] == "auto"
 
 
 def test_jobs_quantize_flag():
     from jobs.quantize import make_job, parse_args
 
     assert make_job(parse_args(["--calib-products", "model"]))[2].calib_products == "model"
-    assert make_job(parse_args([]))[2].calib_products == "fp32"
+    assert make_job(parse_args([]))[2].calib_products == "auto"
     with pytest.raises(SystemExit):
         parse_args(["--calib-products", "fp16"])
 
@@ -104,7 +126,30 @@ def test_statistics_stay_within_the_bound_of_the_reference_mode():
     the reference mode's, the counts equal (measured on an AVX2 CPU: the static linears' min/max equal)."""
     samples = embedded_samples(24)
     ref = layer_stats(str(EMBEDDED_MODEL_DIR), samples, 1, Recipe(calib_products="model"))
-    got = layer_stats(str(EMBEDDED_MODEL_DIR), samples, 1, Recipe())
+    got = layer_stats(str(EMBEDDED_MODEL_DIR), samples, 1, Recipe(calib_products="fp32"))
     ends, scales = max_relative_change(ref, got)
     assert ends <= CALIB_PRODUCTS_REL and scales <= CALIB_PRODUCTS_REL, (ends, scales)
     assert any(isinstance(v, MinMax) for v in ref.values())
+
+
+def test_kept_weights_give_the_same_bits_and_a_new_activation_sees_new_weights(monkeypatch):
+    from pipeline.quant.products import KEEP_ENV
+
+    lin = torch.nn.Linear(96, 40).to(torch.bfloat16)
+    x, _, _ = _operands(torch.bfloat16, seed=2)
+    want = F.linear(x.float(), lin.weight.float(), lin.bias.float()).to(torch.bfloat16)
+    with calibration_products("fp32"):
+        kept = [lin(x), lin(x)]                       # the second call reuses the upcast weight and bias
+    monkeypatch.setenv(KEEP_ENV, "0")
+    with calibration_products("fp32"):
+        upcast_each_call = lin(x)
+    assert all(torch.equal(t, want) for t in (*kept, upcast_each_call))
+    monkeypatch.delenv(KEEP_ENV)
+    with torch.no_grad():
+        lin.weight.mul_(2)                            # between activations (smoothing does this)
+    with calibration_products("fp32"):
+        assert torch.equal(lin(x), F.linear(x.float(), lin.weight.float(), lin.bias.float()).to(torch.bfloat16))
+    monkeypatch.setenv(KEEP_ENV, "lots")
+    with pytest.raises(QuantError, match=f"{KEEP_ENV}: expected a number of GB, got 'lots'"):
+        with calibration_products("fp32"):
+            pass

@@ -35,9 +35,11 @@ from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from pipeline.io import storage
 from pipeline.io.checkpoint import CheckpointReader
+from pipeline.quant.products import AUTO, calibration_products
 
 GB = 1e9
 PROBE_READ = 64 * 2**20       # bytes of the source read by the probe
@@ -90,7 +92,8 @@ def _write_rate(dst: Optional[str], fallback: float) -> float:
         return fallback
 
 
-def probe(reader: CheckpointReader, device: str = "cpu", tokens: int = 256, dst: Optional[str] = None) -> Probe:
+def probe(reader: CheckpointReader, device: str = "cpu", tokens: int = 256, dst: Optional[str] = None,
+          products: str = AUTO) -> Probe:
     """Measure this machine's rates for the estimate (module doc); ``tokens``: one sample's length;
     ``dst``: the job's destination (where the write is probed)."""
     from pipeline.quant.qparams import quantize_weight_per_channel
@@ -117,10 +120,11 @@ def probe(reader: CheckpointReader, device: str = "cpu", tokens: int = 256, dst:
 
     inner = cfg.moe_intermediate_size if cfg.n_routed_experts else cfg.intermediate_size
     a = torch.randn(max(1, tokens), h, generator=g).to(torch.bfloat16).to(device)
-    b = torch.randn(h, inner, generator=g).to(torch.bfloat16).to(device)
+    b = torch.randn(inner, h, generator=g).to(torch.bfloat16).to(device)
 
     def mm():
-        a @ b
+        with calibration_products(products):   # as the calibration forward multiplies (a linear)
+            F.linear(a, b)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
@@ -224,7 +228,8 @@ def job_estimate(reader: CheckpointReader, recipe, samples: Sequence[Sequence[in
                  actors: int = 0, dst: Optional[str] = None, single_read: bool = False) -> Estimate:
     """Probe this machine, then estimate (what the jobs call)."""
     mean_len = math.ceil(sum(len(s) for s in samples) / len(samples)) if samples else 256
-    return estimate_job(reader, recipe, samples, probe(reader, device or "cpu", mean_len, dst), actors, single_read)
+    pr = probe(reader, device or "cpu", mean_len, dst, recipe.calib_products)
+    return estimate_job(reader, recipe, samples, pr, actors, single_read)
 
 
 def announce(reader: CheckpointReader, recipe, samples: Sequence[Sequence[int]], device: Optional[str],

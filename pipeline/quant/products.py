@@ -6,26 +6,39 @@ and backends differ: cuBLAS, oneDNN (on CPUs with AVX-512 BF16 or AMX) and torch
 (every other CPU) each sum in their own order, so the reference "model dtype" forward is already not one
 set of bits across machines.
 
-    fp32   (the default) every ``F.linear`` and ``torch.einsum`` whose operands are all bf16 (all fp16)
-           runs as the fp32 GEMM of the upcast operands, rounded to the dtype: the same products, fp32
-           sums in the fp32 GEMM's order, the same single rounding. Measured on an AVX2 CPU (no AVX-512,
-           torch 2.13, one thread): a bf16 linear 5.5 GFLOP/s against 28 in fp32; the embedded model's
-           calibration forward 14.5 -> 7 s.
+    fp32   every ``F.linear`` and ``torch.einsum`` whose operands are all bf16 (all fp16) runs as the fp32
+           GEMM of the upcast operands, rounded to the dtype: the same products, fp32 sums in the fp32
+           GEMM's order, the same single rounding. Measured on an AVX2 CPU (no AVX-512, torch 2.13, one
+           thread): a bf16 linear 5.5 GFLOP/s against 28 in fp32.
     model  torch's own matmuls in the model dtype: the reference mode, what earlier versions ran.
+    auto   (the default) fp32 where torch has no native kernel for the dtype (a CPU without AVX-512 BF16 /
+           AMX: :func:`has_native_gemm`), model elsewhere (oneDNN's AMX bf16 GEMMs and accelerators are
+           faster than fp32). The job logs and records which ran (``job.calib_products``).
 
-The two modes give the same weights and dynamic scales (no forward involved; without ``smooth``, whose
-factors come from the forward) and, on the embedded model
-(its 64 calibration texts, an AVX2 CPU), the same static linears' parameters; a statistic moves when an
-fp32 sum lands on the other side of a bf16 rounding: of the 8 FA3 query scales of layers 1 and 2 one
-moved by a bf16 ulp and one by 2.9% (its head's window shifted where two candidate windows were
-near-tied); tests/test_calib_products.py bounds the change, and msModelSlim's fixture parity holds in
-both. Float32 models are unaffected (nothing to upcast).
+Measured (scripts/bench_calibration.py, benchmarks/calibration.json; this AVX2 VM, 2 threads): the
+calibration forward of the embedded model's default job 7.9 -> 5.1 s, of a DeepSeek-V3-shaped bf16
+checkpoint (4 layers, hidden 7168, 16 texts, FA3) 552 -> 162 s: fp32 GEMMs at ~50 GFLOP/s against
+~13 in bf16. Both modes give the same weights and dynamic scales (no forward involved; unless ``smooth``,
+whose factors come from the forward) and, on both checkpoints, the same static linears' parameters. An
+FA3 statistic moves where an fp32 sum lands on the other side of a bf16 rounding and the 0.9999-window's
+ends sit among a few extreme values: on the embedded model 2 of its 24 query scales (0.6%, 2.9%), on the
+V3-shaped one (random weights) 196 of 512 query scales by up to 7.9% and one latent scale by 0.7%. Any
+change of backend (oneDNN's AMX kernels, cuBLAS) moves them alike; tests/test_calib_products.py bounds
+the change on the embedded model, and msModelSlim's fixture parity holds in both modes. Float32 models
+are unaffected (nothing to upcast).
+
+Upcasting costs a pass over the weight: each weight (``nn.Parameter``) is upcast once per activation of
+the mode and kept, up to $DSQUANT_CALIB_FP32_KEEP_GB (16 GiB; a V3 layer's 256 routed experts are 45 GB
+in fp32: the rest is upcast per call). The layer-wise job activates it once per layer (all samples reuse
+it), the distributed job's stages once per sample. Kept or not, the values and so the bits are the same.
 
 The mode is a ``TorchFunctionMode`` (thread-local): only the calibration forward, on its own thread, sees it.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from contextlib import contextmanager, nullcontext
 from typing import Iterator
 
@@ -35,9 +48,10 @@ from torch.overrides import TorchFunctionMode
 
 from pipeline.quant.qparams import QuantError
 
-FP32, MODEL = "fp32", "model"
-PRODUCTS = (FP32, MODEL)
+AUTO, FP32, MODEL = "auto", "fp32", "model"
+PRODUCTS = (AUTO, FP32, MODEL)
 REDUCED = (torch.bfloat16, torch.float16)
+KEEP_ENV, KEEP_GB = "DSQUANT_CALIB_FP32_KEEP_GB", 16.0
 
 
 def _reduced(tensors) -> torch.dtype | None:
@@ -50,20 +64,78 @@ def _reduced(tensors) -> torch.dtype | None:
 
 
 class _Fp32Products(TorchFunctionMode):
+    """Upcasts reduced-precision operands; a weight (an ``nn.Parameter``: constant while the mode is active)
+    is upcast once and kept, up to ``budget`` bytes, so that every calibration sample through a layer
+    reuses it (the layer-wise job enters the mode once per layer)."""
+
+    def __init__(self, budget: int, auto: bool):
+        super().__init__()
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.left, self.auto = budget, auto
+
+    def _upcast(self, dt: torch.dtype | None, device: torch.device) -> bool:
+        return dt is not None and not (self.auto and has_native_gemm(dt, device))
+
+    def _f32(self, t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter):
+            return t.float()
+        hit = self.kept.get(id(t))
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        up = t.float()
+        if up.nbytes <= self.left:           # the entry holds ``t``: its id cannot be reused meanwhile
+            self.kept[id(t)] = (t, up)
+            self.left -= up.nbytes
+        return up
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
             x, w = args[0], (args[1] if len(args) > 1 else kwargs["weight"])
             b = args[2] if len(args) > 2 else kwargs.get("bias")
             dt = _reduced([x, w] if b is None else [x, w, b])
-            if dt is not None:
-                return F.linear(x.float(), w.float(), None if b is None else b.float()).to(dt)
+            if self._upcast(dt, x.device):
+                return F.linear(x.float(), self._f32(w), None if b is None else self._f32(b)).to(dt)
         elif func is torch.einsum and not kwargs and len(args) >= 2 and isinstance(args[0], str):
             ops = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
             dt = _reduced(ops)
-            if dt is not None:
-                return torch.einsum(args[0], *[t.float() for t in ops]).to(dt)
+            if self._upcast(dt, ops[0].device if dt is not None else None):
+                return torch.einsum(args[0], *[self._f32(t) for t in ops]).to(dt)
         return func(*args, **kwargs)
+
+
+def keep_budget() -> int:
+    """Bytes of upcast weights one activation of the mode keeps: $DSQUANT_CALIB_FP32_KEEP_GB (default 16)."""
+    raw = os.environ.get(KEEP_ENV, str(KEEP_GB))
+    try:
+        gb = float(raw)
+    except ValueError:
+        raise QuantError(f"{KEEP_ENV}: expected a number of GB, got {raw!r}") from None
+    if gb < 0:
+        raise QuantError(f"{KEEP_ENV}: must be >= 0, got {raw!r}")
+    return int(gb * 1024 ** 3)
+
+
+@functools.lru_cache(maxsize=None)
+def has_native_gemm(dtype: torch.dtype, device: torch.device) -> bool:
+    """Does torch multiply ``dtype`` natively on ``device``? Accelerators do; a CPU does through oneDNN
+    when it has the instructions (AVX-512 BF16 / FP16, AMX), else torch's slow fallback kernel runs."""
+    if device.type != "cpu":
+        return True
+    mkldnn = torch.ops.mkldnn
+    return bool(mkldnn._is_mkldnn_bf16_supported() if dtype == torch.bfloat16 else mkldnn._is_mkldnn_fp16_supported())
+
+
+def resolved(mode: str, dtype: torch.dtype, device: str | torch.device = "cpu") -> str:
+    """What ``mode`` does for a model of ``dtype`` on ``device``, in words (the job's log and manifest)."""
+    check_products(mode)
+    device, name = torch.device(device), str(dtype).replace("torch.", "")
+    if dtype not in REDUCED:
+        return f"{name} model (nothing to upcast)"
+    if mode == MODEL or (mode == AUTO and has_native_gemm(dtype, device)):
+        return f"{MODEL} ({'auto: ' if mode == AUTO else ''}torch's {name} matmuls on {device.type})"
+    why = f"auto: torch has no native {name} GEMM on this {device.type}" if mode == AUTO else "asked"
+    return f"{FP32} ({why})"
 
 
 def check_products(mode: str, name: str = "calib_products") -> None:
@@ -75,5 +147,5 @@ def check_products(mode: str, name: str = "calib_products") -> None:
 def calibration_products(mode: str) -> Iterator[None]:
     """While active (this thread only), reduced-precision products are computed as ``mode`` says."""
     check_products(mode)
-    with (_Fp32Products() if mode == FP32 else nullcontext()):
+    with (nullcontext() if mode == MODEL else _Fp32Products(keep_budget(), auto=mode == AUTO)):
         yield

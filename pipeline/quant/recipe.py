@@ -21,7 +21,7 @@ from typing import Any, Mapping, Optional
 from pipeline import layout
 from pipeline.config import DeepseekV3Config
 from pipeline.format.description import DIALECTS, FAQUANT, FLOAT, W8A8, W8A8_DYNAMIC
-from pipeline.quant.products import FP32, check_products
+from pipeline.quant.products import AUTO, check_products
 from pipeline.quant.qparams import QuantError
 from pipeline.strict import build
 
@@ -40,7 +40,7 @@ class Recipe:
     q_ratio: float = 0.9999
     k_ratio: float = 0.9999
     v_ratio: float = 1.0
-    calib_products: str = FP32      # how the calibration forward multiplies in bf16/fp16 (pipeline.quant.products)
+    calib_products: str = AUTO      # how the calibration forward multiplies in bf16/fp16 (pipeline.quant.products)
 
     def __post_init__(self):
         check_products(self.calib_products)

@@ -38,6 +38,7 @@ from pipeline.quant import native
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.model.loading import load_model
 from pipeline.quant.calibrate import collect_stats
+from pipeline.quant.products import resolved
 from pipeline.quant.observers import Stats
 from pipeline.quant.options import SHARD_BYTES, QuantizeOptions, calibration_samples  # noqa: F401 (re-exported)
 from pipeline.quant.estimate import announce
@@ -93,6 +94,9 @@ def quantize_checkpoint(src: str, dst: str, recipe: Recipe, opts: QuantizeOption
         if opts.estimate else None
     source_bytes = sum(unit_bytes(reader).values())
     summary = {"source": src, "recipe": recipe.to_dict()}
+    if job.needs_calibration:
+        summary["calib_products"] = resolved(recipe.calib_products, md, opts.device or "cpu")
+        log(f"calibration products: {summary['calib_products']}")
     if layerwise:
         log(f"calibrating {src} layer by layer, one read ({cfg.num_hidden_layers} layers + "
             f"{len(cfg.mtp_layer_ids)} MTP, {md}, {opts.calib_batch} sample(s) per forward)")

@@ -27,7 +27,7 @@ from typing import Iterator
 
 import torch
 
-from pipeline.quant.products import FP32, calibration_products
+from pipeline.quant.products import AUTO, calibration_products
 
 EPS = 1e-5
 
@@ -85,7 +85,7 @@ def _attn_prefixes(model) -> dict[str, torch.nn.Module]:
 
 
 @contextmanager
-def observing_smoothing(model, layer_ids=None, products: str = FP32) -> Iterator[dict[str, ChannelAbsMax]]:
+def observing_smoothing(model, layer_ids=None, products: str = AUTO) -> Iterator[dict[str, ChannelAbsMax]]:
     """While active, forwards through ``layer_ids`` (default: every layer the model holds) update the
     yielded statistics (see :func:`collect_smoothing_stats`); this thread's reduced-precision products
     follow ``products`` (the recipe's ``calib_products``: pipeline.quant.products)."""
@@ -129,7 +129,7 @@ def smoothing_runs_mtp(model, ids_len: int, layer_ids=None) -> bool:
 
 @torch.no_grad()
 def collect_smoothing_stats(model, samples: list[list[int]], layer_ids=None,
-                            products: str = FP32) -> dict[str, ChannelAbsMax]:
+                            products: str = AUTO) -> dict[str, ChannelAbsMax]:
     """Per-channel |max| of what smoothing balances, from float forwards of each sample (batch of one):
     ``<layer>.attn_in`` (input_layernorm output), ``<layer>.q_b_in`` (q_a_layernorm output),
     ``<layer>.latent`` (normed latent c) and ``<layer>.q_abs`` (absorbed query, max over heads)."""
