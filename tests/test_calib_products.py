@@ -153,3 +153,26 @@ def test_kept_weights_give_the_same_bits_and_a_new_activation_sees_new_weights(m
     with pytest.raises(QuantError, match=f"{KEEP_ENV}: expected a number of GB, got 'lots'"):
         with calibration_products("fp32"):
             pass
+
+
+def test_weights_kept_across_activations_until_cleared():
+    """A pipeline stage's KeptWeights: the second activation reuses the first one's upcast weight; after an
+    in-place change the owner clears it and the next activation sees the new weight."""
+    from pipeline.quant.products import KeptWeights
+
+    lin = torch.nn.Linear(96, 40, bias=False).to(torch.bfloat16)
+    x, _, _ = _operands(torch.bfloat16, seed=4)
+    kept = KeptWeights(budget=1 << 20)
+    for _ in range(2):
+        with calibration_products("fp32", kept):
+            assert torch.equal(lin(x), F.linear(x.float(), lin.weight.float()).to(torch.bfloat16))
+    assert list(kept.entries) == [id(lin.weight)] and kept.left == (1 << 20) - 40 * 96 * 4
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    kept.clear()
+    with calibration_products("fp32", kept):
+        assert torch.equal(lin(x), F.linear(x.float(), lin.weight.float()).to(torch.bfloat16))
+    small = KeptWeights(budget=100)                 # too small to keep it: upcast per call, the same bits
+    with calibration_products("fp32", small):
+        assert torch.equal(lin(x), F.linear(x.float(), lin.weight.float()).to(torch.bfloat16))
+    assert small.entries == {}

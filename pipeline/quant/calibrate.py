@@ -24,7 +24,7 @@ from torch import nn
 from pipeline import layout
 from pipeline.model import DeepseekV3ForCausalLM
 from pipeline.quant.observers import MinMax, RecallWindow, Stat, Stats
-from pipeline.quant.products import calibration_products
+from pipeline.quant.products import KeptWeights, calibration_products
 from pipeline.quant.qparams import QuantError
 from pipeline.quant.recipe import FAQUANT, W8A8, Recipe
 
@@ -116,15 +116,16 @@ def stats_layers(cfg, recipe: Recipe, layers: Optional[Iterable[int]] = None, ha
 
 
 @contextmanager
-def observing(model: DeepseekV3ForCausalLM, recipe: Recipe, layer_ids: Sequence[int]) -> Iterator[_Collector]:
+def observing(model: DeepseekV3ForCausalLM, recipe: Recipe, layer_ids: Sequence[int],
+              kept: Optional[KeptWeights] = None) -> Iterator[_Collector]:
     """While active, every forward through ``layer_ids`` adds its observations to the yielded collector
     (``.stats()`` gives them), and this thread's reduced-precision products follow
-    ``recipe.calib_products`` (pipeline.quant.products). The model may hold only some layers (a
-    pipeline stage): only ``layer_ids`` are touched."""
+    ``recipe.calib_products`` (pipeline.quant.products; upcast weights kept in ``kept``, default: for this
+    activation). The model may hold only some layers (a pipeline stage): only ``layer_ids`` are touched."""
     modules = dict(model.named_modules())
     col = _Collector()
     with ExitStack() as stack:
-        stack.enter_context(calibration_products(recipe.calib_products))
+        stack.enter_context(calibration_products(recipe.calib_products, kept))
         for i in layer_ids:
             for prefix, kind in recipe.layer_types(model.config, i).items():
                 if kind == W8A8:

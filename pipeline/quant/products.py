@@ -30,7 +30,8 @@ are unaffected (nothing to upcast).
 Upcasting costs a pass over the weight: each weight (``nn.Parameter``) is upcast once per activation of
 the mode and kept, up to $DSQUANT_CALIB_FP32_KEEP_GB (16 GiB; a V3 layer's 256 routed experts are 45 GB
 in fp32: the rest is upcast per call). The layer-wise job activates it once per layer (all samples reuse
-it), the distributed job's stages once per sample. Kept or not, the values and so the bits are the same.
+it); a distributed job's stage keeps them across its samples until its weights change (``KeptWeights``).
+Kept or not, the values and so the bits are the same.
 
 The mode is a ``TorchFunctionMode`` (thread-local): only the calibration forward, on its own thread, sees it.
 """
@@ -63,15 +64,40 @@ def _reduced(tensors) -> torch.dtype | None:
     return dt if dt in REDUCED else None
 
 
-class _Fp32Products(TorchFunctionMode):
-    """Upcasts reduced-precision operands; a weight (an ``nn.Parameter``: constant while the mode is active)
-    is upcast once and kept, up to ``budget`` bytes, so that every calibration sample through a layer
-    reuses it (the layer-wise job enters the mode once per layer)."""
+class KeptWeights:
+    """Upcast weights (``nn.Parameter``: constant while kept) kept for reuse, up to ``budget`` bytes (default:
+    :func:`keep_budget`). One per activation of the mode, or one for longer (a pipeline stage runs every
+    sample through its layers in a separate activation): its owner calls :meth:`clear` whenever the weights
+    change in place or go."""
 
-    def __init__(self, budget: int, auto: bool):
+    def __init__(self, budget: int | None = None):
+        self.entries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.budget = keep_budget() if budget is None else budget
+        self.left = self.budget
+
+    def upcast(self, t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter):
+            return t.float()
+        hit = self.entries.get(id(t))
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        up = t.float()
+        if up.nbytes <= self.left:           # the entry holds ``t``: its id cannot be reused meanwhile
+            self.entries[id(t)] = (t, up)
+            self.left -= up.nbytes
+        return up
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.left = self.budget
+
+
+class _Fp32Products(TorchFunctionMode):
+    """Upcasts reduced-precision operands, weights through ``kept``."""
+
+    def __init__(self, kept: KeptWeights, auto: bool):
         super().__init__()
-        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.left, self.auto = budget, auto
+        self.kept, self.auto = kept, auto
 
     def _upcast(self, dt: torch.dtype | None, device: torch.device) -> bool:
         return dt is not None and not (self.auto and has_native_gemm(dt, device))
@@ -95,12 +121,12 @@ class _Fp32Products(TorchFunctionMode):
             b = args[2] if len(args) > 2 else kwargs.get("bias")
             dt = _reduced([x, w] if b is None else [x, w, b])
             if self._upcast(dt, x.device):
-                return F.linear(x.float(), self._f32(w), None if b is None else self._f32(b)).to(dt)
+                return F.linear(x.float(), self.kept.upcast(w), None if b is None else self.kept.upcast(b)).to(dt)
         elif func is torch.einsum and not kwargs and len(args) >= 2 and isinstance(args[0], str):
             ops = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
             dt = _reduced(ops)
             if self._upcast(dt, ops[0].device if dt is not None else None):
-                return torch.einsum(args[0], *[self._f32(t) for t in ops]).to(dt)
+                return torch.einsum(args[0], *[self.kept.upcast(t) for t in ops]).to(dt)
         return func(*args, **kwargs)
 
 
@@ -144,8 +170,10 @@ def check_products(mode: str, name: str = "calib_products") -> None:
 
 
 @contextmanager
-def calibration_products(mode: str) -> Iterator[None]:
-    """While active (this thread only), reduced-precision products are computed as ``mode`` says."""
+def calibration_products(mode: str, kept: KeptWeights | None = None) -> Iterator[None]:
+    """While active (this thread only), reduced-precision products are computed as ``mode`` says; upcast
+    weights are kept in ``kept`` (default: a new KeptWeights for this activation)."""
     check_products(mode)
-    with (nullcontext() if mode == MODEL else _Fp32Products(keep_budget(), auto=mode == AUTO)):
+    with (nullcontext() if mode == MODEL else _Fp32Products(kept if kept is not None else KeptWeights(),
+                                                            auto=mode == AUTO)):
         yield

@@ -27,7 +27,7 @@ from typing import Iterator
 
 import torch
 
-from pipeline.quant.products import AUTO, calibration_products
+from pipeline.quant.products import AUTO, KeptWeights, calibration_products
 
 EPS = 1e-5
 
@@ -85,10 +85,12 @@ def _attn_prefixes(model) -> dict[str, torch.nn.Module]:
 
 
 @contextmanager
-def observing_smoothing(model, layer_ids=None, products: str = AUTO) -> Iterator[dict[str, ChannelAbsMax]]:
+def observing_smoothing(model, layer_ids=None, products: str = AUTO,
+                        kept: KeptWeights | None = None) -> Iterator[dict[str, ChannelAbsMax]]:
     """While active, forwards through ``layer_ids`` (default: every layer the model holds) update the
     yielded statistics (see :func:`collect_smoothing_stats`); this thread's reduced-precision products
-    follow ``products`` (the recipe's ``calib_products``: pipeline.quant.products)."""
+    follow ``products`` (the recipe's ``calib_products``: pipeline.quant.products; upcast weights kept in
+    ``kept``, default: for this activation)."""
     stats: dict[str, ChannelAbsMax] = {}
     handles = []
     wanted = set(layer_ids) if layer_ids is not None else None
@@ -115,7 +117,7 @@ def observing_smoothing(model, layer_ids=None, products: str = AUTO) -> Iterator
         q_out = attn.q_b_proj if hasattr(attn, "q_b_proj") else attn.q_proj
         handles.append(q_out.register_forward_hook(on_query))
     try:
-        with calibration_products(products):
+        with calibration_products(products, kept):
             yield stats
     finally:
         for hd in handles:

@@ -24,6 +24,7 @@ from pipeline.io.checkpoint import CheckpointReader
 from pipeline.model import build_model
 from pipeline.quant.calibrate import observing, run_mtp, stats_layers
 from pipeline.quant.observers import Stats
+from pipeline.quant.products import KeptWeights
 from pipeline.quant.qparams import QuantError
 from pipeline.config import model_dtype
 from pipeline.quant.recipe import Recipe
@@ -90,6 +91,7 @@ class Stage:
         # the smoothing pass covers the MTP layer exactly when the recipe quantizes it (as run.prepare_float_model)
         self.smooth_layers = sorted(spec.layers) + (sorted(spec.mtp) if recipe.quantize_mtp else [])
         self.dropped: set[int] = set()  # layers freed by drop_layer: the stage can no longer run
+        self.kept = KeptWeights()       # upcast weights reused across samples (calib_products); cleared on change
 
     @torch.no_grad()
     def forward(self, kind: str, ids: Sequence[int], h: Optional[torch.Tensor] = None
@@ -110,8 +112,8 @@ class Stage:
             raise ValueError(f"stage {spec.index} ({spec.label}): needs the previous stage's hidden state")
         else:
             h = h.to(self.device)
-        ctx = observing(model, self.recipe, self.stats_layers) if kind == STATS else \
-            observing_smoothing(model, self.smooth_layers, self.recipe.calib_products)
+        ctx = observing(model, self.recipe, self.stats_layers, self.kept) if kind == STATS else \
+            observing_smoothing(model, self.smooth_layers, self.recipe.calib_products, self.kept)
         with ctx as observed:
             if spec.layers:
                 h = model.run_layers(h, spec.layers)
@@ -127,11 +129,13 @@ class Stage:
 
     def drop_layer(self, layer_id: int) -> None:
         """Free one layer's weights (after the weight phase wrote it from them)."""
+        self.kept.clear()
         self.model.model.layers[layer_id] = torch.nn.Module()
         self.dropped.add(layer_id)
 
     def apply_smoothing(self, stats: Mapping[str, ChannelAbsMax], alpha: float) -> None:
         """Fold the (reduced) smoothing statistics into the stage's layers, as the single-process path
         folds them into the whole model."""
+        self.kept.clear()                # the weights change in place
         owned = tuple(f"model.layers.{i}." for i in (*self.spec.layers, *self.spec.mtp))
         apply_smoothing(self.model, {k: v for k, v in stats.items() if (k + ".").startswith(owned)}, alpha)
