@@ -102,18 +102,6 @@ class _Fp32Products(TorchFunctionMode):
     def _upcast(self, dt: torch.dtype | None, device: torch.device) -> bool:
         return dt is not None and not (self.auto and has_native_gemm(dt, device))
 
-    def _f32(self, t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, torch.nn.Parameter):
-            return t.float()
-        hit = self.kept.get(id(t))
-        if hit is not None and hit[0] is t:
-            return hit[1]
-        up = t.float()
-        if up.nbytes <= self.left:           # the entry holds ``t``: its id cannot be reused meanwhile
-            self.kept[id(t)] = (t, up)
-            self.left -= up.nbytes
-        return up
-
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
