@@ -176,3 +176,22 @@ def test_weights_kept_across_activations_until_cleared():
     with calibration_products("fp32", small):
         assert torch.equal(lin(x), F.linear(x.float(), lin.weight.float()).to(torch.bfloat16))
     assert small.entries == {}
+
+
+def test_auto_leaves_the_rerun_fingerprint_as_it_was():
+    """Outputs written before the field existed stay up to date for a scheduled rerun with the default;
+    an explicit mode is part of the fingerprint."""
+    from pipeline.quant import job_state
+
+    before = {k: v for k, v in Recipe().to_dict().items() if k != "calib_products"}   # what older versions hashed
+    assert Recipe().fingerprint() == before and "calib_products" in Recipe().to_dict()
+    assert Recipe(calib_products="model").fingerprint() == {**before, "calib_products": "model"}
+    from pipeline.io.checkpoint import CheckpointReader
+    from tiny import TINY_FIXTURE
+
+    def key(recipe):
+        return job_state.JobKey.of(CheckpointReader(str(TINY_FIXTURE)), recipe, [[1, 2, 3]], smooth_alpha=0.5,
+                                   shard_bytes=1 << 30, mindie_format=False)
+
+    assert key(Recipe()).recipe == before
+    assert key(Recipe()).job == key(Recipe(calib_products="auto")).job != key(Recipe(calib_products="fp32")).job

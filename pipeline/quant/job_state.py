@@ -80,7 +80,7 @@ class JobKey:
     @classmethod
     def of(cls, reader: CheckpointReader, recipe: Recipe, samples: Sequence[Sequence[int]], *, smooth_alpha: float,
            shard_bytes: int, mindie_format: bool) -> "JobKey":
-        return cls(source_fingerprints(reader), recipe.to_dict(), digest([list(s) for s in samples]),
+        return cls(source_fingerprints(reader), recipe.fingerprint(), digest([list(s) for s in samples]),
                    {"smooth_alpha": smooth_alpha, "shard_bytes": shard_bytes}, {"mindie_format": mindie_format})
 
     @property

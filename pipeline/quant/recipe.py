@@ -71,6 +71,16 @@ class Recipe:
         d["fa_exclude_layers"] = list(self.fa_exclude_layers)
         return d
 
+    def fingerprint(self) -> dict:
+        """What a rerun compares (pipeline.quant.job_state): ``to_dict`` without ``calib_products`` when it is
+        ``auto``. Auto resolves per machine anyway (the same recipe gives fp32 products on one CPU and bf16 on
+        another, both valid), and outputs written before the field existed then stay up to date: a scheduled
+        requantize after an upgrade rewrites nothing. An explicit ``fp32`` or ``model`` is compared."""
+        d = self.to_dict()
+        if d["calib_products"] == AUTO:
+            del d["calib_products"]
+        return d
+
     def check_config(self, cfg: DeepseekV3Config) -> None:
         """Every excluded layer must exist in the model."""
         ids = layout.all_layer_ids(cfg)
