@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing, nullcontext
+from contextlib import closing
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -180,8 +180,9 @@ def calibrate_layerwise(reader: CheckpointReader, recipe: Recipe, samples: Seque
                         del smoothed
                     host.set_layer(i, fwd)
                     del fwd  # the host holds the forward's weights until free_layer
-                    with (observing(host.model, recipe, [i]) if i in stat_ids else nullcontext()) as col, \
-                            calibration_products(recipe.calib_products):
+                    # observing multiplies as the recipe says; a layer it does not observe does the same
+                    with (observing(host.model, recipe, [i]) if i in stat_ids
+                          else calibration_products(recipe.calib_products)) as col:
                         h = _run(host.model, i, h, ids, batch, mtp_depth=depth if is_mtp else None, col=col)
                     stats = col.stats() if col is not None else Stats()
                     host.free_layer(i)

@@ -119,7 +119,7 @@ class _Fp32Products(TorchFunctionMode):
 
 
 def keep_budget() -> int:
-    """Bytes of upcast weights one activation of the mode keeps: $DSQUANT_CALIB_FP32_KEEP_GB (default 16)."""
+    """Bytes of upcast weights a KeptWeights keeps: $DSQUANT_CALIB_FP32_KEEP_GB (default 16)."""
     raw = os.environ.get(KEEP_ENV, str(KEEP_GB))
     try:
         gb = float(raw)
