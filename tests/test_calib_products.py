@@ -62,11 +62,18 @@ def test_fp32_products_are_the_upcast_gemm_rounded_once(dtype):
 def test_other_operands_and_the_model_mode_are_left_alone():
     x, w, b = _operands(torch.bfloat16)
     xf, wf = x.float(), w.float()
+    def mixed():   # bf16 with float16 operands: not the mode's to upcast, torch's own answer (or error)
+        try:
+            return torch.einsum("sd,kd->sk", x[0], w.to(torch.float16))
+        except RuntimeError as e:
+            return type(e).__name__
+
     with calibration_products("fp32"):
         f32 = F.linear(xf, wf)                                   # float32: nothing to upcast
-        half = torch.einsum("sd,kd->sk", x[0], w.to(torch.float16)[:, :0].new_zeros(40, 96).to(torch.bfloat16))
+        inside = mixed()
+    outside = mixed()
     assert torch.equal(f32, F.linear(xf, wf))
-    assert torch.equal(half, torch.zeros(9, 40, dtype=torch.bfloat16))
+    assert torch.equal(inside, outside) if isinstance(outside, torch.Tensor) else inside == outside
     with calibration_products("model"):
         assert torch.equal(F.linear(x, w, b), F.linear(x, w, b))
 
