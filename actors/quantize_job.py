@@ -37,6 +37,7 @@ from actors.calibration import run_pass
 from actors.ray_session import DistOptions, cluster_resources, connect, make_actors
 from actors.weights import run_weights
 from pipeline.io import storage
+from pipeline.io.dest_lock import DestinationLock
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.plan.planner import plan as make_plan
 from pipeline.plan.resources import check_resources
@@ -141,15 +142,23 @@ def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptio
     """Run the job (module doc); returns its summary. ``on_event(kind, info)`` is called for each
     calibration (sample, stage) and each unit written, in the driver (progress hooks, tests)."""
     t0 = time.time()
-    phases: dict[str, float] = {}
     checked = check_job(src, dst, recipe, opts, resumable=True)  # every input, before Ray starts
-    reader, raw_config, samples = checked.reader, checked.raw_config, checked.samples
-    cfg = reader.config
+    reader, samples = checked.reader, checked.samples
     key = js.JobKey.of(reader, recipe, samples, smooth_alpha=opts.smooth_alpha, shard_bytes=opts.shard_bytes,
                        mindie_format=opts.mindie_format)
     if not opts.overwrite and js.is_up_to_date(dst, key):
         log(f"{dst}: up to date (source, recipe and calibration data unchanged); nothing to do")
         return {"status": "up-to-date", "fingerprint": key.job, "total_s": round(time.time() - t0, 3)}
+    with DestinationLock(dst) as lock:  # one job per destination: a second one stops here, naming this one
+        return _run_locked(src, dst, recipe, opts, dist, log, on_event, checked, key, lock, t0)
+
+
+def _run_locked(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions, dist: DistOptions, log: Log,
+                on_event: Optional[Callable[[str, dict], None]], checked, key: "js.JobKey",
+                lock: DestinationLock, t0: float) -> dict:
+    """The job once ``dst``'s lock is held (``lock.ensure`` before anything in the destination goes)."""
+    reader, raw_config, samples = checked.reader, checked.raw_config, checked.samples
+    phases: dict[str, float] = {}
     shards = checkpoint_shards(reader, recipe, opts.shard_bytes)
     units = list(dict.fromkeys(s.unit for s in shards))
     data_free = not checked.needs_calibration
@@ -159,6 +168,7 @@ def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptio
     final = dst
     # --overwrite of an earlier output: the new one is written beside it and swapped in once complete.
     work = js.staging_dir(final) if opts.overwrite and js.owned_entries(final) else final
+    lock.ensure()
     state = js.open_destination(work, opts.overwrite)
     previous = js.load_job(work) if state == "resume" else None
     js.save_job(work, key, status="running")
@@ -246,6 +256,7 @@ def quantize_distributed(src: str, dst: str, recipe: Recipe, opts: QuantizeOptio
     storage.write_bytes(storage.join(work, js.SUMMARY_NAME), json_bytes(summary))
     js.save_job(work, key, status="finished")
     if work != final:
+        lock.ensure()
         storage.replace_dir(work, final)
     log(f"wrote {final} in {summary['total_s']:.1f}s ({len(todo)} units written, {len(units) - len(todo)} kept; "
         f"phases {phases})")

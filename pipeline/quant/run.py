@@ -35,6 +35,7 @@ import torch
 
 from pipeline import layout
 from pipeline.quant import native
+from pipeline.io.dest_lock import DestinationLock
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.model.loading import load_model
 from pipeline.quant.calibrate import collect_stats
@@ -84,10 +85,18 @@ def quantize_checkpoint(src: str, dst: str, recipe: Recipe, opts: QuantizeOption
     """Quantize ``src`` into ``dst`` (any fsspec locations); returns the job summary (also in the
     manifest). Every input is checked first (:func:`pipeline.quant.preflight.check_job`); nothing in
     ``dst`` looks complete until the very end, and an earlier output there (``opts.overwrite``) stays
-    whole until the new shards are all written."""
+    whole until the new shards are all written. The job holds ``dst``'s lock (:mod:`pipeline.io.dest_lock`)
+    from the end of the checks to the end: a second job on the same destination stops with
+    :class:`~pipeline.io.dest_lock.DestinationBusy` and writes nothing."""
     t0 = time.time()
     rchar0 = _rchar()
     job = check_job(src, dst, recipe, opts)
+    with DestinationLock(dst) as lock:  # one job per destination: a second one stops here, naming this one
+        return _quantize_checked(src, dst, recipe, opts, log, job, lock, t0, rchar0)
+
+
+def _quantize_checked(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions, log: Callable[[str], None],
+                      job, lock: DestinationLock, t0: float, rchar0: Optional[int]) -> dict:
     reader, cfg, md = job.reader, job.reader.config, job.model_dtype
     layerwise = job.needs_calibration and opts.layerwise
     est = announce(reader, recipe, job.samples, opts.device, log, dst=dst, single_read=layerwise) \
@@ -112,7 +121,7 @@ def quantize_checkpoint(src: str, dst: str, recipe: Recipe, opts: QuantizeOption
     summary.update({"calibration_s": round(t1 - t0, 3), "weight_kernel": native.status(),
                     **({"estimate": est.to_dict()} if est else {})})
     with QuantizedWriter(dst, recipe.dialect, model_dtype=md, shard_bytes=opts.shard_bytes,
-                         overwrite=opts.overwrite, src=src) as writer:
+                         overwrite=opts.overwrite, src=src, guard=lock.ensure) as writer:
         if layerwise:
             res = quantize_layerwise(reader, writer, recipe, job.samples, opts)
             summary["calibration_s"] = round(t1 - t0 + res["calibration_s"], 3)

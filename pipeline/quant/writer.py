@@ -30,6 +30,8 @@ config.json, copies of the tokenizer files, generation_config.json and ``*.py`` 
 ``manifest.json`` (every file's size and sha256, computed while writing, plus the caller's ``job`` info),
 and last the index and ``quant_model_description.json``: a directory with a description is complete, and
 a crash at any point before leaves none. On an exception inside ``with``, everything this writer wrote is removed.
+One job writes a destination at a time: the jobs hold its lock (:mod:`pipeline.io.dest_lock`) and pass
+its ``ensure`` as ``guard``, called before anything already in ``dst`` is removed.
 An earlier output in ``dst`` (``overwrite``) is left whole until every new shard is written: only then is
 it removed, description first, and the parts renamed (:func:`pipeline.quant.output_files.existing_output`
 refuses a destination that is the source or holds anything else).
@@ -43,7 +45,7 @@ import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from typing import Any, Container, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Container, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -108,7 +110,8 @@ class QuantizedWriter:
 
     def __init__(self, dst: str, dialect: str = SEED, *, model_dtype: DtypeLike,
                  shard_bytes: int = SHARD_BYTES, overwrite: bool = False, background: bool = True,
-                 in_flight_bytes: int = IN_FLIGHT_BYTES, src: Optional[str] = None):
+                 in_flight_bytes: int = IN_FLIGHT_BYTES, src: Optional[str] = None,
+                 guard: Callable[[], None] = lambda: None):
         if shard_bytes <= 0:
             raise ValueError(f"shard_bytes must be > 0, got {shard_bytes}")
         self.dst = dst.rstrip("/") or dst
@@ -130,12 +133,14 @@ class QuantizedWriter:
         self._in_flight_bytes = in_flight_bytes
         self._write_failed = False
         self._state = "open"
+        self._guard = guard  # called before anything in dst is removed (the destination lock's ensure)
         # An earlier output is checked now but kept until the new shards are all written (_swap_out).
         self._replacing = existing_output(self.dst, overwrite, src)
 
     def _swap_out(self) -> None:
         """With every new shard complete under its hidden part name: remove the earlier output (description
         first, so that it stops looking complete at once) and any crashed writer's leftovers."""
+        self._guard()
         mine = {p.path.rsplit("/", 1)[-1] for p in self._parts}
         leftovers = [e for e in storage.listdir(self.dst) if is_leftover(e) and e not in mine]
         for e in completeness_first(self._replacing) + leftovers:
