@@ -44,7 +44,7 @@ from pipeline.plan.resources import check_resources
 from pipeline.quant import job_state as js
 from pipeline.quant.observers import Stats
 from pipeline.quant.output_files import finalize, json_bytes
-from pipeline.quant.run import QuantizeOptions
+from pipeline.quant.run import QuantizeOptions, recipe_files
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.shard_layout import checkpoint_shards
 from pipeline.quant.smooth import ChannelAbsMax
@@ -250,7 +250,8 @@ def _run_locked(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions, dist:
         "phases": phases, "actors": actor_info, "weights": weights, **({"estimate": est.to_dict()} if est else {})}
     types = {n: y for s in shards for n, y in commits[s.name].types.items()}
     finalize(work, recipe.dialect, [commits[s.name].record for s in shards], types, raw_config, src,
-             mindie_format=opts.mindie_format, job={"fingerprint": key.job, "source": src, "recipe": recipe.to_dict()})
+             mindie_format=opts.mindie_format, job={"fingerprint": key.job, "source": src, "recipe": recipe.to_dict()},
+             extra=recipe_files(opts))
     phases["finish_s"] = round(time.time() - t, 3)
     summary["total_s"] = round(time.time() - t0, 3)
     storage.write_bytes(storage.join(work, js.SUMMARY_NAME), json_bytes(summary))

@@ -104,3 +104,9 @@ def is_fp8_quantizable(name: str) -> bool:
     ``*_proj.weight`` under self_attn and mlp, ``kv_a_proj_with_mqa.weight`` included (not the router,
     norms, eh_proj, embeddings or heads)."""
     return name.endswith(("_proj.weight", "_proj_with_mqa.weight")) and (".self_attn." in name or ".mlp." in name)
+
+
+def is_quantizable_linear(module: str) -> bool:
+    """Whether ``module`` (no ``.weight``) is a linear this format can quantize: a ``*_proj`` under
+    ``self_attn`` or ``mlp`` of a layer (not the router ``mlp.gate``, eh_proj, embeddings or heads)."""
+    return is_fp8_quantizable(module + ".weight")

@@ -131,11 +131,14 @@ def is_output_entry(name: str) -> bool:
 STATE_ENTRIES = (".dsquant", "job_summary.json")  # the distributed job's state and summary beside its output
 
 
+RECIPE_SUFFIX = "_best_practice.yaml"  # the recipe a job ran, as msModelSlim names it: <model_type>_best_practice.yaml
+
+
 def is_companion_entry(name: str) -> bool:
     """Whether a finished output holds ``name`` beside its weights: config.json, the copied files, the
-    distributed job's state and summary."""
+    recipe it was made with, the distributed job's state and summary."""
     return (name == CONFIG_NAME or name in COPIED_NAMES or name in STATE_ENTRIES
-            or (name.endswith(".py") and not name.startswith(".")))
+            or (not name.startswith(".") and name.endswith((".py", RECIPE_SUFFIX))))
 
 
 def is_leftover(name: str) -> bool:
@@ -200,10 +203,12 @@ def file_entry(data: bytes) -> dict:
 
 def finalize(dst: str, dialect: str, shards: Sequence[ShardRecord], types: Mapping[str, str],
              config: Mapping[str, Any], src_dir: Optional[str] = None, *, mindie_format: bool = False,
-             job: Optional[Mapping[str, Any]] = None, wrote: Callable[[str], None] = lambda path: None) -> dict:
+             job: Optional[Mapping[str, Any]] = None, wrote: Callable[[str], None] = lambda path: None,
+             extra: Optional[Mapping[str, bytes]] = None) -> dict:
     """Write every non-weight file of the output in ``dst`` for its committed ``shards`` (in file order,
     under their final names) and the ``types`` of all their tensors; the description last. Returns the
-    manifest. ``wrote`` is told each path written (for cleanup by the caller on failure)."""
+    manifest. ``wrote`` is told each path written (for cleanup by the caller on failure). ``extra``: more
+    files by name (the recipe), listed in the manifest like the others."""
     naming = NAMING[dialect]
     files: dict[str, dict] = {}
     weight_map: dict[str, str] = {}
@@ -228,6 +233,8 @@ def finalize(dst: str, dialect: str, shards: Sequence[ShardRecord], types: Mappi
         for entry in storage.listdir(src_dir):
             if entry in COPIED_NAMES or (entry.endswith(".py") and not entry.startswith(".")):
                 put(entry, storage.read_bytes(storage.join(src_dir, entry)))
+    for name, data in (extra or {}).items():
+        put(name, data)
     total = sum(s.nbytes for s in shards)
     index = None
     if [s.path.rsplit("/", 1)[-1] for s in shards] != [naming.single_name]:

@@ -1,10 +1,19 @@
 """The quantization recipe and DeepSeek-V3/R1's type mix (docs/format.md, "Which layer gets which type").
 
+By default (no ``linear_rules``), msModelSlim's DeepSeek mix:
+
     W8A8          self_attn.{q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj} (q_proj when q_lora_rank is null)
     W8A8_DYNAMIC  every Linear under mlp. (dense MLP, shared experts, routed experts); with ``dynamic``,
                   the attention linears above too
     FLOAT         self_attn.kv_b_proj, the router mlp.gate, every norm, embeddings, heads, eh_proj
     FAQuant       self_attn.fa_q / fa_k / fa_v when ``fa_quant`` and the layer is not in ``fa_exclude_layers``
+
+``linear_rules`` (a modelslim_v1 recipe's ``linear_quant`` entries, pipeline.quant.linear_rules) replace that
+mix: the first rule whose include / exclude patterns match a linear's name decides its type; a linear no rule
+matches stays FLOAT. Only the linears of ``self_attn`` and ``mlp`` (not the router) can be quantized in this
+format. ``fa_include`` / ``fa_exclude`` (``fa3_quant``'s patterns) match the attention module's name
+(``model.layers.N.self_attn``). ``steps`` are the pre-processing steps run before calibration, in order
+(pipeline.quant.steps: quarot, iter_smooth, flex_smooth_quant).
 
 The MTP layer (id >= num_hidden_layers) follows the same rules when ``quantize_mtp``, else it is all
 FLOAT (and gets no FA3). Its MTP-only modules (embed_tokens, enorm, hnorm, eh_proj, shared_head.*) are
@@ -16,13 +25,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Any, Mapping, Optional
 
 from pipeline import layout
 from pipeline.config import DeepseekV3Config
 from pipeline.format.description import DIALECTS, FAQUANT, FLOAT, W8A8, W8A8_DYNAMIC
 from pipeline.quant.products import AUTO, check_products
+from pipeline.quant.linear_rules import LinearRule, default_rules, rule_from_dict
 from pipeline.quant.qparams import QuantError
+from pipeline.quant.steps import Step, step_fingerprint, step_from_dict
 from pipeline.strict import build
 
 STATIC_ATTN = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "q_proj")
@@ -41,9 +53,25 @@ class Recipe:
     k_ratio: float = 0.9999
     v_ratio: float = 1.0
     calib_products: str = AUTO      # how the calibration forward multiplies in bf16/fp16 (pipeline.quant.products)
+    linear_rules: tuple[LinearRule, ...] = ()   # () : the default mix above
+    fa_include: tuple[str, ...] = ("*",)
+    fa_exclude: tuple[str, ...] = ()
+    steps: tuple[Step, ...] = ()
 
     def __post_init__(self):
         check_products(self.calib_products)
+        if not all(isinstance(r, LinearRule) for r in self.linear_rules):
+            object.__setattr__(self, "linear_rules", tuple(
+                r if isinstance(r, LinearRule) else rule_from_dict(r, f"recipe: linear_rules[{k}]")
+                for k, r in enumerate(self.linear_rules)))
+        if not all(isinstance(st, Step.__args__) for st in self.steps):
+            object.__setattr__(self, "steps", tuple(
+                st if isinstance(st, Step.__args__) else step_from_dict(st, f"recipe: steps[{k}]")
+                for k, st in enumerate(self.steps)))
+        for f in ("fa_include", "fa_exclude"):
+            v = getattr(self, f)
+            if isinstance(v, str) or not all(isinstance(x, str) and x for x in v):
+                raise QuantError(f"recipe: field '{f}' must be a list of module-name patterns, got {v!r}")
         for f in ("fa_quant", "dynamic", "quantize_mtp", "smooth"):
             if not isinstance(getattr(self, f), bool):
                 raise QuantError(f"recipe: field '{f}' must be a boolean, got {getattr(self, f)!r}")
@@ -67,19 +95,49 @@ class Recipe:
         return build(cls, raw, "recipe", QuantError)
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["fa_exclude_layers"] = list(self.fa_exclude_layers)
+        d["linear_rules"] = [r.to_dict() for r in self.linear_rules]
+        d["fa_include"], d["fa_exclude"] = list(self.fa_include), list(self.fa_exclude)
+        d["steps"] = [step_fingerprint(st) for st in self.steps]
         return d
 
     def fingerprint(self) -> dict:
         """What a rerun compares (pipeline.quant.job_state): ``to_dict`` without ``calib_products`` when it is
-        ``auto``. Auto resolves per machine anyway (the same recipe gives fp32 products on one CPU and bf16 on
-        another, both valid), and outputs written before the field existed then stay up to date: a scheduled
-        requantize after an upgrade rewrites nothing. An explicit ``fp32`` or ``model`` is compared."""
+        ``auto``, and without the rule, pattern and step fields while they hold their defaults. Auto resolves
+        per machine anyway (the same recipe gives fp32 products on one CPU and bf16 on another, both valid),
+        and outputs written before a field existed then stay up to date: a scheduled requantize after an
+        upgrade rewrites nothing. Anything else that changes (a step, a rule, a pattern) is compared."""
         d = self.to_dict()
         if d["calib_products"] == AUTO:
             del d["calib_products"]
+        for f in ("linear_rules", "fa_include", "fa_exclude", "steps"):
+            if getattr(self, f) == getattr(Recipe, f):
+                del d[f]
         return d
+
+    @property
+    def rules(self) -> tuple[LinearRule, ...]:
+        """The linear rules in force: ``linear_rules``, or the default mix; with ``dynamic`` every W8A8
+        rule's linears are W8A8_DYNAMIC."""
+        rules = self.linear_rules or default_rules()
+        return tuple(r.dynamic() for r in rules) if self.dynamic else rules
+
+    def linear_kind(self, name: str) -> str:
+        """The type of linear ``name`` (``model.layers.N.self_attn.o_proj``...) under the rules, ignoring
+        whether its layer is quantized (see :meth:`layer_types`): W8A8, W8A8_DYNAMIC or FLOAT."""
+        if not layout.is_quantizable_linear(name):
+            return FLOAT
+        for rule in self.rules:
+            if rule.matches(name):
+                return rule.kind
+        return FLOAT
+
+    def fa_pattern_layer(self, layer_id: int) -> bool:
+        """Whether ``fa_include`` / ``fa_exclude`` let layer ``layer_id``'s attention have FA3."""
+        name = f"{layout.layer_prefix(layer_id)}self_attn"
+        return (any(fnmatchcase(name, p) for p in self.fa_include)
+                and not any(fnmatchcase(name, p) for p in self.fa_exclude))
 
     def check_config(self, cfg: DeepseekV3Config) -> None:
         """Every excluded layer must exist in the model."""
@@ -91,14 +149,14 @@ class Recipe:
 
     def fa_layer(self, cfg: DeepseekV3Config, layer_id: int) -> bool:
         """Does ``layer_id`` get FA3 tensors?"""
-        return bool(self.fa_quant and layer_id not in self.fa_exclude_layers
+        return bool(self.fa_quant and layer_id not in self.fa_exclude_layers and self.fa_pattern_layer(layer_id)
                     and (layer_id < cfg.num_hidden_layers or self.quantize_mtp))
 
     def needs_calibration(self, cfg: DeepseekV3Config) -> bool:
         """Does any output depend on activations? Static W8A8 linears (input scale and offset), FA3
         (its scales) and smoothing (its factors) do; W8A8_DYNAMIC weights and FLOAT tensors do not, so a
         recipe with only those (``dynamic`` with ``fa_quant`` off) is data-free."""
-        if self.smooth:
+        if self.smooth or any(st.type != "quarot" for st in self.steps):
             return True
         return any(kind in (W8A8, FAQUANT) for i in layout.all_layer_ids(cfg)
                    for kind in self.layer_types(cfg, i).values())
@@ -117,12 +175,7 @@ class Recipe:
             if prefix in out:
                 continue
             rest = prefix[len(p):]
-            kind = FLOAT
-            if quantized and rest.startswith("self_attn.") and rest.split(".", 1)[1] in STATIC_ATTN:
-                kind = W8A8_DYNAMIC if self.dynamic else W8A8
-            elif quantized and rest.startswith("mlp.") and rest.endswith("_proj"):
-                kind = W8A8_DYNAMIC
-            out[prefix] = kind
+            out[prefix] = self.linear_kind(prefix) if quantized else FLOAT
             if rest == "self_attn.o_proj" and self.fa_layer(cfg, layer_id):
                 out.update({f"{p}self_attn.{b}": FAQUANT for b in FA_BRANCHES})
         return out

@@ -134,12 +134,18 @@ def _quantize_checked(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions,
             summary["bytes_read"] = source_bytes * (2 if job.needs_calibration else 1)  # the float model, then phase 2
         r = _rchar()
         summary["rchar"] = r - rchar0 if r is not None and rchar0 is not None else None
-        writer.finish(job.raw_config, src_dir=src, mindie_format=opts.mindie_format, job=summary)
+        writer.finish(job.raw_config, src_dir=src, mindie_format=opts.mindie_format, job=summary,
+                      extra=recipe_files(opts))
     summary["total_s"] = round(time.time() - t0, 3)
     calib = f"calibration {summary['calibration_s']:.1f}s" if job.needs_calibration else "no calibration"
     log(f"wrote {dst} in {summary['total_s']:.1f}s ({calib}; read {summary['bytes_read'] / 1e9:.3g} GB of the "
         f"source; weights with {summary['weight_kernel'].split(' (')[0]})")
     return summary
+
+
+def recipe_files(opts: QuantizeOptions) -> dict[str, bytes]:
+    """The recipe file written next to the weights, when the job has one."""
+    return {opts.recipe_file[0]: opts.recipe_file[1].encode("utf-8")} if opts.recipe_file else {}
 
 
 def _rchar() -> Optional[int]:
