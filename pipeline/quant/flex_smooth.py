@@ -1,0 +1,236 @@
+"""msModelSlim's flex_smooth_quant: SmoothQuant with alpha and beta searched per subgraph, bit for bit.
+
+Per subgraph (pipeline.quant.subgraphs), X [N, k] every observed token row (outlier_stats.ActivationRows)
+and W [n, k] the weights the search multiplies (the norm's targets stacked; o_proj; down_proj), all in the
+model dtype md, each operation rounded to md::
+
+    error(alpha, beta):
+        Y   = X @ W.T                         ref = mean(Y ** 2) ** 0.5
+        f   = max_t |X[t, :]| ** alpha * max_i |W[i, :]| ** (-beta)                  [1, k]
+        Xq  = fake8(X / f)   Wq = fake8(W * f)   fake8(r) = round(r / (max|r| / 127)).clip(-127, 127) * (max|r| / 127) per row
+        err = mean(|Xq @ Wq.T - Y| ** 2) ** 0.5 / ref                                 (a Python float of md)
+    grid  = 0, 0.05, ..., 1 (21 values)
+    alpha = the last grid value with the smallest error(alpha, 1 - alpha)            ("<=": ties go up)
+    beta  = the last grid value with error(alpha, beta) <= every error so far, starting from alpha's;
+            beta = 1 - alpha is on the grid and ties, so beta is never worse than 1 - alpha
+    s     = md(max(f32(a ** alpha / w ** beta), 1e-5)),   a = max |X| per channel,
+            w = md(max(f32(max_i |W[i, j]|), 1e-5))       (the absolute column maximum, for every type)
+
+then folded as iter_smooth folds it, never shifted: the norm's weight *= md(1 / s) and every target's
+columns *= s (norm-linear); o_proj's columns *= s and kv_b_proj's value rows *= md(1 / s) (ov; msModelSlim
+computes the DeepSeek ov scales per head group with its "max" method, which for one value head per query
+head is the same s); down_proj's columns *= s and up_proj's rows *= md(1 / s) (up-down).
+
+A step with both ``alpha`` and ``beta`` set uses them as given; with either missing, both are searched.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from pipeline.config import DeepseekV3Config
+from pipeline.quant.iter_smooth import W_MIN, check_unit
+from pipeline.quant.outlier_stats import ActivationRows
+from pipeline.quant.patterns import check_patterns
+from pipeline.quant.qparams import QuantError
+from pipeline.quant.subgraphs import (NORM_LINEAR, OV, SUBGRAPH_TYPES, UP_DOWN, Subgraph, check_subgraph_types,
+                                      layer_subgraphs, select_subgraphs, value_rows, with_value_rows)
+
+log = logging.getLogger(__name__)
+GRID = tuple(k * 5 / 100 for k in range(21))   # 0.0, 0.05, ..., 1.0: the float64 values numpy's rounded grid holds
+SCALE_MIN = 1e-5
+
+
+@dataclass(frozen=True)
+class FlexSmoothSettings:
+    """A ``flex_smooth_quant`` process step (msModelSlim's defaults: search alpha and beta)."""
+
+    alpha: Optional[float] = None
+    beta: Optional[float] = None
+    enable_subgraph_type: tuple[str, ...] = SUBGRAPH_TYPES
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ()
+
+    FIELDS = ("type", "alpha", "beta", "enable_subgraph_type", "include", "exclude")
+
+    def __post_init__(self):
+        for f in ("alpha", "beta"):
+            v = getattr(self, f)
+            if v is not None:
+                object.__setattr__(self, f, check_unit(v, f"flex_smooth_quant.{f}"))
+        object.__setattr__(self, "enable_subgraph_type",
+                           check_subgraph_types(self.enable_subgraph_type, "flex_smooth_quant.enable_subgraph_type"))
+        object.__setattr__(self, "include", check_patterns(self.include, "flex_smooth_quant.include") or ("*",))
+        object.__setattr__(self, "exclude", check_patterns(self.exclude, "flex_smooth_quant.exclude"))
+
+    @classmethod
+    def from_step(cls, step: Mapping, where: str = "flex_smooth_quant") -> "FlexSmoothSettings":
+        """From a recipe's process entry (its ``type`` included); an unknown key is an error naming it."""
+        unknown = sorted(set(step) - set(cls.FIELDS))
+        if unknown:
+            raise QuantError(f"{where}: unknown key(s) {unknown}; a flex_smooth_quant step takes "
+                             f"{list(cls.FIELDS[1:])}")
+        return cls(**{k: v for k, v in step.items() if k != "type" and v is not None})
+
+    @property
+    def searches(self) -> bool:
+        return self.alpha is None or self.beta is None
+
+    def subgraphs(self, cfg: DeepseekV3Config, layer_id: int) -> list[Subgraph]:
+        """The subgraphs of layer ``layer_id`` this step smooths, in its order."""
+        return select_subgraphs(layer_subgraphs(cfg, layer_id), self.enable_subgraph_type, self.include, self.exclude)
+
+
+# ----- the search -------------------------------------------------------------------------------------
+def _fake_int8_rows(r: Tensor) -> Tensor:
+    step = torch.abs(r).max(dim=-1, keepdim=True)[0] / 127
+    return torch.round(r / step).clip(min=-127, max=127) * step
+
+
+class _Search:
+    """error(alpha, beta) of one subgraph; what does not depend on (alpha, beta) computed once."""
+
+    def __init__(self, x: Tensor, w: Tensor):
+        if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != w.dtype:
+            raise QuantError(f"flex_smooth_quant: activations {x.dtype} {list(x.shape)} and weights "
+                             f"{w.dtype} {list(w.shape)} do not match")
+        self.x, self.w = x, w
+        self.y = torch.matmul(x, w.T)
+        self.ref = torch.mean(self.y ** 2) ** 0.5
+        self.x_max = torch.max(torch.abs(x), dim=0, keepdim=True)[0]
+        self.w_max = torch.max(torch.abs(w), dim=0, keepdim=True)[0]
+
+    def error(self, alpha: float, beta: float) -> float:
+        f = self.x_max ** alpha * self.w_max ** (-beta)
+        yq = torch.matmul(_fake_int8_rows(self.x / f), _fake_int8_rows(self.w * f).T)
+        return ((torch.mean(torch.abs(yq - self.y) ** 2) ** 0.5) / self.ref).item()
+
+
+def pick_alpha_beta(error: Callable[[float, float], float]) -> tuple[float, float, float]:
+    """msModelSlim's selection over GRID given error(alpha, beta): alpha the last minimiser of
+    error(alpha, 1 - alpha); then beta the last grid value whose error is <= the best so far (starting
+    from alpha's; 0.0 if none). Returns (alpha, beta, error)."""
+    alpha, best = 0.0, float("inf")
+    for a in GRID:
+        err = error(a, 1.0 - a)
+        if err <= best:
+            alpha, best = a, err
+    beta = 0.0
+    for b in GRID:
+        err = error(alpha, b)
+        if err <= best:
+            beta, best = b, err
+    return alpha, beta, best
+
+
+def search_alpha_beta(x: Tensor, w: Tensor) -> tuple[float, float, float]:
+    """(alpha, beta, error) for activations x [N, k] and weights w [n, k] (both md): module docstring."""
+    return pick_alpha_beta(_Search(x, w).error)
+
+
+def flex_scales(act_max: Tensor, weight_max: Tensor, alpha: float, beta: float) -> Tensor:
+    """s = md(max(f32(a ** alpha / md(max(f32(w), 1e-5)) ** beta), 1e-5)), md = a's dtype."""
+    if act_max.shape != weight_max.shape:
+        raise QuantError(f"flex_smooth_quant: activation statistic {list(act_max.shape)} and weight statistic "
+                         f"{list(weight_max.shape)} differ in shape")
+    md = act_max.dtype
+    w = weight_max.float().clamp(min=W_MIN).to(md)
+    return (act_max.pow(alpha) / w.pow(beta)).float().clamp(min=SCALE_MIN).to(md)
+
+
+@dataclass(frozen=True)
+class FlexChoice:
+    """What the search chose for one subgraph (or the step's fixed values)."""
+
+    alpha: float
+    beta: float
+    error: Optional[float]    # None when not searched
+
+
+def choose(x: Tensor, w: Tensor, settings: FlexSmoothSettings) -> FlexChoice:
+    if not settings.searches:
+        return FlexChoice(settings.alpha, settings.beta, None)  # type: ignore[arg-type]
+    return FlexChoice(*search_alpha_beta(x, w))
+
+
+def smooth_norm_linear(norm_weight: Tensor, weights: Sequence[Tensor], x: Tensor,
+                       settings: FlexSmoothSettings) -> tuple[Tensor, list[Tensor], Tensor, FlexChoice]:
+    """A norm (weight g [k]) feeding linears W_i [n_i, k], observed rows x [N, k] (md) ->
+    (g * md(1 / s), [W_i * s], s, choice)."""
+    md = norm_weight.dtype
+    k = norm_weight.shape[0]
+    for i, w in enumerate(weights):
+        if w.dim() != 2 or w.shape[1] != k or w.dtype != md:
+            raise QuantError(f"flex_smooth_quant: linear {i} is {w.dtype} {list(w.shape)}, expected {md} [n, {k}]")
+    x = x.to(md)
+    c = choose(x, torch.cat(list(weights), 0), settings)
+    w_max = torch.stack([w.abs().amax(0) for w in weights]).amax(0)
+    s = flex_scales(torch.abs(x).amax(0), w_max, c.alpha, c.beta)
+    return norm_weight * (1.0 / s), [w * s.view(1, -1) for w in weights], s, c
+
+
+def smooth_pair(producer_rows: Tensor, consumer: Tensor, x: Tensor,
+                settings: FlexSmoothSettings) -> tuple[Tensor, Tensor, Tensor, FlexChoice]:
+    """ov / up-down: producer rows P [k, C], consumer W [n, k], the consumer's observed input rows x [N, k]
+    -> (P * md(1 / s) per row, W * s per column, s, choice)."""
+    if consumer.dim() != 2 or producer_rows.dim() != 2 or producer_rows.shape[0] != consumer.shape[1]:
+        raise QuantError(f"flex_smooth_quant: producer rows {list(producer_rows.shape)} do not feed consumer "
+                         f"{list(consumer.shape)}")
+    x = x.to(consumer.dtype)
+    c = choose(x, consumer, settings)
+    s = flex_scales(torch.abs(x).amax(0), consumer.abs().amax(0), c.alpha, c.beta)
+    return producer_rows * (1.0 / s).view(-1, 1), consumer * s.view(1, -1), s, c
+
+
+# ----- a layer ----------------------------------------------------------------------------------------
+def flex_smooth_layer(tensors: Mapping[str, Tensor], layer_id: int, cfg: DeepseekV3Config,
+                      stats: Mapping[str, ActivationRows], settings: FlexSmoothSettings,
+                      choices: Optional[dict[str, FlexChoice]] = None) -> dict[str, Tensor]:
+    """Layer ``layer_id``'s HF-named tensors with flex_smooth_quant folded in: a new dict (untouched
+    tensors shared; no new tensor: the smoothing is symmetric). ``stats``: the ActivationRows of each
+    smoothed subgraph's observed module (observing_subgraphs over ``settings.subgraphs(cfg, layer_id)``),
+    from a forward of the layer as it is before this step. ``choices``, when given, receives each
+    subgraph's alpha / beta by source module name. A routed expert that saw no token is left as it is."""
+    out = dict(tensors)
+    for sg in settings.subgraphs(cfg, layer_id):
+        rows = stats.get(sg.observed)
+        if rows is None or not rows.samples:
+            if sg.routed_expert:
+                log.info("flex_smooth_quant: %s saw no token; left unsmoothed", sg.observed)
+                continue
+            raise QuantError(f"flex_smooth_quant: no statistics for {sg.observed} (subgraph {sg.kind} of {sg.source})")
+        c = _apply(out, sg, cfg, rows.tensor(), settings)
+        log.debug("flex_smooth_quant %s: alpha %s beta %s error %s", sg.source, c.alpha, c.beta, c.error)
+        if choices is not None:
+            choices[sg.source] = c
+    return out
+
+
+def _need(tensors: Mapping[str, Tensor], name: str) -> Tensor:
+    if name not in tensors:
+        raise QuantError(f"flex_smooth_quant: tensor {name} is missing from the layer")
+    return tensors[name]
+
+
+def _apply(out: dict, sg: Subgraph, cfg: DeepseekV3Config, x: Tensor, st: FlexSmoothSettings) -> FlexChoice:
+    if sg.kind == NORM_LINEAR:
+        names = [t + ".weight" for t in sg.targets]
+        g, ws, _, c = smooth_norm_linear(_need(out, sg.source + ".weight"), [_need(out, n) for n in names], x, st)
+        out[sg.source + ".weight"] = g
+        out.update(zip(names, ws))
+    elif sg.kind == OV:
+        kv_b, o = sg.source + ".weight", sg.observed + ".weight"
+        H, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+        rows, w_o, _, c = smooth_pair(value_rows(_need(out, kv_b), H, dn, dv, kv_b), _need(out, o), x, st)
+        out[kv_b], out[o] = with_value_rows(out[kv_b], rows, H, dn, dv), w_o
+    elif sg.kind == UP_DOWN:
+        up, down = sg.source + ".weight", sg.observed + ".weight"
+        out[up], out[down], _, c = smooth_pair(_need(out, up), _need(out, down), x, st)
+    else:  # pragma: no cover - DeepSeek has no linear-linear subgraph
+        raise QuantError(f"flex_smooth_quant: subgraph type {sg.kind} has no rule")
+    return c

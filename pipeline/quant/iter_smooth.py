@@ -1,0 +1,215 @@
+"""msModelSlim's iter_smooth (the legacy DeepSeek script's default "m4" outlier suppression), bit for bit.
+
+Per subgraph (pipeline.quant.subgraphs), with a [k] the observed input's channel statistic
+(pipeline.quant.outlier_stats) and w [k] a per-input-column weight statistic::
+
+    w = md(max(f32(w), 1e-5));   s = md(max(f32(a ** alpha / w ** (1 - alpha)), scale_min))
+
+every operation rounded to the model dtype md (bf16 for bf16 checkpoints). Then, by subgraph type:
+
+    norm-linear  w_j = max over every target's rows of |W[:, j]|
+                 symmetric: a = max |x|                      shifted (symmetric: False): a, c from the shifted
+                                                             trace (c = the channel midpoint, md)
+                 W[:, j]  *= s_j                              b_lin = W @ c (torch.mm in md, W before scaling)
+                 g        *= md(1 / s)                        b_norm = md(md(-c) * md(1 / s))
+                 the norm's output becomes (g x^ + b_norm), the linears' W x + b_lin: the same function.
+    ov           w_j = max over o_proj's rows of W_o[:, j], SIGNED (msModelSlim takes the plain max here)
+                 a = max |x| of o_proj's input (never shifted)
+                 W_o[:, j] *= s_j;  kv_b_proj's value row j (head-major) *= md(1 / s_j)
+    up-down      as ov with down_proj for o_proj and up_proj's rows for the value rows (never shifted)
+
+With more heads than key/value heads msModelSlim averages the scales per group; DeepSeek's MLA has one
+value head per query head, so the averages are the scales themselves.
+
+Written as msModelSlim writes them: weights and norm weights in md; ``<norm>.bias`` and the linears'
+``.bias`` as float32 (holding md values: msModelSlim adds them in md, its saver stores float32). A norm
+or linear that already has a bias keeps it, folded the same way (b_norm = md(b * md(1 / s)) + ...).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from pipeline.config import DeepseekV3Config
+from pipeline.quant.outlier_stats import ChannelTrace
+from pipeline.quant.patterns import check_patterns
+from pipeline.quant.qparams import QuantError
+from pipeline.quant.subgraphs import (NORM_LINEAR, OV, SUBGRAPH_TYPES, UP_DOWN, Subgraph, check_subgraph_types,
+                                      layer_subgraphs, select_subgraphs, value_rows, with_value_rows)
+
+log = logging.getLogger(__name__)
+W_MIN = 1e-5      # the clamp of the weight statistic
+
+
+def check_unit(value, where: str) -> float:
+    """msModelSlim's rule for alpha / scale_min / beta: a number strictly between 0 and 1."""
+    if isinstance(value, bool):
+        raise QuantError(f"{where}: expected a number in (0, 1), got {value!r}")
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise QuantError(f"{where}: expected a number in (0, 1), got {value!r}") from None
+    if not 0 < v < 1:
+        raise QuantError(f"{where}: must be in (0, 1), got {value!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class IterSmoothSettings:
+    """An ``iter_smooth`` process step (msModelSlim's defaults)."""
+
+    alpha: float = 0.9
+    scale_min: float = 1e-5
+    symmetric: bool = True
+    enable_subgraph_type: tuple[str, ...] = SUBGRAPH_TYPES
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ()
+
+    FIELDS = ("type", "alpha", "scale_min", "symmetric", "enable_subgraph_type", "include", "exclude")
+
+    def __post_init__(self):
+        object.__setattr__(self, "alpha", check_unit(self.alpha, "iter_smooth.alpha"))
+        object.__setattr__(self, "scale_min", check_unit(self.scale_min, "iter_smooth.scale_min"))
+        if not isinstance(self.symmetric, bool):
+            raise QuantError(f"iter_smooth.symmetric: expected true or false, got {self.symmetric!r}")
+        object.__setattr__(self, "enable_subgraph_type",
+                           check_subgraph_types(self.enable_subgraph_type, "iter_smooth.enable_subgraph_type"))
+        object.__setattr__(self, "include", check_patterns(self.include, "iter_smooth.include") or ("*",))
+        object.__setattr__(self, "exclude", check_patterns(self.exclude, "iter_smooth.exclude"))
+
+    @classmethod
+    def from_step(cls, step: Mapping, where: str = "iter_smooth") -> "IterSmoothSettings":
+        """From a recipe's process entry (its ``type`` included); an unknown key is an error naming it."""
+        unknown = sorted(set(step) - set(cls.FIELDS))
+        if unknown:
+            raise QuantError(f"{where}: unknown key(s) {unknown}; an iter_smooth step takes {list(cls.FIELDS[1:])}")
+        return cls(**{k: v for k, v in step.items() if k != "type" and v is not None})
+
+    def subgraphs(self, cfg: DeepseekV3Config, layer_id: int) -> list[Subgraph]:
+        """The subgraphs of layer ``layer_id`` this step smooths, in its order."""
+        return select_subgraphs(layer_subgraphs(cfg, layer_id), self.enable_subgraph_type, self.include, self.exclude)
+
+    def shifts(self, sg: Subgraph) -> bool:
+        """Is ``sg`` shifted? Only norm-linear subgraphs, and only when not symmetric."""
+        return sg.kind == NORM_LINEAR and not self.symmetric
+
+
+# ----- the formulas -----------------------------------------------------------------------------------
+def iter_scales(act: Tensor, weight_stat: Tensor, alpha: float, scale_min: float) -> Tensor:
+    """s = md(max(f32(a ** alpha / md(max(f32(w), 1e-5)) ** (1 - alpha)), scale_min)), md = w's dtype."""
+    if act.shape != weight_stat.shape:
+        raise QuantError(f"iter_smooth: activation statistic {list(act.shape)} and weight statistic "
+                         f"{list(weight_stat.shape)} differ in shape")
+    md = weight_stat.dtype
+    w = weight_stat.float().clamp(min=W_MIN).to(md)
+    return (act.to(md).pow(alpha) / w.pow(1 - alpha)).float().clamp(min=scale_min).to(md)
+
+
+@dataclass(frozen=True)
+class NormLinearResult:
+    norm_weight: Tensor
+    norm_bias: Optional[Tensor]          # float32, or None (symmetric and the norm had none)
+    weights: list[Tensor]
+    biases: list[Optional[Tensor]]       # float32 per linear, or None
+    scales: Tensor
+
+
+def smooth_norm_linear(norm_weight: Tensor, weights: Sequence[Tensor], act: Tensor, alpha: float,
+                       scale_min: float, shift: Optional[Tensor] = None, norm_bias: Optional[Tensor] = None,
+                       biases: Optional[Sequence[Optional[Tensor]]] = None) -> NormLinearResult:
+    """A norm (weight g [k], optional bias) feeding linears W_i [n_i, k] (optional biases), with the
+    observed statistic ``act`` [k] and, when shifted, the shift c [k] (both md: ChannelTrace)."""
+    md = norm_weight.dtype
+    k = norm_weight.shape[0]
+    for i, w in enumerate(weights):
+        if w.dim() != 2 or w.shape[1] != k or w.dtype != md:
+            raise QuantError(f"iter_smooth: linear {i} is {w.dtype} {list(w.shape)}, expected {md} [n, {k}]")
+    w_stat = torch.stack([w.abs().amax(0) for w in weights]).amax(0)
+    s = iter_scales(act, w_stat, alpha, scale_min)
+    inv = 1.0 / s
+    biases = list(biases) if biases is not None else [None] * len(weights)
+    new_biases: list[Optional[Tensor]] = []
+    b_norm = None if norm_bias is None else norm_bias.to(md) * inv
+    if shift is not None:
+        c = shift.to(md)
+        for w, b in zip(weights, biases):
+            b_lin = torch.mm(c.unsqueeze(0), w.T).squeeze(0)
+            new_biases.append((b_lin if b is None else b.to(md) + b_lin).float())
+        norm_shift = c * -1 * inv
+        b_norm = norm_shift if b_norm is None else b_norm + norm_shift
+    else:
+        new_biases = [None if b is None else b.float() for b in biases]
+    return NormLinearResult(norm_weight * inv, None if b_norm is None else b_norm.float(),
+                            [w * s.view(1, -1) for w in weights], new_biases, s)
+
+
+def smooth_pair(producer_rows: Tensor, consumer: Tensor, act: Tensor, alpha: float,
+                scale_min: float) -> tuple[Tensor, Tensor, Tensor]:
+    """ov / up-down: the producer's output rows P [k, C] (kv_b_proj's value rows, up_proj) and the
+    consumer W [n, k] (o_proj, down_proj) -> (P * md(1 / s) per row, W * s per column, s), with the
+    consumer's SIGNED column maximum as the weight statistic."""
+    if consumer.dim() != 2 or producer_rows.dim() != 2 or producer_rows.shape[0] != consumer.shape[1]:
+        raise QuantError(f"iter_smooth: producer rows {list(producer_rows.shape)} do not feed consumer "
+                         f"{list(consumer.shape)}")
+    s = iter_scales(act, consumer.amax(0), alpha, scale_min)
+    return producer_rows * (1.0 / s).view(-1, 1), consumer * s.view(1, -1), s
+
+
+# ----- a layer ----------------------------------------------------------------------------------------
+def iter_smooth_layer(tensors: Mapping[str, Tensor], layer_id: int, cfg: DeepseekV3Config,
+                      stats: Mapping[str, ChannelTrace], settings: IterSmoothSettings) -> dict[str, Tensor]:
+    """Layer ``layer_id``'s HF-named tensors with iter_smooth folded in: a new dict (untouched tensors
+    shared) with the rewritten weights and the new biases (``<norm>.bias``, ``<linear>.bias``).
+    ``stats``: the ChannelTrace of each smoothed subgraph's observed module (observing_subgraphs over
+    ``settings.subgraphs(cfg, layer_id)``), from a forward of the layer as it is before this step.
+    A routed expert that saw no token is left as it is (msModelSlim skips it)."""
+    out = dict(tensors)
+    for sg in settings.subgraphs(cfg, layer_id):
+        trace = stats.get(sg.observed)
+        if trace is None or not trace.samples:
+            if sg.routed_expert:
+                log.info("iter_smooth: %s saw no token; left unsmoothed", sg.observed)
+                continue
+            raise QuantError(f"iter_smooth: no statistics for {sg.observed} (subgraph {sg.kind} of {sg.source})")
+        _apply(out, sg, cfg, trace, settings)
+    return out
+
+
+def _need(tensors: Mapping[str, Tensor], name: str) -> Tensor:
+    if name not in tensors:
+        raise QuantError(f"iter_smooth: tensor {name} is missing from the layer")
+    return tensors[name]
+
+
+def _apply(out: dict, sg: Subgraph, cfg: DeepseekV3Config, trace: ChannelTrace, st: IterSmoothSettings) -> None:
+    if sg.kind == NORM_LINEAR:
+        if st.shifts(sg):
+            act, shift = trace.shifted_absmax()
+        else:
+            act, shift = trace.absmax(), None
+        names = [t + ".weight" for t in sg.targets]
+        r = smooth_norm_linear(_need(out, sg.source + ".weight"), [_need(out, n) for n in names], act,
+                               st.alpha, st.scale_min, shift, out.get(sg.source + ".bias"),
+                               [out.get(t + ".bias") for t in sg.targets])
+        out[sg.source + ".weight"] = r.norm_weight
+        if r.norm_bias is not None:
+            out[sg.source + ".bias"] = r.norm_bias
+        for t, w, b in zip(sg.targets, r.weights, r.biases):
+            out[t + ".weight"] = w
+            if b is not None:
+                out[t + ".bias"] = b
+    elif sg.kind == OV:
+        kv_b, o = sg.source + ".weight", sg.observed + ".weight"
+        H, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+        rows, w_o, _ = smooth_pair(value_rows(_need(out, kv_b), H, dn, dv, kv_b), _need(out, o),
+                                   trace.absmax(), st.alpha, st.scale_min)
+        out[kv_b], out[o] = with_value_rows(out[kv_b], rows, H, dn, dv), w_o
+    elif sg.kind == UP_DOWN:
+        up, down = sg.source + ".weight", sg.observed + ".weight"
+        out[up], out[down], _ = smooth_pair(_need(out, up), _need(out, down), trace.absmax(), st.alpha,
+                                            st.scale_min)
