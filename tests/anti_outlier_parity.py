@@ -32,7 +32,7 @@ from pipeline.quant.flex_smooth import FlexSmoothSettings, flex_smooth_layer
 from pipeline.quant.iter_smooth import IterSmoothSettings, iter_smooth_layer
 from pipeline.quant.options import QuantizeOptions, calibration_samples
 from pipeline.quant.outlier_stats import ActivationRows, ChannelTrace, observing_subgraphs
-from pipeline.quant.qparams import quantize_weight_per_channel
+from pipeline.quant.qparams import quantize_weight_per_channel, static_activation_params
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 SOURCE = FIXTURES / "tiny-deepseek-v3"
@@ -91,7 +91,47 @@ def run(step: str, layer_ids=(0, 1, 2)) -> dict:
                 res[name] = compare(t, ref[name])
         out["layers"][i] = res
     out["choices"] = {k: [c.alpha, c.beta] for k, c in out["choices"].items()}
+    if step == "flex_smooth_quant" and 0 in layer_ids:
+        # msModelSlim's choice for layer 0's ov, recovered from its kv_b_proj rows by a least-squares fit of
+        # log(1 / s) against log(a), log(w): alpha 0.249, beta 0.750
+        fixed = FlexSmoothSettings(alpha=0.25, beta=0.75, enable_subgraph_type=("ov",))
+        new = flex_smooth_layer({k: v for k, v in src.items() if k.startswith("model.layers.0.")}, 0, cfg,
+                                stats, fixed)
+        kv_b, o = "model.layers.0.self_attn.kv_b_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+        out["layer0_ov_their_choice"] = {kv_b: compare(new[kv_b], ref[kv_b]),
+                                         o: compare(quantize_weight_per_channel(new[o])[0], ref[o])}
+    if step == "iter_smooth" and 0 in layer_ids:
+        out["layer0_activation"] = layer0_activation(model, cfg, samples, smooth_layer(
+            {k: v for k, v in src.items() if k.startswith("model.layers.0.")}, 0, cfg, stats, settings), ref)
     return out
+
+
+@torch.no_grad()
+def layer0_activation(model, cfg, samples, new: dict, ref: dict) -> dict:
+    """Layer 0's q_a_proj / kv_a_proj_with_mqa activation parameters after iter_smooth, from the smoothed
+    norm's output as msModelSlim's run computed it, md(md(g * x^) + b), and quant_bias with the bias
+    divided by deq_scale in md (msModelSlim's order): each compared with the fixture."""
+    p = "model.layers.0."
+    g, b = new[p + "input_layernorm.weight"], new[p + "input_layernorm.bias"]
+    lo, hi = float("inf"), float("-inf")
+    for s in samples:
+        h = model.embed(torch.tensor([s])).float()
+        x_hat = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)).to(g.dtype)
+        y = (g * x_hat + b).to(g.dtype)
+        lo, hi = min(lo, float(y.min())), max(hi, float(y.max()))
+    scale, offset = static_activation_params(lo, hi, g.dtype)
+    res = {}
+    for m in ("q_a_proj", "kv_a_proj_with_mqa"):
+        a = p + "self_attn." + m
+        q, ws, _ = quantize_weight_per_channel(new[a + ".weight"])
+        deq = (scale * ws[:, 0]).float()
+        qb = torch.round((new[a + ".bias"].to(g.dtype) / deq.to(g.dtype)).float()
+                         - q.sum(1).float() * offset.float()).to(torch.int32)
+        res[a] = {"input_scale": compare(scale.float(), ref[a + ".input_scale"]),
+                  "input_offset": compare(offset.float(), ref[a + ".input_offset"]),
+                  "deq_scale": compare(deq, ref[a + ".deq_scale"]),
+                  "quant_bias": compare(qb, ref[a + ".quant_bias"])}
+    return res
 
 
 if __name__ == "__main__":
