@@ -7,11 +7,10 @@ import contextlib
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from pipeline.config import DeepseekV3Config
 from pipeline.model.causal_lm import build_model
-from pipeline.quant import flex_smooth, iter_smooth
+from pipeline.quant import flex_smooth
 from pipeline.quant.flex_smooth import FlexSmoothSettings, flex_smooth_layer, pick_alpha_beta, search_alpha_beta
 from pipeline.quant.iter_smooth import IterSmoothSettings, iter_scales, iter_smooth_layer
 from pipeline.quant.outlier_stats import ActivationRows, ChannelTrace, observing_subgraphs

@@ -34,56 +34,37 @@ import torch
 from torch import Tensor
 
 from pipeline.config import DeepseekV3Config
-from pipeline.quant.iter_smooth import W_MIN, check_unit
+from pipeline.quant.iter_smooth import balance_scales, check_unit
 from pipeline.quant.outlier_stats import ActivationRows
-from pipeline.quant.patterns import check_patterns
 from pipeline.quant.qparams import QuantError
-from pipeline.quant.subgraphs import (NORM_LINEAR, OV, SUBGRAPH_TYPES, UP_DOWN, Subgraph, check_subgraph_types,
-                                      layer_subgraphs, select_subgraphs, value_rows, with_value_rows)
+from pipeline.quant.subgraphs import Subgraph, SubgraphSelection, need, smooth_subgraphs
 
 log = logging.getLogger(__name__)
+STEP = "flex_smooth_quant"
 GRID = tuple(k * 5 / 100 for k in range(21))   # 0.0, 0.05, ..., 1.0: the float64 values numpy's rounded grid holds
 SCALE_MIN = 1e-5
 
 
 @dataclass(frozen=True)
-class FlexSmoothSettings:
+class FlexSmoothSettings(SubgraphSelection):
     """A ``flex_smooth_quant`` process step (msModelSlim's defaults: search alpha and beta)."""
 
     alpha: Optional[float] = None
     beta: Optional[float] = None
-    enable_subgraph_type: tuple[str, ...] = SUBGRAPH_TYPES
-    include: tuple[str, ...] = ("*",)
-    exclude: tuple[str, ...] = ()
 
-    FIELDS = ("type", "alpha", "beta", "enable_subgraph_type", "include", "exclude")
+    STEP = "flex_smooth_quant"
+    KEYS = ("alpha", "beta")
 
     def __post_init__(self):
+        super().__post_init__()
         for f in ("alpha", "beta"):
             v = getattr(self, f)
             if v is not None:
                 object.__setattr__(self, f, check_unit(v, f"flex_smooth_quant.{f}"))
-        object.__setattr__(self, "enable_subgraph_type",
-                           check_subgraph_types(self.enable_subgraph_type, "flex_smooth_quant.enable_subgraph_type"))
-        object.__setattr__(self, "include", check_patterns(self.include, "flex_smooth_quant.include") or ("*",))
-        object.__setattr__(self, "exclude", check_patterns(self.exclude, "flex_smooth_quant.exclude"))
-
-    @classmethod
-    def from_step(cls, step: Mapping, where: str = "flex_smooth_quant") -> "FlexSmoothSettings":
-        """From a recipe's process entry (its ``type`` included); an unknown key is an error naming it."""
-        unknown = sorted(set(step) - set(cls.FIELDS))
-        if unknown:
-            raise QuantError(f"{where}: unknown key(s) {unknown}; a flex_smooth_quant step takes "
-                             f"{list(cls.FIELDS[1:])}")
-        return cls(**{k: v for k, v in step.items() if k != "type" and v is not None})
 
     @property
     def searches(self) -> bool:
         return self.alpha is None or self.beta is None
-
-    def subgraphs(self, cfg: DeepseekV3Config, layer_id: int) -> list[Subgraph]:
-        """The subgraphs of layer ``layer_id`` this step smooths, in its order."""
-        return select_subgraphs(layer_subgraphs(cfg, layer_id), self.enable_subgraph_type, self.include, self.exclude)
 
 
 # ----- the search -------------------------------------------------------------------------------------
@@ -134,13 +115,8 @@ def search_alpha_beta(x: Tensor, w: Tensor) -> tuple[float, float, float]:
 
 
 def flex_scales(act_max: Tensor, weight_max: Tensor, alpha: float, beta: float) -> Tensor:
-    """s = md(max(f32(a ** alpha / md(max(f32(w), 1e-5)) ** beta), 1e-5)), md = a's dtype."""
-    if act_max.shape != weight_max.shape:
-        raise QuantError(f"flex_smooth_quant: activation statistic {list(act_max.shape)} and weight statistic "
-                         f"{list(weight_max.shape)} differ in shape")
-    md = act_max.dtype
-    w = weight_max.float().clamp(min=W_MIN).to(md)
-    return (act_max.pow(alpha) / w.pow(beta)).float().clamp(min=SCALE_MIN).to(md)
+    """s = md(max(f32(a ** alpha / md(max(f32(w), 1e-5)) ** beta), 1e-5)) (a and w in md)."""
+    return balance_scales(act_max, weight_max, alpha, beta, SCALE_MIN, STEP)
 
 
 @dataclass(frozen=True)
@@ -195,42 +171,24 @@ def flex_smooth_layer(tensors: Mapping[str, Tensor], layer_id: int, cfg: Deepsee
     tensors shared; no new tensor: the smoothing is symmetric). ``stats``: the ActivationRows of each
     smoothed subgraph's observed module (observing_subgraphs over ``settings.subgraphs(cfg, layer_id)``),
     from a forward of the layer as it is before this step. ``choices``, when given, receives each
-    subgraph's alpha / beta by source module name. A routed expert that saw no token is left as it is."""
-    out = dict(tensors)
-    for sg in settings.subgraphs(cfg, layer_id):
-        rows = stats.get(sg.observed)
-        if rows is None or not rows.samples:
-            if sg.routed_expert:
-                log.info("flex_smooth_quant: %s saw no token; left unsmoothed", sg.observed)
-                continue
-            raise QuantError(f"flex_smooth_quant: no statistics for {sg.observed} (subgraph {sg.kind} of {sg.source})")
-        c = _apply(out, sg, cfg, rows.tensor(), settings)
-        log.debug("flex_smooth_quant %s: alpha %s beta %s error %s", sg.source, c.alpha, c.beta, c.error)
+    subgraph's alpha / beta by its source module's name. A routed expert that saw no token is left as
+    it is."""
+
+    def record(name: str, c: FlexChoice) -> None:
+        log.debug("%s %s: alpha %s beta %s error %s", STEP, name, c.alpha, c.beta, c.error)
         if choices is not None:
-            choices[sg.source] = c
-    return out
+            choices[name] = c
 
-
-def _need(tensors: Mapping[str, Tensor], name: str) -> Tensor:
-    if name not in tensors:
-        raise QuantError(f"flex_smooth_quant: tensor {name} is missing from the layer")
-    return tensors[name]
-
-
-def _apply(out: dict, sg: Subgraph, cfg: DeepseekV3Config, x: Tensor, st: FlexSmoothSettings) -> FlexChoice:
-    if sg.kind == NORM_LINEAR:
+    def norm_rule(sg: Subgraph, cur: Mapping[str, Tensor], rows: ActivationRows) -> dict:
         names = [t + ".weight" for t in sg.targets]
-        g, ws, _, c = smooth_norm_linear(_need(out, sg.source + ".weight"), [_need(out, n) for n in names], x, st)
-        out[sg.source + ".weight"] = g
-        out.update(zip(names, ws))
-    elif sg.kind == OV:
-        kv_b, o = sg.source + ".weight", sg.observed + ".weight"
-        H, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-        rows, w_o, _, c = smooth_pair(value_rows(_need(out, kv_b), H, dn, dv, kv_b), _need(out, o), x, st)
-        out[kv_b], out[o] = with_value_rows(out[kv_b], rows, H, dn, dv), w_o
-    elif sg.kind == UP_DOWN:
-        up, down = sg.source + ".weight", sg.observed + ".weight"
-        out[up], out[down], _, c = smooth_pair(_need(out, up), _need(out, down), x, st)
-    else:  # pragma: no cover - DeepSeek has no linear-linear subgraph
-        raise QuantError(f"flex_smooth_quant: subgraph type {sg.kind} has no rule")
-    return c
+        g, ws, _, c = smooth_norm_linear(need(cur, sg.source + ".weight", STEP), [need(cur, n, STEP) for n in names],
+                                         rows.tensor(), settings)
+        record(sg.source, c)
+        return {sg.source + ".weight": g, **dict(zip(names, ws))}
+
+    def pair_rule(sg: Subgraph, producer: Tensor, consumer: Tensor, rows: ActivationRows) -> tuple[Tensor, Tensor]:
+        p, w, _, c = smooth_pair(producer, consumer, rows.tensor(), settings)
+        record(sg.source, c)
+        return p, w
+
+    return smooth_subgraphs(STEP, tensors, cfg, settings.subgraphs(cfg, layer_id), stats, norm_rule, pair_rule)

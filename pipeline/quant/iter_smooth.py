@@ -28,7 +28,6 @@ or linear that already has a bias keeps it, folded the same way (b_norm = md(b *
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -37,12 +36,10 @@ from torch import Tensor
 
 from pipeline.config import DeepseekV3Config
 from pipeline.quant.outlier_stats import ChannelTrace
-from pipeline.quant.patterns import check_patterns
 from pipeline.quant.qparams import QuantError
-from pipeline.quant.subgraphs import (NORM_LINEAR, OV, SUBGRAPH_TYPES, UP_DOWN, Subgraph, check_subgraph_types,
-                                      layer_subgraphs, select_subgraphs, value_rows, with_value_rows)
+from pipeline.quant.subgraphs import NORM_LINEAR, Subgraph, SubgraphSelection, need, smooth_subgraphs
 
-log = logging.getLogger(__name__)
+STEP = "iter_smooth"
 W_MIN = 1e-5      # the clamp of the weight statistic
 
 
@@ -60,39 +57,22 @@ def check_unit(value, where: str) -> float:
 
 
 @dataclass(frozen=True)
-class IterSmoothSettings:
+class IterSmoothSettings(SubgraphSelection):
     """An ``iter_smooth`` process step (msModelSlim's defaults)."""
 
     alpha: float = 0.9
     scale_min: float = 1e-5
     symmetric: bool = True
-    enable_subgraph_type: tuple[str, ...] = SUBGRAPH_TYPES
-    include: tuple[str, ...] = ("*",)
-    exclude: tuple[str, ...] = ()
 
-    FIELDS = ("type", "alpha", "scale_min", "symmetric", "enable_subgraph_type", "include", "exclude")
+    STEP = "iter_smooth"
+    KEYS = ("alpha", "scale_min", "symmetric")
 
     def __post_init__(self):
+        super().__post_init__()
         object.__setattr__(self, "alpha", check_unit(self.alpha, "iter_smooth.alpha"))
         object.__setattr__(self, "scale_min", check_unit(self.scale_min, "iter_smooth.scale_min"))
         if not isinstance(self.symmetric, bool):
             raise QuantError(f"iter_smooth.symmetric: expected true or false, got {self.symmetric!r}")
-        object.__setattr__(self, "enable_subgraph_type",
-                           check_subgraph_types(self.enable_subgraph_type, "iter_smooth.enable_subgraph_type"))
-        object.__setattr__(self, "include", check_patterns(self.include, "iter_smooth.include") or ("*",))
-        object.__setattr__(self, "exclude", check_patterns(self.exclude, "iter_smooth.exclude"))
-
-    @classmethod
-    def from_step(cls, step: Mapping, where: str = "iter_smooth") -> "IterSmoothSettings":
-        """From a recipe's process entry (its ``type`` included); an unknown key is an error naming it."""
-        unknown = sorted(set(step) - set(cls.FIELDS))
-        if unknown:
-            raise QuantError(f"{where}: unknown key(s) {unknown}; an iter_smooth step takes {list(cls.FIELDS[1:])}")
-        return cls(**{k: v for k, v in step.items() if k != "type" and v is not None})
-
-    def subgraphs(self, cfg: DeepseekV3Config, layer_id: int) -> list[Subgraph]:
-        """The subgraphs of layer ``layer_id`` this step smooths, in its order."""
-        return select_subgraphs(layer_subgraphs(cfg, layer_id), self.enable_subgraph_type, self.include, self.exclude)
 
     def shifts(self, sg: Subgraph) -> bool:
         """Is ``sg`` shifted? Only norm-linear subgraphs, and only when not symmetric."""
@@ -100,14 +80,21 @@ class IterSmoothSettings:
 
 
 # ----- the formulas -----------------------------------------------------------------------------------
-def iter_scales(act: Tensor, weight_stat: Tensor, alpha: float, scale_min: float) -> Tensor:
-    """s = md(max(f32(a ** alpha / md(max(f32(w), 1e-5)) ** (1 - alpha)), scale_min)), md = w's dtype."""
+def balance_scales(act: Tensor, weight_stat: Tensor, alpha: float, beta: float, scale_min: float,
+                   step: str = STEP) -> Tensor:
+    """s = md(max(f32(a ** alpha / md(max(f32(w), 1e-5)) ** beta), scale_min)), md = w's dtype: the scale
+    formula of both steps (iter_smooth: beta = 1 - alpha)."""
     if act.shape != weight_stat.shape:
-        raise QuantError(f"iter_smooth: activation statistic {list(act.shape)} and weight statistic "
+        raise QuantError(f"{step}: activation statistic {list(act.shape)} and weight statistic "
                          f"{list(weight_stat.shape)} differ in shape")
     md = weight_stat.dtype
     w = weight_stat.float().clamp(min=W_MIN).to(md)
-    return (act.to(md).pow(alpha) / w.pow(1 - alpha)).float().clamp(min=scale_min).to(md)
+    return (act.to(md).pow(alpha) / w.pow(beta)).float().clamp(min=scale_min).to(md)
+
+
+def iter_scales(act: Tensor, weight_stat: Tensor, alpha: float, scale_min: float) -> Tensor:
+    """iter_smooth's s = md(max(f32(a ** alpha / md(max(f32(w), 1e-5)) ** (1 - alpha)), scale_min))."""
+    return balance_scales(act, weight_stat, alpha, 1 - alpha, scale_min)
 
 
 @dataclass(frozen=True)
@@ -168,48 +155,19 @@ def iter_smooth_layer(tensors: Mapping[str, Tensor], layer_id: int, cfg: Deepsee
     ``stats``: the ChannelTrace of each smoothed subgraph's observed module (observing_subgraphs over
     ``settings.subgraphs(cfg, layer_id)``), from a forward of the layer as it is before this step.
     A routed expert that saw no token is left as it is (msModelSlim skips it)."""
-    out = dict(tensors)
-    for sg in settings.subgraphs(cfg, layer_id):
-        trace = stats.get(sg.observed)
-        if trace is None or not trace.samples:
-            if sg.routed_expert:
-                log.info("iter_smooth: %s saw no token; left unsmoothed", sg.observed)
-                continue
-            raise QuantError(f"iter_smooth: no statistics for {sg.observed} (subgraph {sg.kind} of {sg.source})")
-        _apply(out, sg, cfg, trace, settings)
-    return out
 
-
-def _need(tensors: Mapping[str, Tensor], name: str) -> Tensor:
-    if name not in tensors:
-        raise QuantError(f"iter_smooth: tensor {name} is missing from the layer")
-    return tensors[name]
-
-
-def _apply(out: dict, sg: Subgraph, cfg: DeepseekV3Config, trace: ChannelTrace, st: IterSmoothSettings) -> None:
-    if sg.kind == NORM_LINEAR:
-        if st.shifts(sg):
-            act, shift = trace.shifted_absmax()
-        else:
-            act, shift = trace.absmax(), None
-        names = [t + ".weight" for t in sg.targets]
-        r = smooth_norm_linear(_need(out, sg.source + ".weight"), [_need(out, n) for n in names], act,
-                               st.alpha, st.scale_min, shift, out.get(sg.source + ".bias"),
-                               [out.get(t + ".bias") for t in sg.targets])
-        out[sg.source + ".weight"] = r.norm_weight
+    def norm_rule(sg: Subgraph, cur: Mapping[str, Tensor], trace: ChannelTrace) -> dict:
+        act, shift = trace.shifted_absmax() if settings.shifts(sg) else (trace.absmax(), None)
+        r = smooth_norm_linear(need(cur, sg.source + ".weight", STEP), [need(cur, t + ".weight", STEP) for t in sg.targets],
+                               act, settings.alpha, settings.scale_min, shift, cur.get(sg.source + ".bias"),
+                               [cur.get(t + ".bias") for t in sg.targets])
+        new = {sg.source + ".weight": r.norm_weight, **{t + ".weight": w for t, w in zip(sg.targets, r.weights)}}
         if r.norm_bias is not None:
-            out[sg.source + ".bias"] = r.norm_bias
-        for t, w, b in zip(sg.targets, r.weights, r.biases):
-            out[t + ".weight"] = w
-            if b is not None:
-                out[t + ".bias"] = b
-    elif sg.kind == OV:
-        kv_b, o = sg.source + ".weight", sg.observed + ".weight"
-        H, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-        rows, w_o, _ = smooth_pair(value_rows(_need(out, kv_b), H, dn, dv, kv_b), _need(out, o),
-                                   trace.absmax(), st.alpha, st.scale_min)
-        out[kv_b], out[o] = with_value_rows(out[kv_b], rows, H, dn, dv), w_o
-    elif sg.kind == UP_DOWN:
-        up, down = sg.source + ".weight", sg.observed + ".weight"
-        out[up], out[down], _ = smooth_pair(_need(out, up), _need(out, down), trace.absmax(), st.alpha,
-                                            st.scale_min)
+            new[sg.source + ".bias"] = r.norm_bias
+        new.update({t + ".bias": b for t, b in zip(sg.targets, r.biases) if b is not None})
+        return new
+
+    def pair_rule(sg: Subgraph, rows: Tensor, consumer: Tensor, trace: ChannelTrace) -> tuple[Tensor, Tensor]:
+        return smooth_pair(rows, consumer, trace.absmax(), settings.alpha, settings.scale_min)[:2]
+
+    return smooth_subgraphs(STEP, tensors, cfg, settings.subgraphs(cfg, layer_id), stats, norm_rule, pair_rule)

@@ -21,8 +21,9 @@ subgraph, the type is accepted because recipes may name it.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -31,6 +32,7 @@ from pipeline.config import DeepseekV3Config
 from pipeline.quant.patterns import check_patterns, selected
 from pipeline.quant.qparams import QuantError
 
+log = logging.getLogger(__name__)
 NORM_LINEAR, LINEAR_LINEAR, OV, UP_DOWN = "norm-linear", "linear-linear", "ov", "up-down"
 SUBGRAPH_TYPES = (NORM_LINEAR, LINEAR_LINEAR, OV, UP_DOWN)   # msModelSlim's default enable_subgraph_type
 PRIORITY = {UP_DOWN: 1, OV: 2, LINEAR_LINEAR: 3, NORM_LINEAR: 4}
@@ -94,6 +96,39 @@ def select_subgraphs(subgraphs: Sequence[Subgraph], enable: Sequence[str], inclu
     return sorted(kept, key=lambda s: PRIORITY[s.kind])
 
 
+@dataclass(frozen=True)
+class SubgraphSelection:
+    """What every anti-outlier step's settings share: which subgraphs it smooths. A subclass names its
+    recipe ``STEP`` and its own ``KEYS``; msModelSlim's defaults are every type and ``include: ["*"]``."""
+
+    enable_subgraph_type: tuple[str, ...] = SUBGRAPH_TYPES
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ()
+
+    STEP = "anti_outlier"
+    KEYS = ()   # the step's own keys (class attribute, not a field)
+
+    def __post_init__(self):
+        set_ = lambda f, v: object.__setattr__(self, f, v)  # noqa: E731 (frozen)
+        set_("enable_subgraph_type", check_subgraph_types(self.enable_subgraph_type,
+                                                          f"{self.STEP}.enable_subgraph_type"))
+        set_("include", check_patterns(self.include, f"{self.STEP}.include") or ("*",))
+        set_("exclude", check_patterns(self.exclude, f"{self.STEP}.exclude"))
+
+    @classmethod
+    def from_step(cls, step: Mapping, where: Optional[str] = None):
+        """From a recipe's process entry (its ``type`` included); an unknown key is an error naming it."""
+        keys = ("type", *cls.KEYS, "enable_subgraph_type", "include", "exclude")
+        unknown = sorted(set(step) - set(keys))
+        if unknown:
+            raise QuantError(f"{where or cls.STEP}: unknown key(s) {unknown}; a {cls.STEP} step takes {list(keys[1:])}")
+        return cls(**{k: v for k, v in step.items() if k != "type" and v is not None})
+
+    def subgraphs(self, cfg: DeepseekV3Config, layer_id: int) -> list[Subgraph]:
+        """The subgraphs of layer ``layer_id`` this step smooths, in its order."""
+        return select_subgraphs(layer_subgraphs(cfg, layer_id), self.enable_subgraph_type, self.include, self.exclude)
+
+
 def subgraph_weights(subgraphs: Sequence[Subgraph]) -> frozenset[str]:
     """The tensors (``.weight`` names) smoothing these subgraphs may rewrite: what a reader must hand over
     in the model dtype rather than defer (FP8 weights read later)."""
@@ -114,4 +149,47 @@ def with_value_rows(kv_b_weight: torch.Tensor, rows: torch.Tensor, heads: int, n
     """kv_b_proj's weight with its value rows replaced by ``rows`` [H * v, C] (a new tensor)."""
     out = kv_b_weight.clone()
     out.view(heads, nope + v, -1)[:, nope:] = rows.view(heads, v, -1)
+    return out
+
+
+# ----- applying a step to a layer ---------------------------------------------------------------------
+# norm-linear: (subgraph, the layer's tensors so far, its statistics) -> the tensors to replace or add
+NormRule = Callable[[Subgraph, Mapping[str, torch.Tensor], Any], dict]
+# ov / up-down: (subgraph, producer rows P [k, C], consumer W [n, k], its statistics) -> (new P, new W)
+PairRule = Callable[[Subgraph, torch.Tensor, torch.Tensor, Any], tuple]
+
+
+def need(tensors: Mapping[str, torch.Tensor], name: str, step: str) -> torch.Tensor:
+    if name not in tensors:
+        raise QuantError(f"{step}: tensor {name} is missing from the layer")
+    return tensors[name]
+
+
+def smooth_subgraphs(step: str, tensors: Mapping[str, torch.Tensor], cfg: DeepseekV3Config,
+                     subgraphs: Sequence[Subgraph], stats: Mapping[str, Any], norm_rule: NormRule,
+                     pair_rule: PairRule) -> dict[str, torch.Tensor]:
+    """A layer's HF-named tensors with ``subgraphs`` smoothed in order: a new dict, untouched tensors shared.
+    ``stats`` maps each subgraph's observed module to its observer (``samples`` 0: nothing seen). A routed
+    expert that saw no token is left as it is (msModelSlim skips it); any other missing statistic is an
+    error."""
+    out = dict(tensors)
+    for sg in subgraphs:
+        obs = stats.get(sg.observed)
+        if obs is None or not obs.samples:
+            if sg.routed_expert:
+                log.info("%s: %s saw no token; left unsmoothed", step, sg.observed)
+                continue
+            raise QuantError(f"{step}: no statistics for {sg.observed} (subgraph {sg.kind} of {sg.source})")
+        if sg.kind == NORM_LINEAR:
+            out.update(norm_rule(sg, out, obs))
+        elif sg.kind == OV:
+            kv_b, o = sg.source + ".weight", sg.observed + ".weight"
+            H, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+            rows, out[o] = pair_rule(sg, value_rows(need(out, kv_b, step), H, dn, dv, kv_b), need(out, o, step), obs)
+            out[kv_b] = with_value_rows(out[kv_b], rows, H, dn, dv)
+        elif sg.kind == UP_DOWN:
+            up, down = sg.source + ".weight", sg.observed + ".weight"
+            out[up], out[down] = pair_rule(sg, need(out, up, step), need(out, down, step), obs)
+        else:  # DeepSeek has no linear-linear subgraph (layer_subgraphs never lists one)
+            raise QuantError(f"{step}: subgraph type {sg.kind} has no rule")
     return out
