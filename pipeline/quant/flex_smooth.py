@@ -7,7 +7,8 @@ model dtype md, each operation rounded to md::
     error(alpha, beta):
         Y   = X @ W.T                         ref = mean(Y ** 2) ** 0.5
         f   = max_t |X[t, :]| ** alpha * max_i |W[i, :]| ** (-beta)                  [1, k]
-        Xq  = fake8(X / f)   Wq = fake8(W * f)   fake8(r) = round(r / (max|r| / 127)).clip(-127, 127) * (max|r| / 127) per row
+        Xq  = fake8(X / f)   Wq = fake8(W * f)
+        fake8(r) = round(r / d).clip(-127, 127) * d,  d = max|r| / 127 per row
         err = mean(|Xq @ Wq.T - Y| ** 2) ** 0.5 / ref                                 (a Python float of md)
     grid  = 0, 0.05, ..., 1 (21 values)
     alpha = the last grid value with the smallest error(alpha, 1 - alpha)            ("<=": ties go up)

@@ -158,8 +158,9 @@ def iter_smooth_layer(tensors: Mapping[str, Tensor], layer_id: int, cfg: Deepsee
 
     def norm_rule(sg: Subgraph, cur: Mapping[str, Tensor], trace: ChannelTrace) -> dict:
         act, shift = trace.shifted_absmax() if settings.shifts(sg) else (trace.absmax(), None)
-        r = smooth_norm_linear(need(cur, sg.source + ".weight", STEP), [need(cur, t + ".weight", STEP) for t in sg.targets],
-                               act, settings.alpha, settings.scale_min, shift, cur.get(sg.source + ".bias"),
+        r = smooth_norm_linear(need(cur, sg.source + ".weight", STEP),
+                               [need(cur, t + ".weight", STEP) for t in sg.targets], act, settings.alpha,
+                               settings.scale_min, shift, cur.get(sg.source + ".bias"),
                                [cur.get(t + ".bias") for t in sg.targets])
         new = {sg.source + ".weight": r.norm_weight, **{t + ".weight": w for t, w in zip(sg.targets, r.weights)}}
         if r.norm_bias is not None:

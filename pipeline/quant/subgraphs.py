@@ -136,7 +136,8 @@ def subgraph_weights(subgraphs: Sequence[Subgraph]) -> frozenset[str]:
 
 
 # ----- MLA value rows ---------------------------------------------------------------------------------
-def value_rows(kv_b_weight: torch.Tensor, heads: int, nope: int, v: int, name: str = "kv_b_proj.weight") -> torch.Tensor:
+def value_rows(kv_b_weight: torch.Tensor, heads: int, nope: int, v: int,
+               name: str = "kv_b_proj.weight") -> torch.Tensor:
     """The value rows of kv_b_proj [H * (nope + v), C] as [H * v, C] (head-major: what o_proj's input
     columns multiply), a copy."""
     if kv_b_weight.dim() != 2 or kv_b_weight.shape[0] != heads * (nope + v):
