@@ -24,7 +24,8 @@ from safetensors.torch import load_file
 from pipeline import layout
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.quant.qparams import quantize_weight_per_channel
-from pipeline.quant.quarot import QUAROT_FILE, build_rotations, description_entry, optional_tensors, rotate_globals, rotate_layer
+from pipeline.quant.quarot import (
+    QUAROT_FILE, build_rotations, description_entry, optional_tensors, rotate_globals, rotate_layer)
 from tiny import FIXTURES
 
 REF = FIXTURES / "msmodelslim-v1-bf16-quarot-c8"

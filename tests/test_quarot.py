@@ -100,9 +100,11 @@ def test_matches_msmodelslim_quarot_c8(mode):
     assert not differing, differing
     expected = {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
                 "model.layers.1.mlp.gate.weight", "model.layers.0.post_attention_layernorm.weight",
-                "model.layers.2.self_attn.kv_a_layernorm.weight", "model.layers.0.self_attn.kv_b_proj.weight[nope rows]",
+                "model.layers.2.self_attn.kv_a_layernorm.weight",
+                "model.layers.0.self_attn.kv_b_proj.weight[nope rows]",
                 "model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight_scale",
-                "model.layers.2.mlp.experts.7.up_proj.weight_scale", "model.layers.1.mlp.shared_experts.gate_proj.weight",
+                "model.layers.2.mlp.experts.7.up_proj.weight_scale",
+                "model.layers.1.mlp.shared_experts.gate_proj.weight",
                 "model.layers.3.embed_tokens.weight", "model.layers.3.eh_proj.weight", "model.layers.3.enorm.weight",
                 "model.layers.3.hnorm.weight", "model.layers.3.shared_head.norm.weight",
                 "model.layers.3.shared_head.head.weight", "model.layers.3.self_attn.kv_b_proj.weight",
@@ -125,7 +127,8 @@ def test_optional_export():
     assert name == "global_rotation" and g.dtype == torch.float32 and g.shape == (128, 128)
     assert torch.equal(g, torch.block_diag(*[random_hadamard(16)] * 8))
     assert torch.equal(g[g != 0].abs(), torch.full((8 * 16 * 16,), 0.25))
-    assert description_entry() == {"optional": {"quarot": {"rotation_map": {"global_rotation": "optional/quarot.safetensors"}}}}
+    rotation_map = {"global_rotation": "optional/quarot.safetensors"}
+    assert description_entry() == {"optional": {"quarot": {"rotation_map": rotation_map}}}
 
 
 # ----- the float model's function ----------------------------------------------------------------------
@@ -218,7 +221,8 @@ def test_bad_input_is_a_one_line_error():
     cases = [
         ({up: t[up]}, 0, "model.layers.0.mlp.up_proj.weight: quarot needs "
                          "model.layers.0.post_attention_layernorm.weight in the same call to fold it"),
-        ({"model.layers.0.mlp.up_proj.bias": torch.zeros(3)}, 0, "model.layers.0.mlp.up_proj.bias: quarot does not know"),
+        ({"model.layers.0.mlp.up_proj.bias": torch.zeros(3)}, 0,
+         "model.layers.0.mlp.up_proj.bias: quarot does not know"),
         ({up: t[up]}, 1, "model.layers.0.mlp.up_proj.weight: not a tensor of model.layers.1"),
         ({"model.layers.0.self_attn.o_proj.weight": t["model.layers.0.self_attn.o_proj.weight"].to(torch.int8)}, 0,
          "model.layers.0.self_attn.o_proj.weight: quarot needs a float weight, got torch.int8"),

@@ -149,14 +149,19 @@ def identity(size: int) -> Piece:
     return Piece(size)
 
 
+def check_block_size(block_size: int) -> None:
+    """QuantError unless ``block_size`` is -1 or a positive power of two (msModelSlim's rule)."""
+    if block_size != FULL and not is_power_of_two(block_size):
+        raise QuantError(f"quarot block_size must be -1 or a positive power of two, got {block_size}")
+
+
 def block_size_for(dim: int, block_size: int, what: str, shrink: bool = False) -> int:
     """The block size used on a rotated dimension ``dim`` (named ``what`` in errors).
 
     ``block_size`` is -1 (one block over the whole dimension, which must then be a power of two) or a power
     of two dividing ``dim``. When it does not divide ``dim``: a QuantError, or with ``shrink`` the largest
     power of two below it that does (logged). msModelSlim itself fails there with an AttributeError."""
-    if block_size != FULL and not is_power_of_two(block_size):
-        raise QuantError(f"quarot block_size must be -1 or a positive power of two, got {block_size}")
+    check_block_size(block_size)
     if block_size == FULL:
         if not is_power_of_two(dim):
             raise QuantError(f"quarot block_size -1 needs a Hadamard matrix of order {what} {dim}, which is "

@@ -40,7 +40,7 @@ from pipeline.config import DeepseekV3Config
 from pipeline.io.finite import all_finite
 from pipeline.layout import layer_prefix
 from pipeline.quant.hadamard import (
-    SEED, Piece, Rotation, block_hadamard, block_size_for, identity, shifted_block_hadamard)
+    FULL, SEED, Rotation, block_hadamard, check_block_size, identity, shifted_block_hadamard)
 from pipeline.quant.qparams import QuantError
 
 QUAROT_FILE = "optional/quarot.safetensors"
@@ -74,16 +74,9 @@ def build_rotations(cfg: DeepseekV3Config, block_size: int = 32, *, shrink: bool
     dims = {"hidden_size": cfg.hidden_size, "kv_lora_rank": cfg.kv_lora_rank, "v_head_dim": cfg.v_head_dim}
     if cfg.q_lora_rank:
         dims["q_lora_rank"] = cfg.q_lora_rank
-    if not shrink:
-        bad = []
-        for what, dim in dims.items():
-            b = 32 if block_size == -1 and what == "q_lora_rank" else block_size
-            try:
-                block_size_for(dim, b, what)
-            except QuantError as e:
-                if "does not divide" not in str(e):
-                    raise
-                bad.append(f"{what} {dim}")
+    check_block_size(block_size)
+    if block_size != FULL and not shrink:
+        bad = [f"{what} {dim}" for what, dim in dims.items() if dim % block_size]
         if bad:
             raise QuantError(f"quarot block_size {block_size} does not divide {', '.join(bad)} (it must divide "
                              f"every rotated dimension: {', '.join(f'{k} {v}' for k, v in dims.items())})")
