@@ -28,23 +28,21 @@ from safetensors.torch import load_file
 
 from pipeline.config import DeepseekV3Config
 from pipeline.model.causal_lm import build_model
-from pipeline.quant.flex_smooth import FlexSmoothSettings, flex_smooth_layer
-from pipeline.quant.iter_smooth import IterSmoothSettings, iter_smooth_layer
+from pipeline.quant import modelslim_yaml
+from pipeline.quant.flex_smooth import flex_smooth_layer
+from pipeline.quant.iter_smooth import iter_smooth_layer
 from pipeline.quant.options import QuantizeOptions, calibration_samples
 from pipeline.quant.outlier_stats import ActivationRows, ChannelTrace, observing_subgraphs
 from pipeline.quant.qparams import quantize_weight_per_channel, static_activation_params
+from pipeline.quant.steps import FlexSmooth
+from pipeline.quant.subgraphs import step_subgraphs
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 SOURCE = FIXTURES / "tiny-deepseek-v3"
-STEPS = {
-    # the recipes' settings (tests/fixtures/recipe-itersmooth.yaml, recipe-flexsmooth.yaml)
-    "iter_smooth": (FIXTURES / "msmodelslim-v1-bf16-itersmooth",
-                    IterSmoothSettings(alpha=0.5, scale_min=1e-5, symmetric=False,
-                                       enable_subgraph_type=("norm-linear", "ov"), include=("*",)),
-                    ChannelTrace, iter_smooth_layer),
-    "flex_smooth_quant": (FIXTURES / "msmodelslim-v1-bf16-flexsmooth",
-                          FlexSmoothSettings(enable_subgraph_type=("norm-linear", "ov"), include=("*",)),
-                          ActivationRows, flex_smooth_layer),
+STEPS = {  # fixture, its recipe (whose first process step is the one compared), observer, layer function
+    "iter_smooth": ("msmodelslim-v1-bf16-itersmooth", "recipe-itersmooth.yaml", ChannelTrace, iter_smooth_layer),
+    "flex_smooth_quant": ("msmodelslim-v1-bf16-flexsmooth", "recipe-flexsmooth.yaml", ActivationRows,
+                          flex_smooth_layer),
 }
 QUANTIZED = ("q_a_proj", "q_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj")
 
@@ -59,14 +57,17 @@ def compare(ours: torch.Tensor, theirs: torch.Tensor) -> dict:
 
 
 def run(step: str, layer_ids=(0, 1, 2)) -> dict:
-    fixture, settings, kind, smooth_layer = STEPS[step]
+    folder, recipe, kind, smooth_layer = STEPS[step]
+    fixture = FIXTURES / folder
+    settings = modelslim_yaml.load(str(FIXTURES / recipe)).recipe.steps[0]
+    assert settings.type == step, settings
     cfg = DeepseekV3Config.from_file(str(SOURCE / "config.json"))
     src = load_file(str(SOURCE / "model.safetensors"))
     ref = load_file(str(next(fixture.glob("quant_model_weights-*.safetensors"))))
     model = build_model(cfg, src, dtype=torch.bfloat16)
     samples = calibration_samples(str(SOURCE), QuantizeOptions(calib_path=str(FIXTURES / "calib.json")),
                                   cfg.max_position_embeddings)
-    subgraphs = [sg for i in layer_ids for sg in settings.subgraphs(cfg, i)]
+    subgraphs = [sg for i in layer_ids for sg in step_subgraphs(settings, cfg, i)]
     with torch.no_grad(), observing_subgraphs(model, subgraphs, kind) as stats:
         for s in samples:
             model.run_layers(model.embed(torch.tensor([s])), range(max(layer_ids) + 1))
@@ -94,7 +95,7 @@ def run(step: str, layer_ids=(0, 1, 2)) -> dict:
     if step == "flex_smooth_quant" and 0 in layer_ids:
         # msModelSlim's choice for layer 0's ov, recovered from its kv_b_proj rows by a least-squares fit of
         # log(1 / s) against log(a), log(w): alpha 0.249, beta 0.750
-        fixed = FlexSmoothSettings(alpha=0.25, beta=0.75, enable_subgraph_type=("ov",))
+        fixed = FlexSmooth(alpha=0.25, beta=0.75, enable_subgraph_type=("ov",))
         new = flex_smooth_layer({k: v for k, v in src.items() if k.startswith("model.layers.0.")}, 0, cfg,
                                 stats, fixed)
         kv_b, o = "model.layers.0.self_attn.kv_b_proj.weight", "model.layers.0.self_attn.o_proj.weight"

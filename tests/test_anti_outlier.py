@@ -11,13 +11,14 @@ import torch
 from pipeline.config import DeepseekV3Config
 from pipeline.model.causal_lm import build_model
 from pipeline.quant import flex_smooth
-from pipeline.quant.flex_smooth import FlexSmoothSettings, flex_smooth_layer, pick_alpha_beta, search_alpha_beta
-from pipeline.quant.iter_smooth import IterSmoothSettings, iter_scales, iter_smooth_layer
+from pipeline.quant.flex_smooth import choose, flex_smooth_layer, pick_alpha_beta, search_alpha_beta
+from pipeline.quant.iter_smooth import iter_scales, iter_smooth_layer, shifts
 from pipeline.quant.outlier_stats import ActivationRows, ChannelTrace, observing_subgraphs
 from pipeline.quant.patterns import PatternError, expand_braces, matches, selected
 from pipeline.quant.qparams import QuantError
-from pipeline.quant.subgraphs import (NORM_LINEAR, OV, UP_DOWN, layer_subgraphs, select_subgraphs, subgraph_weights,
-                                      value_rows, with_value_rows)
+from pipeline.quant.steps import FlexSmooth, IterSmooth
+from pipeline.quant.subgraphs import (NORM_LINEAR, OV, UP_DOWN, layer_subgraphs, select_subgraphs, step_subgraphs,
+                                      subgraph_weights, value_rows, with_value_rows)
 from tiny import random_tensors, tiny_config
 
 FUNCTION_REL = 1e-4   # a float32 layer, smoothed, against itself unsmoothed: max |diff| / max |out|
@@ -201,22 +202,20 @@ def test_search_prefers_smoothing_an_outlier_channel():
     assert err == flex_smooth._Search(x, w).error(alpha, beta)
 
 
-def test_settings_from_recipe_steps():
-    st = IterSmoothSettings.from_step({"type": "iter_smooth", "alpha": 0.5, "scale_min": "1e-5", "symmetric": False,
-                                       "enable_subgraph_type": ["norm-linear", "ov"], "include": ["*"]})
-    assert (st.alpha, st.scale_min, st.symmetric, st.enable_subgraph_type) == (0.5, 1e-5, False, ("norm-linear", "ov"))
-    assert IterSmoothSettings() == IterSmoothSettings(alpha=0.9, scale_min=1e-5, symmetric=True)
-    assert FlexSmoothSettings.from_step({"type": "flex_smooth_quant", "enable_subgraph_type": ["ov"]}).searches
-    assert not FlexSmoothSettings(alpha=0.5, beta=0.5).searches
-    assert FlexSmoothSettings(alpha=0.5).searches                        # msModelSlim searches unless both are set
-    for step, msg in (({"alpha": 1.0}, "iter_smooth.alpha: must be in"), ({"alpha": True}, "iter_smooth.alpha"),
-                      ({"symmetric": "no"}, "iter_smooth.symmetric"), ({"ratio": 0.1}, r"unknown key\(s\) \['ratio'\]"),
-                      ({"enable_subgraph_type": ["qkv"]}, "unknown subgraph type 'qkv'"),
-                      ({"include": "*"}, "iter_smooth.include: expected a list")):
-        with pytest.raises(QuantError, match=msg):
-            IterSmoothSettings.from_step(step)
-    with pytest.raises(QuantError, match="flex_smooth_quant.beta"):
-        FlexSmoothSettings.from_step({"beta": 0})
+def test_recipe_steps_select_and_set_the_smoothing():
+    """The recipe's step objects (pipeline.quant.steps) drive the layer functions: which subgraphs, shifted
+    or not, searched or not (msModelSlim searches unless both alpha and beta are set)."""
+    cfg = tiny()
+    m4 = IterSmooth(alpha=0.5, scale_min=1e-5, symmetric=False, enable_subgraph_type=("norm-linear", "ov"))
+    sgs = step_subgraphs(m4, cfg, 0)
+    assert [(s.kind, shifts(m4, s)) for s in sgs] == [(OV, False), (NORM_LINEAR, True), (NORM_LINEAR, True)]
+    assert not any(shifts(IterSmooth(), s) for s in sgs)
+    assert len(step_subgraphs(IterSmooth(), cfg, 1)) == 3 + 1 + cfg.n_routed_experts   # msModelSlim's defaults
+    assert step_subgraphs(IterSmooth(exclude=("*layers.1.*",)), cfg, 1) == []
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(64, 16, generator=g), torch.randn(8, 16, generator=g)
+    assert choose(x, w, FlexSmooth(alpha=0.5, beta=0.25)) == flex_smooth.FlexChoice(0.5, 0.25, None)
+    assert choose(x, w, FlexSmooth(alpha=0.5)) == flex_smooth.FlexChoice(*search_alpha_beta(x, w))
 
 
 # ----- whole layers on a float32 model ----------------------------------------------------------------
@@ -260,15 +259,15 @@ def test_steps_preserve_each_layers_function(step):
     rounding (the two halves on the same input: a MoE router flips near-ties on rounding-level changes)."""
     cfg, tensors, model = float_model()
     if step == "iter_smooth":
-        settings, kind, fn = IterSmoothSettings(alpha=0.5, symmetric=False), ChannelTrace, iter_smooth_layer
+        settings, kind, fn = IterSmooth(alpha=0.5, symmetric=False), ChannelTrace, iter_smooth_layer
     else:
-        settings, kind, fn = FlexSmoothSettings(), ActivationRows, flex_smooth_layer
+        settings, kind, fn = FlexSmooth(), ActivationRows, flex_smooth_layer
     samples = token_samples(cfg)
     for i in range(cfg.num_hidden_layers):
         hs = [model.embed(t) for t in samples]
         with torch.no_grad():
             hs = [model.run_layers(h, range(i)) if i else h for h in hs]
-        subgraphs = settings.subgraphs(cfg, i)
+        subgraphs = step_subgraphs(settings, cfg, i)
         with torch.no_grad(), observing_subgraphs(model, subgraphs, kind) as stats:
             before = [sublayers(model, i, h) for h in hs]
         p = f"model.layers.{i}."
@@ -291,8 +290,8 @@ def test_steps_preserve_each_layers_function(step):
 
 def test_iter_smooth_symmetric_writes_no_bias_and_skips_idle_experts():
     cfg, tensors, model = float_model(1)
-    settings = IterSmoothSettings(alpha=0.5, symmetric=True, enable_subgraph_type=("norm-linear", "up-down"))
-    subgraphs = settings.subgraphs(cfg, 1)
+    settings = IterSmooth(alpha=0.5, symmetric=True, enable_subgraph_type=("norm-linear", "up-down"))
+    subgraphs = step_subgraphs(settings, cfg, 1)
     with torch.no_grad(), observing_subgraphs(model, subgraphs, ChannelTrace) as stats:
         for t in token_samples(cfg):
             model.run_layers(model.embed(t), range(2))
@@ -315,7 +314,7 @@ def test_iter_smooth_symmetric_writes_no_bias_and_skips_idle_experts():
 
 def test_observing_subgraphs_sees_each_target_input():
     cfg, tensors, model = float_model(2)
-    sgs = IterSmoothSettings(enable_subgraph_type=("norm-linear", "ov")).subgraphs(cfg, 0)
+    sgs = step_subgraphs(IterSmooth(enable_subgraph_type=("norm-linear", "ov")), cfg, 0)
     samples = token_samples(cfg)
     with torch.no_grad(), observing_subgraphs(model, sgs, ActivationRows) as rows:
         for t in samples:

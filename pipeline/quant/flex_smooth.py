@@ -35,37 +35,16 @@ import torch
 from torch import Tensor
 
 from pipeline.config import DeepseekV3Config
-from pipeline.quant.iter_smooth import balance_scales, check_unit
+from pipeline.quant.iter_smooth import balance_scales
 from pipeline.quant.outlier_stats import ActivationRows
 from pipeline.quant.qparams import QuantError
-from pipeline.quant.subgraphs import Subgraph, SubgraphSelection, need, smooth_subgraphs
+from pipeline.quant.steps import FlexSmooth
+from pipeline.quant.subgraphs import Subgraph, need, smooth_subgraphs, step_subgraphs
 
 log = logging.getLogger(__name__)
 STEP = "flex_smooth_quant"
 GRID = tuple(k * 5 / 100 for k in range(21))   # 0.0, 0.05, ..., 1.0: the float64 values numpy's rounded grid holds
 SCALE_MIN = 1e-5
-
-
-@dataclass(frozen=True)
-class FlexSmoothSettings(SubgraphSelection):
-    """A ``flex_smooth_quant`` process step (msModelSlim's defaults: search alpha and beta)."""
-
-    alpha: Optional[float] = None
-    beta: Optional[float] = None
-
-    STEP = "flex_smooth_quant"
-    KEYS = ("alpha", "beta")
-
-    def __post_init__(self):
-        super().__post_init__()
-        for f in ("alpha", "beta"):
-            v = getattr(self, f)
-            if v is not None:
-                object.__setattr__(self, f, check_unit(v, f"flex_smooth_quant.{f}"))
-
-    @property
-    def searches(self) -> bool:
-        return self.alpha is None or self.beta is None
 
 
 # ----- the search -------------------------------------------------------------------------------------
@@ -129,14 +108,15 @@ class FlexChoice:
     error: Optional[float]    # None when not searched
 
 
-def choose(x: Tensor, w: Tensor, settings: FlexSmoothSettings) -> FlexChoice:
-    if not settings.searches:
-        return FlexChoice(settings.alpha, settings.beta, None)  # type: ignore[arg-type]
+def choose(x: Tensor, w: Tensor, step: FlexSmooth) -> FlexChoice:
+    """The step's alpha / beta when both are set, else the search's (msModelSlim ignores a lone one)."""
+    if step.alpha is not None and step.beta is not None:
+        return FlexChoice(step.alpha, step.beta, None)
     return FlexChoice(*search_alpha_beta(x, w))
 
 
 def smooth_norm_linear(norm_weight: Tensor, weights: Sequence[Tensor], x: Tensor,
-                       settings: FlexSmoothSettings) -> tuple[Tensor, list[Tensor], Tensor, FlexChoice]:
+                       step: FlexSmooth) -> tuple[Tensor, list[Tensor], Tensor, FlexChoice]:
     """A norm (weight g [k]) feeding linears W_i [n_i, k], observed rows x [N, k] (md) ->
     (g * md(1 / s), [W_i * s], s, choice)."""
     md = norm_weight.dtype
@@ -145,32 +125,32 @@ def smooth_norm_linear(norm_weight: Tensor, weights: Sequence[Tensor], x: Tensor
         if w.dim() != 2 or w.shape[1] != k or w.dtype != md:
             raise QuantError(f"flex_smooth_quant: linear {i} is {w.dtype} {list(w.shape)}, expected {md} [n, {k}]")
     x = x.to(md)
-    c = choose(x, torch.cat(list(weights), 0), settings)
+    c = choose(x, torch.cat(list(weights), 0), step)
     w_max = torch.stack([w.abs().amax(0) for w in weights]).amax(0)
     s = flex_scales(torch.abs(x).amax(0), w_max, c.alpha, c.beta)
     return norm_weight * (1.0 / s), [w * s.view(1, -1) for w in weights], s, c
 
 
 def smooth_pair(producer_rows: Tensor, consumer: Tensor, x: Tensor,
-                settings: FlexSmoothSettings) -> tuple[Tensor, Tensor, Tensor, FlexChoice]:
+                step: FlexSmooth) -> tuple[Tensor, Tensor, Tensor, FlexChoice]:
     """ov / up-down: producer rows P [k, C], consumer W [n, k], the consumer's observed input rows x [N, k]
     -> (P * md(1 / s) per row, W * s per column, s, choice)."""
     if consumer.dim() != 2 or producer_rows.dim() != 2 or producer_rows.shape[0] != consumer.shape[1]:
         raise QuantError(f"flex_smooth_quant: producer rows {list(producer_rows.shape)} do not feed consumer "
                          f"{list(consumer.shape)}")
     x = x.to(consumer.dtype)
-    c = choose(x, consumer, settings)
+    c = choose(x, consumer, step)
     s = flex_scales(torch.abs(x).amax(0), consumer.abs().amax(0), c.alpha, c.beta)
     return producer_rows * (1.0 / s).view(-1, 1), consumer * s.view(1, -1), s, c
 
 
 # ----- a layer ----------------------------------------------------------------------------------------
 def flex_smooth_layer(tensors: Mapping[str, Tensor], layer_id: int, cfg: DeepseekV3Config,
-                      stats: Mapping[str, ActivationRows], settings: FlexSmoothSettings,
+                      stats: Mapping[str, ActivationRows], step: FlexSmooth,
                       choices: Optional[dict[str, FlexChoice]] = None) -> dict[str, Tensor]:
     """Layer ``layer_id``'s HF-named tensors with flex_smooth_quant folded in: a new dict (untouched
     tensors shared; no new tensor: the smoothing is symmetric). ``stats``: the ActivationRows of each
-    smoothed subgraph's observed module (observing_subgraphs over ``settings.subgraphs(cfg, layer_id)``),
+    smoothed subgraph's observed module (observing_subgraphs over ``step_subgraphs(step, cfg, layer_id)``),
     from a forward of the layer as it is before this step. ``choices``, when given, receives each
     subgraph's alpha / beta by its source module's name. A routed expert that saw no token is left as
     it is."""
@@ -183,13 +163,13 @@ def flex_smooth_layer(tensors: Mapping[str, Tensor], layer_id: int, cfg: Deepsee
     def norm_rule(sg: Subgraph, cur: Mapping[str, Tensor], rows: ActivationRows) -> dict:
         names = [t + ".weight" for t in sg.targets]
         g, ws, _, c = smooth_norm_linear(need(cur, sg.source + ".weight", STEP), [need(cur, n, STEP) for n in names],
-                                         rows.tensor(), settings)
+                                         rows.tensor(), step)
         record(sg.source, c)
         return {sg.source + ".weight": g, **dict(zip(names, ws))}
 
     def pair_rule(sg: Subgraph, producer: Tensor, consumer: Tensor, rows: ActivationRows) -> tuple[Tensor, Tensor]:
-        p, w, _, c = smooth_pair(producer, consumer, rows.tensor(), settings)
+        p, w, _, c = smooth_pair(producer, consumer, rows.tensor(), step)
         record(sg.source, c)
         return p, w
 
-    return smooth_subgraphs(STEP, tensors, cfg, settings.subgraphs(cfg, layer_id), stats, norm_rule, pair_rule)
+    return smooth_subgraphs(STEP, tensors, cfg, step_subgraphs(step, cfg, layer_id), stats, norm_rule, pair_rule)

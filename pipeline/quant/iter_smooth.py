@@ -37,46 +37,16 @@ from torch import Tensor
 from pipeline.config import DeepseekV3Config
 from pipeline.quant.outlier_stats import ChannelTrace
 from pipeline.quant.qparams import QuantError
-from pipeline.quant.subgraphs import NORM_LINEAR, Subgraph, SubgraphSelection, need, smooth_subgraphs
+from pipeline.quant.steps import IterSmooth
+from pipeline.quant.subgraphs import NORM_LINEAR, Subgraph, need, smooth_subgraphs, step_subgraphs
 
 STEP = "iter_smooth"
 W_MIN = 1e-5      # the clamp of the weight statistic
 
 
-def check_unit(value, where: str) -> float:
-    """msModelSlim's rule for alpha / scale_min / beta: a number strictly between 0 and 1."""
-    if isinstance(value, bool):
-        raise QuantError(f"{where}: expected a number in (0, 1), got {value!r}")
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise QuantError(f"{where}: expected a number in (0, 1), got {value!r}") from None
-    if not 0 < v < 1:
-        raise QuantError(f"{where}: must be in (0, 1), got {value!r}")
-    return v
-
-
-@dataclass(frozen=True)
-class IterSmoothSettings(SubgraphSelection):
-    """An ``iter_smooth`` process step (msModelSlim's defaults)."""
-
-    alpha: float = 0.9
-    scale_min: float = 1e-5
-    symmetric: bool = True
-
-    STEP = "iter_smooth"
-    KEYS = ("alpha", "scale_min", "symmetric")
-
-    def __post_init__(self):
-        super().__post_init__()
-        object.__setattr__(self, "alpha", check_unit(self.alpha, "iter_smooth.alpha"))
-        object.__setattr__(self, "scale_min", check_unit(self.scale_min, "iter_smooth.scale_min"))
-        if not isinstance(self.symmetric, bool):
-            raise QuantError(f"iter_smooth.symmetric: expected true or false, got {self.symmetric!r}")
-
-    def shifts(self, sg: Subgraph) -> bool:
-        """Is ``sg`` shifted? Only norm-linear subgraphs, and only when not symmetric."""
-        return sg.kind == NORM_LINEAR and not self.symmetric
+def shifts(step: IterSmooth, sg: Subgraph) -> bool:
+    """Is ``sg`` shifted? Only norm-linear subgraphs, and only when the step is not symmetric."""
+    return sg.kind == NORM_LINEAR and not step.symmetric
 
 
 # ----- the formulas -----------------------------------------------------------------------------------
@@ -149,18 +119,18 @@ def smooth_pair(producer_rows: Tensor, consumer: Tensor, act: Tensor, alpha: flo
 
 # ----- a layer ----------------------------------------------------------------------------------------
 def iter_smooth_layer(tensors: Mapping[str, Tensor], layer_id: int, cfg: DeepseekV3Config,
-                      stats: Mapping[str, ChannelTrace], settings: IterSmoothSettings) -> dict[str, Tensor]:
+                      stats: Mapping[str, ChannelTrace], step: IterSmooth) -> dict[str, Tensor]:
     """Layer ``layer_id``'s HF-named tensors with iter_smooth folded in: a new dict (untouched tensors
     shared) with the rewritten weights and the new biases (``<norm>.bias``, ``<linear>.bias``).
     ``stats``: the ChannelTrace of each smoothed subgraph's observed module (observing_subgraphs over
-    ``settings.subgraphs(cfg, layer_id)``), from a forward of the layer as it is before this step.
+    ``step_subgraphs(step, cfg, layer_id)``), from a forward of the layer as it is before this step.
     A routed expert that saw no token is left as it is (msModelSlim skips it)."""
 
     def norm_rule(sg: Subgraph, cur: Mapping[str, Tensor], trace: ChannelTrace) -> dict:
-        act, shift = trace.shifted_absmax() if settings.shifts(sg) else (trace.absmax(), None)
+        act, shift = trace.shifted_absmax() if shifts(step, sg) else (trace.absmax(), None)
         r = smooth_norm_linear(need(cur, sg.source + ".weight", STEP),
-                               [need(cur, t + ".weight", STEP) for t in sg.targets], act, settings.alpha,
-                               settings.scale_min, shift, cur.get(sg.source + ".bias"),
+                               [need(cur, t + ".weight", STEP) for t in sg.targets], act, step.alpha,
+                               step.scale_min, shift, cur.get(sg.source + ".bias"),
                                [cur.get(t + ".bias") for t in sg.targets])
         new = {sg.source + ".weight": r.norm_weight, **{t + ".weight": w for t, w in zip(sg.targets, r.weights)}}
         if r.norm_bias is not None:
@@ -169,6 +139,6 @@ def iter_smooth_layer(tensors: Mapping[str, Tensor], layer_id: int, cfg: Deepsee
         return new
 
     def pair_rule(sg: Subgraph, rows: Tensor, consumer: Tensor, trace: ChannelTrace) -> tuple[Tensor, Tensor]:
-        return smooth_pair(rows, consumer, trace.absmax(), settings.alpha, settings.scale_min)[:2]
+        return smooth_pair(rows, consumer, trace.absmax(), step.alpha, step.scale_min)[:2]
 
-    return smooth_subgraphs(STEP, tensors, cfg, settings.subgraphs(cfg, layer_id), stats, norm_rule, pair_rule)
+    return smooth_subgraphs(STEP, tensors, cfg, step_subgraphs(step, cfg, layer_id), stats, norm_rule, pair_rule)

@@ -96,37 +96,10 @@ def select_subgraphs(subgraphs: Sequence[Subgraph], enable: Sequence[str], inclu
     return sorted(kept, key=lambda s: PRIORITY[s.kind])
 
 
-@dataclass(frozen=True)
-class SubgraphSelection:
-    """What every anti-outlier step's settings share: which subgraphs it smooths. A subclass names its
-    recipe ``STEP`` and its own ``KEYS``; msModelSlim's defaults are every type and ``include: ["*"]``."""
-
-    enable_subgraph_type: tuple[str, ...] = SUBGRAPH_TYPES
-    include: tuple[str, ...] = ("*",)
-    exclude: tuple[str, ...] = ()
-
-    STEP = "anti_outlier"
-    KEYS = ()   # the step's own keys (class attribute, not a field)
-
-    def __post_init__(self):
-        set_ = lambda f, v: object.__setattr__(self, f, v)  # noqa: E731 (frozen)
-        set_("enable_subgraph_type", check_subgraph_types(self.enable_subgraph_type,
-                                                          f"{self.STEP}.enable_subgraph_type"))
-        set_("include", check_patterns(self.include, f"{self.STEP}.include") or ("*",))
-        set_("exclude", check_patterns(self.exclude, f"{self.STEP}.exclude"))
-
-    @classmethod
-    def from_step(cls, step: Mapping, where: Optional[str] = None):
-        """From a recipe's process entry (its ``type`` included); an unknown key is an error naming it."""
-        keys = ("type", *cls.KEYS, "enable_subgraph_type", "include", "exclude")
-        unknown = sorted(set(step) - set(keys))
-        if unknown:
-            raise QuantError(f"{where or cls.STEP}: unknown key(s) {unknown}; a {cls.STEP} step takes {list(keys[1:])}")
-        return cls(**{k: v for k, v in step.items() if k != "type" and v is not None})
-
-    def subgraphs(self, cfg: DeepseekV3Config, layer_id: int) -> list[Subgraph]:
-        """The subgraphs of layer ``layer_id`` this step smooths, in its order."""
-        return select_subgraphs(layer_subgraphs(cfg, layer_id), self.enable_subgraph_type, self.include, self.exclude)
+def step_subgraphs(step: Any, cfg: DeepseekV3Config, layer_id: int) -> list[Subgraph]:
+    """The subgraphs of layer ``layer_id`` that ``step`` (a recipe step with ``enable_subgraph_type``,
+    ``include`` and ``exclude``: pipeline.quant.steps.IterSmooth / FlexSmooth) smooths, in its order."""
+    return select_subgraphs(layer_subgraphs(cfg, layer_id), step.enable_subgraph_type, step.include, step.exclude)
 
 
 def subgraph_weights(subgraphs: Sequence[Subgraph]) -> frozenset[str]:
