@@ -4,16 +4,9 @@ kernels before torch is imported (tests/anti_outlier_parity.py says what is comp
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-TESTS = Path(__file__).resolve().parent
-AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+from pinned_isa import TESTS, run_pinned
 
 # Layers 1-2 see activations that msModelSlim propagated through its smoothed, fake-quantized layers
 # 0-1 (and computed with its own attention code); ours come from plain float forwards. These bounds hold
@@ -27,11 +20,7 @@ OV_THEIR_CHOICE_EQUAL = 0.99  # flex ov of layer 0 with msModelSlim's alpha/beta
 
 
 def parity(step: str, *layers: int) -> dict:
-    env = {**os.environ, **AVX2, "PYTHONPATH": str(TESTS.parent)}
-    proc = subprocess.run([sys.executable, str(TESTS / "anti_outlier_parity.py"), step, *map(str, layers)],
-                          env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    return run_pinned(TESTS / "anti_outlier_parity.py", step, *map(str, layers))
 
 
 @pytest.fixture(scope="module")
