@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import ray
 
 from actors.calibration import run_pass
+from actors.pass_stages import run_pass_stages
 from actors.ray_session import DistOptions, cluster_resources, connect, make_actors
 from actors.weights import run_weights
 from pipeline.io import storage
@@ -45,7 +46,8 @@ from pipeline.quant import job_state as js
 from pipeline.quant.observers import Stats
 from pipeline.quant.output_files import finalize, json_bytes
 from pipeline.quant.run import QuantizeOptions, recipe_files
-from pipeline.quant.recipe import Recipe
+from pipeline.quant.step_tensors import step_files
+from pipeline.quant.recipe import MSMODELSLIM, Recipe
 from pipeline.quant.shard_layout import checkpoint_shards
 from pipeline.quant.smooth import ChannelAbsMax
 from pipeline.quant.stage import SMOOTH, STATS, StageSpec, even_ranges, split_stages
@@ -124,6 +126,33 @@ def _calibrate(actors, samples, recipe: Recipe, opts: QuantizeOptions, dist: Dis
     return stats, smooth
 
 
+def _weight_phase(actors, specs, reader, recipe: Recipe, opts: QuantizeOptions, dist: DistOptions, key, work: str,
+                  shards, units, stats, smooth, bars, log: Log, event, phases: dict):
+    """The units still to write, quantized and written on the actors (actors.weights); returns (throughput
+    figures, units written, commits, unit fingerprints)."""
+    t = time.time()
+    unit_fp = {u: key.unit(reader, u, stats, smooth) for u in units}
+    commits = js.load_commits(work)
+    done = {s.name: js.verify_shard(work, s, commits.get(s.name), unit_fp[s.unit], dist.verify) for s in shards}
+    todo = js.units_to_redo(shards, done)
+    log(f"weights: {len(todo)} of {len(units)} units to write ({len(units) - len(todo)} committed and verified)")
+
+    def on_unit(u: str, records, types) -> None:
+        for sh, rec in zip([s for s in shards if s.unit == u], records):
+            c = js.Commit(sh.name, u, unit_fp[u], rec, {n: types[n] for n in rec.names})
+            js.save_commit(work, c)
+            commits[sh.name] = c
+
+    bars.start_weights({u: sum(s.nbytes for s in shards if s.unit == u) for u in todo})
+    held = [(sp, (*sp.layers, *(sp.mtp if recipe.quantize_mtp else ()))) for sp in specs]  # as Stage loads
+    owner = {str(i): sp.index for sp, ids in held for i in ids}
+    weights = run_weights([(sp.index, a) for sp, row in zip(specs, actors) for a in row], owner, todo, shards,
+                          work, ray.put(stats), ray.put(smooth), opts.smooth_alpha,
+                          key.calibration if smooth else None, dist, on_unit, log, event)
+    phases["weights_s"] = round(time.time() - t, 3)
+    return weights, todo, commits, unit_fp
+
+
 def _actor_info(actors, specs: list[StageSpec]) -> list[dict]:
     out = []
     for sp, row in zip(specs, actors):
@@ -198,32 +227,24 @@ def _run_locked(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions, dist:
         check_resources(pl, cluster_resources())
         actors = make_actors(src, specs, recipe, dist)
         phases["ray_start_s"] = round(time.time() - t, 3)
-        if data_free:  # no stage loads its layers: the weight phase reads every unit from the source, once
+        passes = not data_free and recipe.calibration == MSMODELSLIM
+        if passes:  # msModelSlim's passes: the stages in order, each writing its layers as it calibrates them
+            t = time.time()
+            bars.start_weights({u: sum(s.nbytes for s in shards if s.unit == u) for u in units})
+            stats, unit_fp, todo = run_pass_stages(actors, specs, samples, key, work, shards, dist, log, event)
+            smooth = None
+            commits = js.load_commits(work)
+            phases["calibration_weights_s"] = round(time.time() - t, 3)
+            weights = {"units": len(todo), "bytes_written": sum(commits[s.name].record.size for s in shards
+                                                                if s.unit in todo)}
+        elif data_free:  # no stage loads its layers: the weight phase reads every unit from the source, once
             stats, smooth = Stats({}), None
         else:
             stats, smooth = _calibrate(actors, samples, recipe, opts, dist, key, work, log, event, phases)
+        if not passes:
+            weights, todo, commits, unit_fp = _weight_phase(actors, specs, reader, recipe, opts, dist, key, work,
+                                                            shards, units, stats, smooth, bars, log, event, phases)
 
-        t = time.time()
-        unit_fp = {u: key.unit(reader, u, stats, smooth) for u in units}
-        commits = js.load_commits(work)
-        done = {s.name: js.verify_shard(work, s, commits.get(s.name), unit_fp[s.unit], dist.verify) for s in shards}
-        todo = js.units_to_redo(shards, done)
-        log(f"weights: {len(todo)} of {len(units)} units to write "
-            f"({len(units) - len(todo)} committed and verified)")
-
-        def on_unit(u: str, records, types) -> None:
-            for sh, rec in zip([s for s in shards if s.unit == u], records):
-                c = js.Commit(sh.name, u, unit_fp[u], rec, {n: types[n] for n in rec.names})
-                js.save_commit(work, c)
-                commits[sh.name] = c
-
-        bars.start_weights({u: sum(s.nbytes for s in shards if s.unit == u) for u in todo})
-        held = [(sp, (*sp.layers, *(sp.mtp if recipe.quantize_mtp else ()))) for sp in specs]  # as Stage loads
-        owner = {str(i): sp.index for sp, ids in held for i in ids}
-        weights = run_weights([(sp.index, a) for sp, row in zip(specs, actors) for a in row], owner, todo, shards,
-                              work, ray.put(stats), ray.put(smooth), opts.smooth_alpha,
-                              key.calibration if smooth else None, dist, on_unit, log, event)
-        phases["weights_s"] = round(time.time() - t, 3)
         actor_info = _actor_info(actors, specs)
     finally:
         bars.close()
@@ -246,12 +267,14 @@ def _run_locked(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions, dist:
         "stages": [s.label for s in specs], "replicas": dist.replicas, "samples": len(samples),
         "calibration": "none (data-free recipe)" if data_free else "calibrated",
         "units_written": len(todo), "units_kept": len(units) - len(todo), "bytes_written": written,
-        "write_mib_s": round(written / 2**20 / max(phases.get("weights_s", 0), 1e-9), 2),
+        "write_mib_s": round(written / 2**20 / max(phases.get("weights_s", phases.get("calibration_weights_s", 0)),
+                                                   1e-9), 2),
         "phases": phases, "actors": actor_info, "weights": weights, **({"estimate": est.to_dict()} if est else {})}
     types = {n: y for s in shards for n, y in commits[s.name].types.items()}
+    files, optional = step_files(reader.config, recipe)
     finalize(work, recipe.dialect, [commits[s.name].record for s in shards], types, raw_config, src,
              mindie_format=opts.mindie_format, job={"fingerprint": key.job, "source": src, "recipe": recipe.to_dict()},
-             extra=recipe_files(opts))
+             extra={**recipe_files(opts), **files}, optional=optional)
     phases["finish_s"] = round(time.time() - t, 3)
     summary["total_s"] = round(time.time() - t0, 3)
     storage.write_bytes(storage.join(work, js.SUMMARY_NAME), json_bytes(summary))

@@ -121,6 +121,47 @@ class StageWorker:
         self.bytes_written += sum(r.size for r in out[0])
         return out
 
+    def run_passes(self, state, samples: Sequence[Sequence[int]], layer_ids: Sequence[int], embed: bool, dst: str,
+                   shards: Mapping[str, Sequence[Shard]], key, commits: Mapping[str, Any], verify: str):
+        """msModelSlim's layer-by-layer passes over this stage's layers (pipeline.quant.pass_run) on the
+        previous stage's outputs ``state`` (None with ``embed``), each layer quantized and its shards written
+        as soon as it is calibrated, unless already committed and verified for the same unit fingerprint.
+        Returns (the last layer's outputs, the layers' statistics, [(unit, fingerprint, records or None,
+        types)])."""
+        from pipeline.quant import job_state as js
+        from pipeline.quant.pass_run import run_passes
+        from pipeline.quant.quantize_layer import quantize_globals
+        from pipeline.quant.shard_layout import GLOBALS, unit_key
+
+        reader = self._reader()
+        cfg, md = reader.config, model_dtype(reader.config)
+        out: list = []
+        stats_all = Stats()
+        t = time.perf_counter()
+
+        def write(unit: str, stats: Stats, make) -> None:
+            fp = key.unit(reader, unit, stats, None)
+            if all(js.verify_shard(dst, sh, commits.get(sh.name), fp, verify) for sh in shards[unit]):
+                out.append((unit, fp, None, None))
+                return
+            tensors, types = make()
+            records, stored = write_unit(dst, shards[unit], tensors, types, self.recipe.dialect, md)
+            self.bytes_written += sum(r.size for r in records)
+            out.append((unit, fp, records, stored))
+
+        def write_globals(g: dict) -> None:
+            write(GLOBALS, Stats(), lambda: quantize_globals(cfg, g, self.recipe))
+
+        def quantize(i: int, weights: dict, stats: Stats) -> None:
+            nonlocal stats_all
+            stats_all = stats_all.merge(stats)
+            write(unit_key(i), stats, lambda: quantize_layer(cfg, i, weights, stats, self.recipe))
+
+        state, _ = run_passes(reader, self.recipe, samples, layer_ids, state=state, embed=embed,
+                              write_globals=write_globals, quantize=quantize, device=self.device)
+        self.busy_s["forward"] += time.perf_counter() - t
+        return state, stats_all, out
+
     def info(self) -> dict:
         """Where the actor runs and what it used (peak RSS of this process life)."""
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),

@@ -56,15 +56,33 @@ def _layers(text: str) -> tuple[int, ...]:
 
 
 def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -> argparse.ArgumentParser:
+    from pipeline.quant.presets import MODEL_TYPES, QUANT_TYPES, presets_help
+
     ap = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n")[0])
     _flag(ap, "--model-path", default=None, help="source checkpoint; None: the embedded model")
     _flag(ap, "--save-path", default=DEFAULT_SAVE, help="output directory")
     _flag(ap, "--calib-data", "--calib_file", dest="calib_data", default=None,
           help="calibration texts: .json list of strings, .jsonl with 'text', or .parquet with a 'text' "
                "column; None: the embedded model's texts")
-    fa = ap.add_mutually_exclusive_group()
-    _flag(fa, "--fa-quant", dest="fa_quant", action="store_true", default=True,
-          help="FA3: int8 MLA latent cache scales")
+    r = ap.add_argument_group("recipe (docs/msmodelslim.md): a modelslim_v1 file, a preset, or the legacy script's flags")
+    _flag(r, "--config-path", default=None, metavar="R.yaml",
+          help="run this msModelSlim modelslim_v1 recipe (quarot, iter_smooth, flex_smooth_quant, linear_quant, "
+               "fa3_quant; its dataset unless --calib-data)")
+    _flag(r, "--model-type", default=None, choices=MODEL_TYPES,
+          help="the model: picks the preset with --quant-type, and the FA3 exclusion list of the legacy flags; "
+               "None: read from the model path as msModelSlim's script does (R1, V3.1, V3)")
+    _flag(r, "--quant-type", default=None, choices=QUANT_TYPES, help="preset: " + presets_help())
+    _flag(r, "--anti-method", default=None, metavar="{m4,m6,none}",
+          help="legacy anti-outlier step: m4 = iter_smooth (alpha 0.5, a shift on norm-linear), m6 = "
+               "flex_smooth_quant, none; None: m4, as quant_deepseek_w8a8.py")
+    _flag(r, "--disable-anti", action="store_true", help="legacy: no anti-outlier step (as --anti-method none)")
+    _flag(r, "--rot", action="store_true", help="legacy: QuaRot (block 32) before the anti-outlier step")
+    _flag(r, "--quant-mtp", default=None, metavar="{float,mix}",
+          help="the MTP layer: float (kept in the model dtype) or mix (quantized like the other layers); "
+               "None: float, or what the recipe says")
+    fa = r.add_mutually_exclusive_group()
+    _flag(fa, "--fa-quant", dest="fa_quant", action="store_true", default=None,
+          help="FA3: int8 MLA latent cache scales (default: on)")
     _flag(fa, "--no-fa-quant", dest="fa_quant", action="store_false", help="W8A8 only, no FA3 (default: FA3 on)")
     _flag(ap, "--fa-exclude-layers", type=_layers, default=(), help="layers kept out of FA3, e.g. 0,1,2,46")
     _flag(ap, "--dynamic", action="store_true", help="every quantized linear W8A8_DYNAMIC")
@@ -72,8 +90,9 @@ def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -
     _flag(ap, "--smooth", action="store_true", help="anti-outlier smoothing (SmoothQuant + latent), format unchanged")
     _flag(ap, "--smooth-alpha", type=float, default=0.5, help="smoothing migration strength alpha in [0, 1]")
     _flag(ap, "--quantize-mtp", action="store_true", help="quantize the MTP layer too (else it stays FLOAT)")
-    _flag(ap, "--dialect", choices=("seed", "ascendV1"), default="seed",
-          help="seed: the legacy msModelSlim/MindIE layout; ascendV1: msModelSlim's newer saver")
+    _flag(ap, "--dialect", choices=("seed", "ascendV1"), default=None,
+          help="seed: the legacy msModelSlim/MindIE layout; ascendV1: msModelSlim's newer saver; None: the "
+               "recipe's saver (ascendv1_saver: ascendV1), else seed")
     _flag(ap, "--batch-size", type=int, default=1,
           help="accepted for msModelSlim compatibility and ignored (samples per forward: --calib-batch)")
     _flag(ap, "--calib-batch", type=int, default=1,
@@ -84,12 +103,17 @@ def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -
                "operands, rounded once: a bf16 GEMM's arithmetic, summed in another order), model (torch's "
                "matmuls in the model dtype, the reference mode), auto: fp32 where torch has no native kernel "
                "for the dtype (CPUs without AVX-512 BF16 or AMX), else model; see pipeline/quant/products.py")
+    _flag(ap, "--calibration", choices=("msmodelslim", "float"), default="msmodelslim",
+          help="msmodelslim: layer by layer, each layer on the previous layers' fake-quantized outputs, with "
+               "DeepSeek's modeling arithmetic (msModelSlim's v1 runner: its activation parameters); float: the "
+               "float model's activations in one pass (pipeline stages calibrate in parallel; close, not equal)")
     _flag(ap, "--two-pass", action="store_true",
           help="the reference calibration: the whole float model first, then the weights read again "
                "(default: one read, layer by layer; the same files)")
     _flag(ap, "--max-calib-tokens", type=int, default=2048, help="longest calibration sample allowed")
     _flag(ap, "--truncate", action="store_true", help="cut longer calibration samples instead of failing")
-    _flag(ap, "--shard-size-gb", type=float, default=4.0, help="weight shard size limit in GiB")
+    _flag(ap, "--shard-size-gb", type=float, default=None,
+          help="weight shard size limit in GiB; None: the recipe saver's part_file_size, else 4")
     _flag(ap, "--overwrite", action="store_true",
           help="replace an existing output in --save-path (kept until the new one is complete)")
     _flag(ap, "--device", default=None, help="cpu or cuda; None: cuda when present")
@@ -135,8 +159,11 @@ def make_job(args: argparse.Namespace):
     from pipeline.io import storage
     from pipeline.assets import EMBEDDED_MODEL_DIR
     from pipeline.model.loading import default_device
-    from pipeline.quant.recipe import Recipe
+    from pipeline.io.checkpoint import CheckpointReader
+    from pipeline.quant.recipe_source import RecipeRequest, resolve
     from pipeline.quant.run import QuantizeOptions
+
+    SHARD_UNLIMITED = 1 << 62  # part_file_size 0: no split (msModelSlim's single file)
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -146,7 +173,7 @@ def make_job(args: argparse.Namespace):
         raise ValueError("--calib-batch > 1 needs the layer-wise job (drop --two-pass)")
     if args.stages < 0:
         raise ValueError(f"--stages must be >= 0, got {args.stages}")
-    if not args.shard_size_gb > 0:
+    if args.shard_size_gb is not None and not args.shard_size_gb > 0:
         raise ValueError(f"--shard-size-gb must be > 0, got {args.shard_size_gb}")
     if args.max_calib_tokens < 1:
         raise ValueError(f"--max-calib-tokens must be >= 1, got {args.max_calib_tokens}")
@@ -154,13 +181,24 @@ def make_job(args: argparse.Namespace):
         raise ValueError(f"--smooth-alpha must be in [0, 1], got {args.smooth_alpha}")
     if args.s3_endpoint:
         storage.set_options("s3", client_kwargs={"endpoint_url": args.s3_endpoint})
-    recipe = Recipe(fa_quant=args.fa_quant, dynamic=args.dynamic, fa_exclude_layers=args.fa_exclude_layers,
-                    quantize_mtp=args.quantize_mtp, dialect=args.dialect, smooth=args.smooth,
-                    calib_products=args.calib_products)
-    opts = QuantizeOptions(calib_path=args.calib_data, max_calib_tokens=args.max_calib_tokens,
+    src = args.model_path or EMBEDDED_MODEL_DIR
+    storage.check_reachable(src)
+    cfg = CheckpointReader(src).config
+    req = RecipeRequest(config_path=args.config_path, model_type=args.model_type, quant_type=args.quant_type,
+                        anti_method=args.anti_method, disable_anti=args.disable_anti, rot=args.rot,
+                        quant_mtp="mix" if args.quantize_mtp else args.quant_mtp, fa_quant=args.fa_quant,
+                        dynamic=args.dynamic, smooth=args.smooth, fa_exclude_layers=args.fa_exclude_layers,
+                        dialect=args.dialect, calib_products=args.calib_products, calib_data=args.calib_data,
+                        calibration=args.calibration)
+    resolved = resolve(req, args.model_path, cfg)
+    recipe = resolved.recipe
+    print(f"recipe: {resolved.source}")
+    shard_gb = args.shard_size_gb if args.shard_size_gb is not None else (resolved.part_file_size or 4.0)
+    opts = QuantizeOptions(calib_path=resolved.calib_path, max_calib_tokens=args.max_calib_tokens,
                            truncate=args.truncate, smooth_alpha=args.smooth_alpha,
                            mindie_format=args.mindie_format, overwrite=args.overwrite,
-                           shard_bytes=int(args.shard_size_gb * 1024 ** 3),
+                           shard_bytes=int(shard_gb * 1024 ** 3) if shard_gb > 0 else SHARD_UNLIMITED,
+                           recipe_file=(resolved.file_name, resolved.yaml_text()),
                            device=args.device or default_device(), progress=not args.no_progress,
                            estimate=not args.no_estimate, layerwise=not args.two_pass, calib_batch=args.calib_batch)
     dist = None
@@ -171,7 +209,7 @@ def make_job(args: argparse.Namespace):
                            cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
                            memory_per_actor=int(args.memory_per_actor_gb * 1024 ** 3), in_flight=args.in_flight,
                            verify=args.verify, resources=_resources(args.actor_resource))
-    return args.model_path or EMBEDDED_MODEL_DIR, args.save_path, recipe, opts, dist
+    return src, args.save_path, recipe, opts, dist
 
 
 JOB_ERRORS: tuple = (OSError, ValueError)

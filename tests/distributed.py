@@ -17,8 +17,10 @@ from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
 from tiny import FIXTURES
 
 OPTS = QuantizeOptions(calib_path=str(FIXTURES / "calib.json"), shard_bytes=150_000, progress=False)
-PLAIN = Recipe()
-SMOOTH_MTP = Recipe(smooth=True, quantize_mtp=True)
+# the float calibration's pipelined stages (actors.calibration); msModelSlim's layer-by-layer passes
+# (actors.pass_stages) are tests/test_distributed_passes.py's
+PLAIN = Recipe(calibration="float")
+SMOOTH_MTP = Recipe(smooth=True, quantize_mtp=True, calibration="float")
 NOT_COMPARED = {MANIFEST_NAME, SUMMARY_NAME, STATE_DIR}
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local test clusters: no token between processes
@@ -40,14 +42,24 @@ def reference(src: str, dst: Path, recipe: Recipe, opts: QuantizeOptions = OPTS)
     return dst
 
 
-def tree(root: str) -> dict[str, bytes]:
-    return {e: storage.read_bytes(storage.join(root, e)) for e in storage.listdir(root) if e not in NOT_COMPARED}
+def tree(root: str, prefix: str = "") -> dict[str, bytes]:
+    """Every file under ``root`` (sub-directories such as ``optional/`` included) but the job's own."""
+    out: dict[str, bytes] = {}
+    for e in storage.listdir(root):
+        if not prefix and e in NOT_COMPARED:
+            continue
+        path = storage.join(root, e)
+        if storage.isdir(path):
+            out.update(tree(path, f"{prefix}{e}/"))
+        else:
+            out[prefix + e] = storage.read_bytes(path)
+    return out
 
 
 def assert_same_output(got: str, want: str) -> None:
     """Every file byte for byte, and the manifests' file lists (sizes and sha256) equal."""
     a, b = tree(got), tree(want)
-    assert sorted(a) == sorted(b)
+    assert sorted(a) == sorted(b), (sorted(set(a) ^ set(b)))
     for name in b:
         assert a[name] == b[name], name
     ma = json.loads(storage.read_bytes(storage.join(got, MANIFEST_NAME)))

@@ -20,7 +20,8 @@ from actors.ray_session import DistOptions, JobFailed
 from distributed import OPTS, PLAIN, SMOOTH_MTP, assert_same_output, quiet, reference
 from jobs import requantize
 from pipeline.io import storage
-from pipeline.format.description import DESCRIPTION_NAME, NAMING
+from pipeline.format.description import DESCRIPTION_NAME, MANIFEST_NAME, NAMING
+from pipeline.quant.recipe import Recipe
 from pipeline.quant.job_state import STATE_DIR, SUMMARY_NAME
 from tiny import TINY_FIXTURE, split_by_layer
 
@@ -166,6 +167,9 @@ def test_quantize_cli_runs_the_distributed_job(tmp_path, refs, capsys):
             "--shard-size-gb", str(OPTS.shard_bytes / 2**30), "--stages", "2", "--actor-resource", "CPU=0"]
     assert quantize.main(argv[:-2]) == 0
     assert "done: " in capsys.readouterr().out
-    assert_same_output(dst, str(refs["plain"]))
+    # the legacy defaults (anti-outlier m4, V3's FA3 list: "v3" is in the path) ran in the passes on the stages
+    ran = Recipe.from_dict(json.loads((tmp_path / "q" / MANIFEST_NAME).read_text())["job"]["recipe"])
+    assert ran.steps and ran.fa_exclude_layers == (0, 1, 2) and ran.calibration == "msmodelslim"
+    assert_same_output(dst, str(reference(SRC, tmp_path / "ref", ran)))
     assert quantize.main(argv[:-1] + ["stage_slot"]) == 2
     assert "--actor-resource wants NAME=N" in capsys.readouterr().err

@@ -25,6 +25,12 @@ from pipeline.quant.observers import MinMax, RecallWindow
 from pipeline.quant.options import CALIB_BATCH_REL, calibration_samples
 from pipeline.quant.qparams import fa_scale, static_activation_params
 from pipeline.quant.recipe import Recipe
+
+
+def FloatRecipe(**kw) -> Recipe:
+    """The float calibration (one pass of the float model), whose one-read job this module compares with its
+    two-pass reference; msModelSlim's layer-by-layer passes are tests/test_msmodelslim_recipes.py's."""
+    return Recipe(calibration="float", **kw)
 from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
 from pipeline.io.safetensors_io import itemsize
 from tiny import FIXTURES, TINY_FIXTURE
@@ -65,7 +71,7 @@ def both(src, tmp: Path, recipe: Recipe, opts: QuantizeOptions) -> tuple[dict, d
 
 def test_default_recipe_on_the_embedded_model_reads_once_and_writes_the_same_files(tmp_path):
     """The default recipe (W8A8 + FA3) with the default calibration data (64 texts)."""
-    sa, sb = both(EMBEDDED_MODEL_DIR, tmp_path, Recipe(), QuantizeOptions())
+    sa, sb = both(EMBEDDED_MODEL_DIR, tmp_path, FloatRecipe(), QuantizeOptions())
     total = stored_bytes(EMBEDDED_MODEL_DIR)
     assert sb["bytes_read"] == total and sa["bytes_read"] == 2 * total
     if sb["rchar"] is not None:  # the kernel's count of what the process read: the source once, plus small files
@@ -83,16 +89,16 @@ def small_calib(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("recipe", [
-    Recipe(dynamic=True),
-    Recipe(smooth=True),
-    Recipe(quantize_mtp=True, dialect="ascendV1"),
-    Recipe(smooth=True, quantize_mtp=True, fa_exclude_layers=(0,)),
+    FloatRecipe(dynamic=True),
+    FloatRecipe(smooth=True),
+    FloatRecipe(quantize_mtp=True, dialect="ascendV1"),
+    FloatRecipe(smooth=True, quantize_mtp=True, fa_exclude_layers=(0,)),
 ], ids=["dynamic", "smooth", "mtp-ascendV1", "smooth-mtp"])
 def test_every_recipe_family_on_the_embedded_model(tmp_path, small_calib, recipe):
     both(EMBEDDED_MODEL_DIR, tmp_path, recipe, QuantizeOptions(calib_path=small_calib))
 
 
-@pytest.mark.parametrize("recipe", [Recipe(), Recipe(smooth=True, quantize_mtp=True)], ids=["default", "smooth-mtp"])
+@pytest.mark.parametrize("recipe", [FloatRecipe(), FloatRecipe(smooth=True, quantize_mtp=True)], ids=["default", "smooth-mtp"])
 def test_fp8_source(tmp_path, recipe):
     """One read feeds both uses of an FP8 layer: its deferred weights dequantized for the forward, and
     quantized straight from their codes by the weight phase."""
@@ -104,7 +110,7 @@ def test_fp8_source(tmp_path, recipe):
 
 
 def test_data_free_recipe_reads_once_in_either_mode(tmp_path):
-    s = quantize_checkpoint(str(TINY_FIXTURE), str(tmp_path / "q"), Recipe(dynamic=True, fa_quant=False),
+    s = quantize_checkpoint(str(TINY_FIXTURE), str(tmp_path / "q"), FloatRecipe(dynamic=True, fa_quant=False),
                             QuantizeOptions(), log=lambda m: None)
     assert s["bytes_read"] == stored_bytes(TINY_FIXTURE)
 
@@ -117,7 +123,7 @@ def embedded_samples(n: int) -> list[list[int]]:
     return samples[:n]
 
 
-def layer_stats(src: str, samples, batch: int, recipe: Recipe = Recipe()) -> dict:
+def layer_stats(src: str, samples, batch: int, recipe: Recipe = FloatRecipe()) -> dict:
     reader = CheckpointReader(src)
     got: dict = {}
     calibrate_layerwise(reader, recipe, samples, write_globals=lambda g: None,
@@ -175,7 +181,7 @@ def test_padding_is_masked_out_of_every_observation():
 
     model = load_model(str(EMBEDDED_MODEL_DIR), dtype=torch.bfloat16, device="cpu")
     samples = embedded_samples(6)
-    recipe = Recipe()
+    recipe = FloatRecipe()
     with torch.inference_mode():
         hs = [model.embed(torch.tensor([s])) for s in samples]
         with observing(model, recipe, [0]) as one:
@@ -207,7 +213,7 @@ def test_batched_job(tmp_path, small_calib):
     out = {}
     for b in (1, 4):
         d = tmp_path / f"b{b}"
-        quantize_checkpoint(str(EMBEDDED_MODEL_DIR), str(d), Recipe(), dataclasses.replace(opts, calib_batch=b),
+        quantize_checkpoint(str(EMBEDDED_MODEL_DIR), str(d), FloatRecipe(), dataclasses.replace(opts, calib_batch=b),
                             log=lambda m: None)
         out[b] = {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
     assert set(out[1]) == set(out[4])

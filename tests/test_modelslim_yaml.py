@@ -90,7 +90,8 @@ def test_fa3_patterns_pick_layers(tmp_path):
 def test_default_recipe_keeps_its_fingerprint():
     """Outputs written before the rule / pattern / step fields existed stay up to date."""
     assert set(Recipe().fingerprint()) == {"fa_quant", "dynamic", "fa_exclude_layers", "quantize_mtp", "dialect",
-                                           "smooth", "q_ratio", "k_ratio", "v_ratio"}
+                                           "smooth", "q_ratio", "k_ratio", "v_ratio",
+                                           "calibration"}
     changed = dataclasses.replace(Recipe(), steps=(IterSmooth(),))
     assert changed.fingerprint() != Recipe().fingerprint() and Recipe.from_dict(changed.to_dict()) == changed
 

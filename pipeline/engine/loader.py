@@ -71,6 +71,9 @@ def load_quantized(path: str, dtype: torch.dtype = torch.float32, device: str = 
     quant = {n[: -len(".weight")] for n, t in types.items() if n.endswith(".weight") and t in QUANT_KINDS}
     floats = {n: tensors[n] for n in layout.checkpoint_shapes(cfg)
               if n in tensors and types.get(n, FLOAT) == FLOAT and n[: -len(".weight")] not in quant}
+    # iter_smooth's biases on norms and on linears kept float (a quantized linear's is inside its quant_bias)
+    floats.update({n: t for n, t in tensors.items() if n.endswith(".bias") and types.get(n, FLOAT) == FLOAT
+                   and n[: -len(".bias")] not in quant})
     if not with_mtp:
         floats = {n: t for n, t in floats.items() if layout.layer_of(n) not in cfg.mtp_layer_ids}
     model = build_model(cfg, floats, dtype=dtype, device=device, with_mtp=with_mtp and bool(cfg.mtp_layer_ids),

@@ -34,7 +34,7 @@ def _swap(name: str, mod: nn.Module, float_model: bool) -> Optional[tuple[nn.Mod
     try:
         if type(mod) is nn.Linear and mod.bias is None and mod.weight.dtype == torch.float32:
             return NativeLinear(mod), "lm_head" if _is_head(name) else "linear"
-        if type(mod) is RMSNorm and mod.weight.dtype in _DT:
+        if type(mod) is RMSNorm and mod.weight.dtype in _DT and mod.bias is None:  # (the C norm has no bias)
             return NativeRMSNorm(mod), "rms_norm"
         if type(mod) is Router and mod.weight.dtype in _DT:
             return NativeRouter(mod), "router"

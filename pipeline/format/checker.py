@@ -315,7 +315,7 @@ def _check_manifest(path: str, entries: list[str], report: Report, verify: bool)
         size = entry.get("size") if isinstance(entry, dict) else None
         digest = entry.get("sha256") if isinstance(entry, dict) else None
         where = storage.join(path, name)
-        if name not in entries:
+        if (name not in entries) if "/" not in name else not storage.exists(where):  # optional/... in a folder
             report.add("manifest", name, "listed in the manifest but missing")
         elif size != storage.size(where):
             report.add("manifest", name, f"size {storage.size(where)}, the manifest says {size}")

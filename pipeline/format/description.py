@@ -134,12 +134,14 @@ def fa_layers(names: Iterable[str]) -> list[int]:
 
 
 def build_description(types: Mapping[str, str], fa_quant: bool, dialect: str,
-                      extra_entries: Optional[Mapping[str, Any]] = None) -> dict:
+                      extra_entries: Optional[Mapping[str, Any]] = None,
+                      optional: Optional[Mapping[str, Any]] = None) -> dict:
     """The description object for tensors ``types`` (name -> type, in write order).
 
     ``fa_quant`` must agree with the types (FAQuant tensors present iff True). ``extra_entries`` are
     further top-level keys (e.g. a future ``kv_quant_type``), written after the tensor entries as
-    msModelSlim does with its appended keys; they may not reuse a key this function writes.
+    msModelSlim does with its appended keys; they may not reuse a key this function writes. ``optional``:
+    ascendV1's ``optional`` object (QuaRot's ``{"quarot": {"rotation_map": ...}}``); the seed dialect has none.
     """
     check_dialect(dialect)
     bad = {n: t for n, t in types.items() if t not in TENSOR_TYPES}
@@ -174,7 +176,8 @@ def build_description(types: Mapping[str, str], fa_quant: bool, dialect: str,
     if fa_quant:
         out["fa_quant_type"] = FA_QUANT_TYPE
     out.update(extra_entries or {})
-    out.update({"version": VERSION, "model_quant_type": mqt, "metadata": {}, "group_size": 0, "optional": {}})
+    out.update({"version": VERSION, "model_quant_type": mqt, "metadata": {}, "group_size": 0,
+                "optional": dict(optional or {})})
     return out
 
 

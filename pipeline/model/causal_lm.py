@@ -176,8 +176,25 @@ def build_model(cfg: DeepseekV3Config, tensors: Mapping[str, torch.Tensor], dtyp
     if cfg.tie_word_embeddings and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    unexpected = [k for k in unexpected if not _assign_bias(model, k, tensors[k], device)]
     if strict and (missing or unexpected):
         raise ValueError(f"checkpoint does not match the model: missing {sorted(missing)[:8]}, "
                          f"unexpected {sorted(unexpected)[:8]}")
     model.rotary = Rotary(cfg, device=device)
     return model.eval()
+
+
+def _assign_bias(model: nn.Module, name: str, value: torch.Tensor, device) -> bool:
+    """A ``.bias`` the model has no parameter for: iter_smooth's shift on a norm, or W·shift on a linear kept
+    float. It is attached, in float32 (as msModelSlim stores and adds it); False for any other name."""
+    if not name.endswith(".bias"):
+        return False
+    try:
+        module = model.get_submodule(name[: -len(".bias")])
+    except AttributeError:
+        return False
+    if not isinstance(module, (RMSNorm, nn.Linear)) or getattr(module, "bias", None) is not None:
+        return False
+    dtype = torch.float32 if isinstance(module, RMSNorm) else module.weight.dtype  # F.linear takes one dtype
+    module.bias = nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=False)
+    return True

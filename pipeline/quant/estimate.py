@@ -228,7 +228,7 @@ def job_estimate(reader: CheckpointReader, recipe, samples: Sequence[Sequence[in
                  actors: int = 0, dst: Optional[str] = None, single_read: bool = False) -> Estimate:
     """Probe this machine, then estimate (what the jobs call)."""
     mean_len = math.ceil(sum(len(s) for s in samples) / len(samples)) if samples else 256
-    pr = probe(reader, device or "cpu", mean_len, dst, recipe.calib_products)
+    pr = probe(reader, device or "cpu", mean_len, dst, recipe.products)
     return estimate_job(reader, recipe, samples, pr, actors, single_read)
 
 

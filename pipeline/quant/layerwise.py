@@ -50,7 +50,8 @@ from pipeline.quant.calibrate import check_samples, observing, run_layer_batched
 from pipeline.quant.products import calibration_products
 from pipeline.quant.observers import Stats
 from pipeline.quant.quantize_layer import deferred_weights
-from pipeline.quant.recipe import Recipe
+from pipeline.quant.qparams import QuantError
+from pipeline.quant.recipe import MSMODELSLIM, Recipe
 from pipeline.quant.smooth import observing_smoothing, smooth_layer, smoothed_weights
 
 ROUTER_BIAS = "e_score_correction_bias"
@@ -126,6 +127,25 @@ def forward_tensors(tensors: dict) -> dict[str, torch.Tensor]:
 def calibrate_layerwise(reader: CheckpointReader, recipe: Recipe, samples: Sequence[Sequence[int]], *,
                         write_globals: Callable[[dict], None], quantize: Callable[[int, dict, Stats], None],
                         smooth_alpha: float = 0.5, device: str = "cpu", prefetch: bool = True, batch: int = 1) -> dict:
+    """The one-read job: msModelSlim's layer-by-layer passes (:func:`pipeline.quant.pass_run.run_passes`) or, with
+    ``recipe.calibration`` "float", the float model's activations (:func:`calibrate_float`)."""
+    if recipe.calibration == MSMODELSLIM:
+        if batch != 1:
+            raise QuantError("calib_batch > 1 needs the float calibration (--calibration float): msModelSlim's "
+                             "passes run one sample at a time, in order")
+        from pipeline.quant.pass_run import run_passes
+
+        _, info = run_passes(reader, recipe, samples, layout.all_layer_ids(reader.config), embed=True,
+                             write_globals=write_globals, quantize=quantize, smooth_alpha=smooth_alpha,
+                             device=device, prefetch=prefetch)
+        return info
+    return calibrate_float(reader, recipe, samples, write_globals=write_globals, quantize=quantize,
+                           smooth_alpha=smooth_alpha, device=device, prefetch=prefetch, batch=batch)
+
+
+def calibrate_float(reader: CheckpointReader, recipe: Recipe, samples: Sequence[Sequence[int]], *,
+                    write_globals: Callable[[dict], None], quantize: Callable[[int, dict, Stats], None],
+                    smooth_alpha: float = 0.5, device: str = "cpu", prefetch: bool = True, batch: int = 1) -> dict:
     """Run the module's loop: the globals, read once, go to ``write_globals`` and embed the samples (then
     only the final norm is kept); each layer is read once, calibrated, and handed to
     ``quantize(layer_id, tensors, stats)`` (the weight phase's tensors:

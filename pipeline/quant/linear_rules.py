@@ -2,7 +2,7 @@
 
 A rule has a type (W8A8: static per-tensor asymmetric int8 activations; W8A8_DYNAMIC: per-token symmetric
 int8 activations; both with per-channel symmetric int8 minmax weights) and include / exclude patterns
-matched against the whole module name with shell wildcards (``fnmatch``, case-sensitive:
+matched against the whole module name with shell wildcards and ``{a,b}`` (pipeline.quant.patterns, case-sensitive:
 ``*self_attn*`` matches ``model.layers.3.self_attn.q_a_proj``, ``*gate`` matches ``mlp.gate`` but not
 ``gate_proj``). The first rule whose include matches and whose exclude does not decides a linear's type.
 
@@ -14,10 +14,10 @@ output could not be written in msModelSlim's W8A8 layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 from typing import Any, Mapping
 
 from pipeline.format.description import W8A8, W8A8_DYNAMIC
+from pipeline.quant.patterns import selected
 from pipeline.quant.qparams import QuantError
 
 WEIGHT = {"scope": "per_channel", "dtype": "int8", "symmetric": True, "method": "minmax"}
@@ -44,8 +44,7 @@ class LinearRule:
             object.__setattr__(self, f, tuple(v))
 
     def matches(self, name: str) -> bool:
-        return (any(fnmatchcase(name, p) for p in self.include)
-                and not any(fnmatchcase(name, p) for p in self.exclude))
+        return selected(name, self.include, self.exclude)
 
     def dynamic(self) -> "LinearRule":
         return LinearRule(W8A8_DYNAMIC, self.include, self.exclude)

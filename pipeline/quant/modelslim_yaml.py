@@ -48,7 +48,7 @@ NOT_SUPPORTED = ("smooth_quant", "awq", "flex_awq_ssz", "kv_smooth", "gptq", "au
                  "float_sparse")
 # Recipe fields the dsquant section may set (the rest come from spec)
 DSQUANT_KEYS = ("fa_exclude_layers", "dynamic", "quantize_mtp", "smooth", "q_ratio", "k_ratio", "v_ratio",
-                "calib_products", "dialect")
+                "calib_products", "dialect", "calibration")
 
 
 @dataclass(frozen=True)

@@ -131,13 +131,14 @@ def is_output_entry(name: str) -> bool:
 STATE_ENTRIES = (".dsquant", "job_summary.json")  # the distributed job's state and summary beside its output
 
 
-RECIPE_SUFFIX = "_best_practice.yaml"  # the recipe a job ran, as msModelSlim names it: <model_type>_best_practice.yaml
+RECIPE_SUFFIX = "_best_practice.yaml"
+OPTIONAL_DIR = "optional"  # ascendV1's optional files (QuaRot's global rotation)  # the recipe a job ran, as msModelSlim names it: <model_type>_best_practice.yaml
 
 
 def is_companion_entry(name: str) -> bool:
     """Whether a finished output holds ``name`` beside its weights: config.json, the copied files, the
     recipe it was made with, the distributed job's state and summary."""
-    return (name == CONFIG_NAME or name in COPIED_NAMES or name in STATE_ENTRIES
+    return (name == CONFIG_NAME or name in COPIED_NAMES or name in STATE_ENTRIES or name == OPTIONAL_DIR
             or (not name.startswith(".") and name.endswith((".py", RECIPE_SUFFIX))))
 
 
@@ -204,11 +205,12 @@ def file_entry(data: bytes) -> dict:
 def finalize(dst: str, dialect: str, shards: Sequence[ShardRecord], types: Mapping[str, str],
              config: Mapping[str, Any], src_dir: Optional[str] = None, *, mindie_format: bool = False,
              job: Optional[Mapping[str, Any]] = None, wrote: Callable[[str], None] = lambda path: None,
-             extra: Optional[Mapping[str, bytes]] = None) -> dict:
+             extra: Optional[Mapping[str, bytes]] = None, optional: Optional[Mapping[str, Any]] = None) -> dict:
     """Write every non-weight file of the output in ``dst`` for its committed ``shards`` (in file order,
     under their final names) and the ``types`` of all their tensors; the description last. Returns the
     manifest. ``wrote`` is told each path written (for cleanup by the caller on failure). ``extra``: more
-    files by name (the recipe), listed in the manifest like the others."""
+    files by name (the recipe, ``optional/quarot.safetensors``), listed in the manifest like the others;
+    ``optional``: the description's ``optional`` object (ascendV1)."""
     naming = NAMING[dialect]
     files: dict[str, dict] = {}
     weight_map: dict[str, str] = {}
@@ -240,7 +242,8 @@ def finalize(dst: str, dialect: str, shards: Sequence[ShardRecord], types: Mappi
     if [s.path.rsplit("/", 1)[-1] for s in shards] != [naming.single_name]:
         index = json_bytes({"metadata": {"total_size": total}, "weight_map": weight_map})
         files[naming.index_name] = file_entry(index)
-    desc = encode_description(build_description(types, FAQUANT in types.values(), dialect))
+    desc = encode_description(build_description(types, FAQUANT in types.values(), dialect,
+                                                optional=optional if dialect != SEED else None))
     files[DESCRIPTION_NAME] = file_entry(desc)
     manifest = {"format": MANIFEST_FORMAT, "dialect": dialect, "tensors": len(types), "total_size": total,
                 "files": dict(sorted(files.items())), "job": dict(job or {})}

@@ -17,7 +17,8 @@ from pipeline.io.checkpoint import CONFIG_NAME, ROUTER_BIAS_SUFFIX, SCALE_SUFFIX
 from pipeline.io.json_input import parse_json
 from pipeline.io.safetensors_io import DTYPE_NAMES, DTYPES
 from pipeline.quant.output_files import existing_output
-from pipeline.quant.recipe import Recipe
+from pipeline.quant.qparams import QuantError
+from pipeline.quant.recipe import MSMODELSLIM, Recipe
 from pipeline.quant.options import QuantizeOptions, calibration_samples
 from pipeline.quant.shard_layout import output_units
 from pipeline.quant.writer import check_finish_args
@@ -69,6 +70,12 @@ def check_job(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions, *, resu
     # data-free recipes (no static linear, no FA3, no smoothing) read no calibration data, nor a tokenizer,
     # in either job (the distributed one then starts its actors for the weight phase only)
     needs = recipe.needs_calibration(cfg)
+    if recipe.steps and recipe.calibration != MSMODELSLIM:
+        raise QuantError(f"recipe steps {[st.type for st in recipe.steps]} run in msModelSlim's layer-by-layer passes: "
+                         "drop --calibration float (or the steps: --disable-anti)")
+    if needs and not opts.layerwise and recipe.calibration == MSMODELSLIM:
+        raise QuantError("--two-pass is the float calibration's reference (the whole float model first): it needs "
+                         "--calibration float; msModelSlim's layer-by-layer passes run in the one-read job")
     samples = calibration_samples(src, opts, cfg.max_position_embeddings) if needs else []
     return CheckedJob(reader, raw_config, md, samples, nbytes, needs)
 

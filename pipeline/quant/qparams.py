@@ -202,7 +202,7 @@ def deq_scale_and_quant_bias(input_scale: Tensor, input_offset: Tensor, weight_i
     (fp16, fp32: msModelSlim's rule) as int64 holding the float32 bit pattern.
     quant_bias = round(bias / deq_scale - o * sum_j W8[:, j]): the correction o * sum_j W8 is an exact
     integer (int64; msModelSlim's float32 equals it while |o * sum| < 2^24, as on every fixture layer),
-    the bias term is computed in float64."""
+    the bias term bias / (s * ws) computed in md as msModelSlim does (then float32)."""
     check_float(input_scale, f"{name}.input_scale")
     check_float(input_offset, f"{name}.input_offset")
     _check_int8(weight_int8, f"{name}.weight", 2)
@@ -228,7 +228,9 @@ def deq_scale_and_quant_bias(input_scale: Tensor, input_offset: Tensor, weight_i
         check_float(bias, f"{name}.bias", ndim=1)
         if bias.shape[0] != n:
             raise QuantError(f"{name}.bias: expected shape [{n}], got {list(bias.shape)}")
-        qb = torch.round(bias.double() / deq.double() - correction.double()).to(torch.int64)
+        # msModelSlim's order: the division in md (bias / (s * ws)), then float32, less the correction
+        ratio = (bias.to(md) / (input_scale.reshape(1) * weight_scale[:, 0])).float()
+        qb = torch.round(ratio.double() - correction.double()).to(torch.int64)
     lim = torch.iinfo(torch.int32)
     if int(qb.min()) < lim.min or int(qb.max()) > lim.max:
         raise QuantError(f"{name}.quant_bias: values outside int32 ({int(qb.min())}..{int(qb.max())})")

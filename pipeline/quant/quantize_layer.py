@@ -36,6 +36,7 @@ from pipeline.quant.qparams import (
     quantize_weight_per_channel, static_activation_params,
 )
 from pipeline.quant.recipe import FAQUANT, FLOAT, W8A8, W8A8_DYNAMIC, Recipe
+from pipeline.quant.step_tensors import step_biases
 from pipeline.io.safetensors_io import DTYPE_NAMES, TensorSpec
 
 MTP_ONLY = layout.MTP_ONLY_MODULES
@@ -66,16 +67,20 @@ def _scale_out(t: Tensor, ascend: bool) -> Tensor:
     return t.float() if ascend else t
 
 
-def _w8a8(p: str, w: Tensor, stats: Stats, md: torch.dtype, ascend: bool) -> dict[str, Tensor]:
+def _w8a8(p: str, w: Tensor, stats: Stats, md: torch.dtype, ascend: bool,
+          bias: Optional[Tensor] = None) -> dict[str, Tensor]:
     q, ws, wo = quantize_weight_per_channel(w, p + ".weight")
     mm = stats.minmax(p)
     s, o = static_activation_params(mm.lo, mm.hi, md, p)
-    deq, qb = deq_scale_and_quant_bias(s, o, q, ws, name=p)
+    deq, qb = deq_scale_and_quant_bias(s, o, q, ws, bias, name=p)
     if ascend:
-        return {"weight": q, "quant_bias": qb, "input_scale": s.float(), "input_offset": o.float(),
-                "deq_scale": deq}
-    return {"weight": q, "input_scale": s, "input_offset": o, "quant_bias": qb, "deq_scale": deq,
-            "weight_scale": ws, "weight_offset": wo}
+        out = {"weight": q, "quant_bias": qb, "input_scale": s.float(), "input_offset": o.float(), "deq_scale": deq}
+    else:
+        out = {"weight": q, "input_scale": s, "input_offset": o, "quant_bias": qb, "deq_scale": deq,
+               "weight_scale": ws, "weight_offset": wo}
+    if bias is not None:  # also inside quant_bias: a runtime adds one or the other, never both
+        out["bias"] = bias.float()
+    return out
 
 
 def _fa(p: str, stats: Stats, md: torch.dtype, rows: int, ascend: bool) -> dict[str, Tensor]:
@@ -107,7 +112,8 @@ def quantize_layer_pieces(cfg: DeepseekV3Config, layer_id: int, tensors: Mapping
     checked before the first piece."""
     types_of = recipe.layer_types(cfg, layer_id)
     quantized = _per_channel_weights(types_of)
-    _check_tensors(tensors, layout.layer_shapes(cfg, layer_id), f"layer {layer_id}", quantized)
+    _check_tensors(tensors, {**layout.layer_shapes(cfg, layer_id), **step_biases(cfg, recipe, layer_id)},
+                   f"layer {layer_id}", quantized)
     md = model_dtype(cfg)
     ascend = recipe.dialect == "ascendV1"
     lp = layout.layer_prefix(layer_id)
@@ -122,24 +128,26 @@ def quantize_layer_pieces(cfg: DeepseekV3Config, layer_id: int, tensors: Mapping
             if w.dtype != md:
                 raise QuantError(f"{p}.weight: dtype {w.dtype} is not the model dtype {md}")
             if kind == W8A8:
-                parts = _w8a8(p, w, stats, md, ascend)
+                parts = _w8a8(p, w, stats, md, ascend, tensors.get(p + ".bias"))
             else:
                 q, ws, wo = quantize_weight_per_channel(w, p + ".weight")
                 parts = {"weight": q, "weight_scale": _scale_out(ws, ascend), "weight_offset": _scale_out(wo, ascend)}
+                if p + ".bias" in tensors:
+                    parts["bias"] = tensors[p + ".bias"].float()
         elif kind == FAQUANT:
             parts = _fa(p, stats, md, cfg.num_attention_heads if p.endswith(".fa_q") else 1, ascend)
         else:
             out = {}
             for name in names_of[p]:
                 t = tensors[name]
-                if ascend and is_mtp and p[len(lp):] in MTP_ONLY:
-                    t = t.float()
+                if is_mtp and p[len(lp):] in MTP_ONLY:
+                    t = t.float() if ascend else t.to(md)  # (QuaRot leaves them float32, as msModelSlim)
                 elif ascend and name.endswith("e_score_correction_bias"):
                     t = t.to(md)
                 out[name] = t
             return out, dict.fromkeys(out, FLOAT)
         out = {f"{p}.{k}": v for k, v in parts.items()}
-        types = dict.fromkeys(out, kind)
+        types = {n: FLOAT if n.endswith(".bias") else kind for n in out}
         if ascend and p.endswith(".fa_q"):
             types[lp + QUANT_TYPE_KEY] = QUANT_TYPE_INT8
         return out, types
@@ -194,6 +202,8 @@ def layer_output_specs(cfg: DeepseekV3Config, layer_id: Optional[int],
     lp = layout.layer_prefix(layer_id)
     is_mtp = layer_id >= cfg.num_hidden_layers
     names_of: dict[str, list[str]] = {}
+    biases = step_biases(cfg, recipe, layer_id)
+    inputs = {**inputs, **{n: (torch.float32, shape) for n, shape in biases.items()}}
     for name in inputs:
         names_of.setdefault(name.rsplit(".", 1)[0], []).append(name)
     out: list[TensorSpec] = []
@@ -208,6 +218,8 @@ def layer_output_specs(cfg: DeepseekV3Config, layer_id: Optional[int],
                 parts = [weight, *per_channel]
             else:
                 parts = [weight, qb, *static, dq] if ascend else [weight, *static, qb, dq, *per_channel]
+            if p + ".bias" in biases:
+                parts.append(("bias", torch.float32, (n,)))
         elif kind == FAQUANT:
             rows = cfg.num_attention_heads if p.endswith(".fa_q") else 1
             parts = [("scale", sc, (rows, 1)), ("offset", torch.int8, (rows, 1))]
@@ -215,8 +227,8 @@ def layer_output_specs(cfg: DeepseekV3Config, layer_id: Optional[int],
             parts = []
             for name in names_of[p]:
                 dt, shape = inputs[name]
-                if ascend and is_mtp and p[len(lp):] in MTP_ONLY:
-                    dt = torch.float32
+                if is_mtp and p[len(lp):] in MTP_ONLY:
+                    dt = torch.float32 if ascend else md
                 elif ascend and name.endswith("e_score_correction_bias"):
                     dt = md
                 out.append(TensorSpec(name, DTYPE_NAMES[dt], tuple(shape)))

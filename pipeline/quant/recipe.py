@@ -25,18 +25,24 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 from typing import Any, Mapping, Optional
 
 from pipeline import layout
 from pipeline.config import DeepseekV3Config
 from pipeline.format.description import DIALECTS, FAQUANT, FLOAT, W8A8, W8A8_DYNAMIC
-from pipeline.quant.products import AUTO, check_products
+from pipeline.quant.products import AUTO, MODEL, check_products
+from pipeline.quant.patterns import selected
 from pipeline.quant.linear_rules import LinearRule, default_rules, rule_from_dict
 from pipeline.quant.qparams import QuantError
 from pipeline.quant.steps import Step, step_fingerprint, step_from_dict
 from pipeline.strict import build
 
+# msmodelslim: layer by layer, each layer calibrated on the previous layers' fake-quantized outputs, with
+#              DeepSeek's modeling arithmetic, as msModelSlim's v1 runner (pipeline.quant.layer_passes)
+# float:       the float model's activations in one pass (pipeline.quant.calibrate): no barrier between
+#              layers, so pipeline stages calibrate in parallel; close to msModelSlim, not equal
+MSMODELSLIM, FLOAT_PASS = "msmodelslim", "float"
+CALIBRATIONS = (MSMODELSLIM, FLOAT_PASS)
 STATIC_ATTN = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "q_proj")
 FA_BRANCHES = ("fa_q", "fa_k", "fa_v")
 
@@ -57,9 +63,12 @@ class Recipe:
     fa_include: tuple[str, ...] = ("*",)
     fa_exclude: tuple[str, ...] = ()
     steps: tuple[Step, ...] = ()
+    calibration: str = MSMODELSLIM  # how activations propagate while calibrating (CALIBRATIONS)
 
     def __post_init__(self):
         check_products(self.calib_products)
+        if self.calibration not in CALIBRATIONS:
+            raise QuantError(f"recipe: field 'calibration' must be one of {CALIBRATIONS}, got {self.calibration!r}")
         if not all(isinstance(r, LinearRule) for r in self.linear_rules):
             object.__setattr__(self, "linear_rules", tuple(
                 r if isinstance(r, LinearRule) else rule_from_dict(r, f"recipe: linear_rules[{k}]")
@@ -117,6 +126,15 @@ class Recipe:
         return d
 
     @property
+    def products(self) -> str:
+        """The calibration forward's products mode in force: ``calib_products``, except that ``auto`` is
+        ``model`` for msModelSlim's passes (its parameters are min / max of bf16 activations: fp32 GEMMs move
+        some of them off msModelSlim's by a rounding; the float calibration keeps ``auto``'s speed choice)."""
+        if self.calib_products == AUTO and self.calibration == MSMODELSLIM:
+            return MODEL
+        return self.calib_products
+
+    @property
     def rules(self) -> tuple[LinearRule, ...]:
         """The linear rules in force: ``linear_rules``, or the default mix; with ``dynamic`` every W8A8
         rule's linears are W8A8_DYNAMIC."""
@@ -136,8 +154,7 @@ class Recipe:
     def fa_pattern_layer(self, layer_id: int) -> bool:
         """Whether ``fa_include`` / ``fa_exclude`` let layer ``layer_id``'s attention have FA3."""
         name = f"{layout.layer_prefix(layer_id)}self_attn"
-        return (any(fnmatchcase(name, p) for p in self.fa_include)
-                and not any(fnmatchcase(name, p) for p in self.fa_exclude))
+        return selected(name, self.fa_include, self.fa_exclude)
 
     def check_config(self, cfg: DeepseekV3Config) -> None:
         """Every excluded layer must exist in the model."""
@@ -156,7 +173,7 @@ class Recipe:
         """Does any output depend on activations? Static W8A8 linears (input scale and offset), FA3
         (its scales) and smoothing (its factors) do; W8A8_DYNAMIC weights and FLOAT tensors do not, so a
         recipe with only those (``dynamic`` with ``fa_quant`` off) is data-free."""
-        if self.smooth or any(st.type != "quarot" for st in self.steps):
+        if self.smooth or self.steps:  # (QuaRot alone needs none, but its rotations are folded in by the passes)
             return True
         return any(kind in (W8A8, FAQUANT) for i in layout.all_layer_ids(cfg)
                    for kind in self.layer_types(cfg, i).values())

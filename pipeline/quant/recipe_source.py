@@ -20,7 +20,7 @@ from pipeline.config import DeepseekV3Config
 from pipeline.quant import modelslim_yaml, presets
 from pipeline.quant.qparams import QuantError
 from pipeline.quant.recipe import Recipe
-from pipeline.quant.steps import DEEPSEEK_SUBGRAPHS, FlexSmooth, IterSmooth, QuaRot
+from pipeline.quant.steps import PRESET_SUBGRAPHS, FlexSmooth, IterSmooth, QuaRot
 
 ANTI_METHODS = ("m4", "m6", "none")
 QUANT_MTP = ("float", "mix")
@@ -47,6 +47,7 @@ class RecipeRequest:
     dialect: Optional[str] = None
     calib_products: str = "auto"
     calib_data: Optional[str] = None
+    calibration: str = "msmodelslim"
 
 
 @dataclass(frozen=True)
@@ -77,9 +78,9 @@ def _legacy_steps(req: RecipeRequest) -> tuple:
         raise QuantError(f"--anti-method: unknown method {method!r} (known: {', '.join(ANTI_METHODS)})")
     steps: list = [QuaRot(block_size=LEGACY_QUAROT_BLOCK)] if req.rot else []
     if method == "m4":
-        steps.append(IterSmooth(alpha=0.5, scale_min=1e-5, symmetric=False, enable_subgraph_type=DEEPSEEK_SUBGRAPHS))
+        steps.append(IterSmooth(alpha=0.5, scale_min=1e-5, symmetric=False, enable_subgraph_type=PRESET_SUBGRAPHS))
     elif method == "m6":
-        steps.append(FlexSmooth(enable_subgraph_type=DEEPSEEK_SUBGRAPHS))
+        steps.append(FlexSmooth(enable_subgraph_type=PRESET_SUBGRAPHS))
     return tuple(steps)
 
 
@@ -94,7 +95,7 @@ def resolve(req: RecipeRequest, model_path: Optional[str], cfg: DeepseekV3Config
         presets.check_model_type(req.model_type)
     ids = layout.all_layer_ids(cfg)
     notes: dict = {}
-    base = Recipe(calib_products=req.calib_products)
+    base = Recipe(calib_products=req.calib_products, calibration=req.calibration)
     legacy_given = [f for f, v in (("--anti-method", req.anti_method), ("--disable-anti", req.disable_anti or None),
                                    ("--rot", req.rot or None)) if v is not None]
     if req.config_path is not None or req.quant_type is not None:

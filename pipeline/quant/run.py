@@ -36,6 +36,7 @@ import torch
 from pipeline import layout
 from pipeline.quant import native
 from pipeline.io.dest_lock import DestinationLock
+from pipeline.quant.step_tensors import step_files
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.model.loading import load_model
 from pipeline.quant.calibrate import collect_stats
@@ -104,7 +105,7 @@ def _quantize_checked(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions,
     source_bytes = sum(unit_bytes(reader).values())
     summary = {"source": src, "recipe": recipe.to_dict()}
     if job.needs_calibration:
-        summary["calib_products"] = resolved(recipe.calib_products, md, opts.device or "cpu")
+        summary["calib_products"] = resolved(recipe.products, md, opts.device or "cpu")
         log(f"calibration products: {summary['calib_products']}")
     if layerwise:
         log(f"calibrating {src} layer by layer, one read ({cfg.num_hidden_layers} layers + "
@@ -134,8 +135,9 @@ def _quantize_checked(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions,
             summary["bytes_read"] = source_bytes * (2 if job.needs_calibration else 1)  # the float model, then phase 2
         r = _rchar()
         summary["rchar"] = r - rchar0 if r is not None and rchar0 is not None else None
+        files, optional = step_files(cfg, recipe)
         writer.finish(job.raw_config, src_dir=src, mindie_format=opts.mindie_format, job=summary,
-                      extra=recipe_files(opts))
+                      extra={**recipe_files(opts), **files}, optional=optional)
     summary["total_s"] = round(time.time() - t0, 3)
     calib = f"calibration {summary['calibration_s']:.1f}s" if job.needs_calibration else "no calibration"
     log(f"wrote {dst} in {summary['total_s']:.1f}s ({calib}; read {summary['bytes_read'] / 1e9:.3g} GB of the "

@@ -22,12 +22,12 @@ from pipeline.quant.qparams import QuantError
 from pipeline.strict import check_keys
 
 SUBGRAPH_TYPES = ("norm-linear", "linear-linear", "ov", "up-down")  # msModelSlim's names
-DEEPSEEK_SUBGRAPHS = ("norm-linear", "ov")  # what DeepSeek's MLA/MoE layers offer (no linear-linear / up-down)
+PRESET_SUBGRAPHS = ("norm-linear", "ov")  # what msModelSlim's DeepSeek recipes enable (its adapter offers up-down too)
 
 
-def _number(where: str, v: Any, lo: float = 0.0, hi: float = 1.0, *, optional: bool = False) -> Optional[float]:
-    """``v`` as a float in [lo, hi]; a numeric string too, as msModelSlim's pydantic models take it (YAML 1.1
-    reads ``1e-5`` as a string)."""
+def _number(where: str, v: Any, *, optional: bool = False) -> Optional[float]:
+    """``v`` as a float strictly inside (0, 1), as msModelSlim validates alpha, beta and scale_min; a numeric
+    string too, as its pydantic models take it (YAML 1.1 reads ``1e-5`` as a string)."""
     if v is None and optional:
         return None
     if isinstance(v, str):
@@ -35,8 +35,8 @@ def _number(where: str, v: Any, lo: float = 0.0, hi: float = 1.0, *, optional: b
             v = float(v)
         except ValueError:
             pass
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise QuantError(f"{where}: must be a number in [{lo}, {hi}], got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1:
+        raise QuantError(f"{where}: must be a number strictly between 0 and 1, got {v!r}")
     return float(v)
 
 

@@ -299,7 +299,8 @@ class QuantizedWriter:
         self._pending, self._pending_bytes = [], 0
 
     def finish(self, config: Mapping[str, Any], src_dir: Optional[str] = None, *, mindie_format: bool = False,
-               job: Optional[Mapping[str, Any]] = None, extra: Optional[Mapping[str, bytes]] = None) -> dict:
+               job: Optional[Mapping[str, Any]] = None, extra: Optional[Mapping[str, bytes]] = None,
+               optional: Optional[Mapping[str, Any]] = None) -> dict:
         """Commit the shards and write the other files, the description last; returns the manifest.
         ``config``: the source's config.json object; ``src_dir``: where to copy tokenizer files etc.
         from (None: nothing copied); ``job``: free-form JSON-able info recorded in the manifest."""
@@ -307,9 +308,9 @@ class QuantizedWriter:
         check_finish_args(self.dst, config, src_dir, self.model_dtype)
         self._wait()
         self._stop_background()
-        return self._checked(self._finish, config, src_dir, mindie_format, job, extra)
+        return self._checked(self._finish, config, src_dir, mindie_format, job, extra, optional)
 
-    def _finish(self, config, src_dir, mindie_format, job, extra) -> dict:
+    def _finish(self, config, src_dir, mindie_format, job, extra, optional) -> dict:
         self._flush()
         if self._planned is not None and len(self._types) != len(self._planned):
             missing = [s.name for s in self._planned[len(self._types):]]
@@ -325,7 +326,8 @@ class QuantizedWriter:
             committed.append(dataclasses.replace(part, path=path))
         self._parts = []
         manifest = finalize(self.dst, self.dialect, committed, self._types, config, src_dir,
-                            mindie_format=mindie_format, job=job, wrote=self._written.append, extra=extra)
+                            mindie_format=mindie_format, job=job, wrote=self._written.append, extra=extra,
+                            optional=optional)
         self._state = "finished"
         return manifest
 
