@@ -20,7 +20,7 @@ an exclusive create on local disk and NFS, a conditional create on S3), and a se
 ``--save-path`` stops with a line naming the first; a lock whose job is gone is taken over
 (pipeline/io/dest_lock.py).
 
-With ``--dynamic --no-fa-quant`` (and no ``--smooth``) no output depends on an activation: either form
+With ``--dynamic --no-fa-quant --disable-anti`` (and no ``--smooth``) no output depends on an activation: either form
 runs no calibration (data-free: no calibration data or tokenizer read, the source read once). Before
 it starts, the job prints what it will read, compute and write and roughly how long here
 (``--no-estimate``: not), then a progress bar per phase with its rate (``--no-progress``: none).
@@ -154,8 +154,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def make_job(args: argparse.Namespace):
-    """(src, dst, Recipe, QuantizeOptions, DistOptions or None) from the parsed flags."""
+def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
+    """(src, dst, Recipe, QuantizeOptions, DistOptions or None) from the parsed flags; ``log`` says where the
+    recipe came from (and the FA3 list the legacy flags chose)."""
     from pipeline.io import storage
     from pipeline.assets import EMBEDDED_MODEL_DIR
     from pipeline.model.loading import default_device
@@ -190,9 +191,9 @@ def make_job(args: argparse.Namespace):
                         dynamic=args.dynamic, smooth=args.smooth, fa_exclude_layers=args.fa_exclude_layers,
                         dialect=args.dialect, calib_products=args.calib_products, calib_data=args.calib_data,
                         calibration=args.calibration)
-    resolved = resolve(req, args.model_path, cfg)
+    resolved = resolve(req, args.model_path, cfg, log)
     recipe = resolved.recipe
-    print(f"recipe: {resolved.source}")
+    log(f"recipe: {resolved.source}")
     shard_gb = args.shard_size_gb if args.shard_size_gb is not None else (resolved.part_file_size or 4.0)
     opts = QuantizeOptions(calib_path=resolved.calib_path, max_calib_tokens=args.max_calib_tokens,
                            truncate=args.truncate, smooth_alpha=args.smooth_alpha,

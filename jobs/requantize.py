@@ -37,7 +37,7 @@ def main(argv=None) -> int:
         print("error: --stages must be >= 1 for requantize", file=sys.stderr)
         return 2
     log = print if args.verbose else (lambda _m: None)
-    rc, job = run_guarded(lambda: make_job(args))
+    rc, job = run_guarded(lambda: make_job(args, log))
     if rc:
         return rc
     src, dst, recipe, opts, dist = job

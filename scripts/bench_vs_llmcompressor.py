@@ -18,7 +18,7 @@ machine-wide, so other work's reads count too):
     io_floor             read every stored tensor, write the same bytes (bench_quantize_weights.io_floor)
     llmcompressor        model_free_ptq(src, dst, scheme="W8A8", ignore=[lm_head, embed_tokens, kv_b_proj,
                          mlp.gate]): int8 per-channel symmetric weights, dynamic per-token int8 activations
-    ours_data_free       python -m jobs.quantize --dynamic --no-fa-quant: exactly that scheme (data-free)
+    ours_data_free       python -m jobs.quantize --dynamic --no-fa-quant --disable-anti: exactly that scheme (data-free)
     ours_data_free_ray2  the same with --stages 2 (private Ray, 2 stage actors)
     ours_fa3_<n>         python -m jobs.quantize --dynamic (FA3 on) with the first n default calibration texts
     ours_fa3_<n>_two_pass  the same with --two-pass (with --two-pass: the reference, reading the source twice)
@@ -218,7 +218,8 @@ def our_phases(dst: Path) -> dict:
 
 def commands(args, src: Path, work: Path, calib: dict[int, Path]) -> dict[str, tuple[list[str], Path]]:
     py = sys.executable
-    ours = [py, "-m", "jobs.quantize", "--model-path", str(src), "--no-progress", "--overwrite", "--dynamic"]
+    ours = [py, "-m", "jobs.quantize", "--model-path", str(src), "--no-progress", "--overwrite", "--dynamic",
+            "--disable-anti"]
     out = {
         "io_floor": ([py, __file__, "--child-io", str(src), str(work / "io")], work / "io"),
         "llmcompressor": ([args.llmc_python, "-c", LLMC_CODE, str(src), str(work / "llmc"), json.dumps(IGNORE)],

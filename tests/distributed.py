@@ -12,6 +12,7 @@ from pipeline.io import storage
 from pipeline.format.checker import check_dir
 from pipeline.format.description import DESCRIPTION_NAME, MANIFEST_NAME
 from pipeline.quant.job_state import STATE_DIR, SUMMARY_NAME
+from pipeline.quant.output_files import RECIPE_SUFFIX
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
 from tiny import FIXTURES
@@ -56,14 +57,21 @@ def tree(root: str, prefix: str = "") -> dict[str, bytes]:
     return out
 
 
-def assert_same_output(got: str, want: str) -> None:
-    """Every file byte for byte, and the manifests' file lists (sizes and sha256) equal."""
+def assert_same_output(got: str, want: str, written_recipe: bool = False) -> None:
+    """Every file byte for byte, and the manifests' file lists (sizes and sha256) equal. ``written_recipe``:
+    ``got`` (a command line's output) also holds the recipe it ran, which a library call does not write."""
     a, b = tree(got), tree(want)
+    if written_recipe:
+        recipes = [n for n in a if n.endswith(RECIPE_SUFFIX)]
+        assert len(recipes) == 1, sorted(a)
+        del a[recipes[0]]
     assert sorted(a) == sorted(b), (sorted(set(a) ^ set(b)))
     for name in b:
         assert a[name] == b[name], name
     ma = json.loads(storage.read_bytes(storage.join(got, MANIFEST_NAME)))
     mb = json.loads(storage.read_bytes(storage.join(want, MANIFEST_NAME)))
+    if written_recipe:
+        ma["files"] = {k: v for k, v in ma["files"].items() if not k.endswith(RECIPE_SUFFIX)}
     assert ma["files"] == mb["files"] and ma["tensors"] == mb["tensors"]
     report = check_dir(got)
     assert report.ok, report.to_text()

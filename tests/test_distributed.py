@@ -105,7 +105,8 @@ def test_requantize_does_nothing_then_only_the_changed_layers(tmp_path, capsys):
     index = json.loads((dst / NAMING["seed"].index_name).read_text())["weight_map"]
     unchanged = {index[n] for n in index if n.startswith(("model.layers.0.", "model.layers.1.", "model.embed"))}
     assert all(dst.joinpath(f).stat().st_mtime_ns == weights_before[f] for f in unchanged)  # not rewritten
-    assert_same_output(str(dst), str(reference(str(src), tmp_path / "fresh", PLAIN)))
+    ran = Recipe.from_dict(json.loads((dst / MANIFEST_NAME).read_text())["job"]["recipe"])  # the CLI's defaults
+    assert_same_output(str(dst), str(reference(str(src), tmp_path / "fresh", ran)), written_recipe=True)
 
 
 def test_unrecoverable_failure_names_every_failed_shard_and_resume_finishes(tmp_path, refs):
@@ -170,6 +171,6 @@ def test_quantize_cli_runs_the_distributed_job(tmp_path, refs, capsys):
     # the legacy defaults (anti-outlier m4, V3's FA3 list: "v3" is in the path) ran in the passes on the stages
     ran = Recipe.from_dict(json.loads((tmp_path / "q" / MANIFEST_NAME).read_text())["job"]["recipe"])
     assert ran.steps and ran.fa_exclude_layers == (0, 1, 2) and ran.calibration == "msmodelslim"
-    assert_same_output(dst, str(reference(SRC, tmp_path / "ref", ran)))
+    assert_same_output(dst, str(reference(SRC, tmp_path / "ref", ran)), written_recipe=True)
     assert quantize.main(argv[:-1] + ["stage_slot"]) == 2
     assert "--actor-resource wants NAME=N" in capsys.readouterr().err

@@ -96,5 +96,4 @@ def test_requantize_rewrites_only_the_layers_whose_statistics_changed(tmp_path, 
     # layer 2 changed (its o_proj); the MTP layer is FLOAT (no statistics): globals, 0, 1, 3 kept
     assert summary["units_written"] == 1 and summary["units_kept"] == 4, summary
     ran = Recipe.from_dict(json.loads((dst / "manifest.json").read_text())["job"]["recipe"])
-    assert_same_output(str(dst), str(reference(str(src), tmp_path / "fresh", ran,
-                                               dataclasses.replace(OPTS, calib_path=OPTS.calib_path))))
+    assert_same_output(str(dst), str(reference(str(src), tmp_path / "fresh", ran)), written_recipe=True)

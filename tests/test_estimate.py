@@ -92,7 +92,7 @@ def test_cli_prints_the_estimate_first_and_records_it(tmp_path, capsys):
     written = sum(s.nbytes for s in output_specs(reader, ran))
     assert est["write_bytes"] == written
 
-    assert quantize.main(["--save-path", str(tmp_path / "free"), "--dynamic", "--no-fa-quant", "--no-progress",
+    assert quantize.main(["--save-path", str(tmp_path / "free"), "--dynamic", "--no-fa-quant", "--disable-anti", "--no-progress",
                           "--no-estimate"]) == 0
     assert not any(m.startswith("estimate") for m in capsys.readouterr().out.splitlines())
 
