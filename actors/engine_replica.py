@@ -1,6 +1,6 @@
 """An engine replica's engine, for the engine and prefill deployments: one process, or sharded over the
 ranks its ``parallel`` config names (this replica rank 0, the others Ray actors in its placement group).
-``model_path`` may be a quantized directory or a float checkpoint (pipeline.engine.loader.load_model); a
+``model_path`` may be a quantized directory or a float checkpoint (pipeline.engine.worker.loader.load_model); a
 float checkpoint is served by one process only (the shard loader reads quantized directories)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ def make_engine(config: ServeConfig, deployment: str, tok):
     """The engine of one replica of ``deployment`` ("llm" or "prefill"): in this process, or sharded over
     ``config.parallel_of(deployment).world`` ranks (this replica is rank 0; the others Ray actors in the
     replica's placement group, actors.rank_group)."""
-    from pipeline.engine.engine import LLMEngine
-    from pipeline.engine.loader import FLOAT_CHECKPOINT, dir_kind, load_model
+    from pipeline.engine.core.engine import LLMEngine
+    from pipeline.engine.worker.loader import FLOAT_CHECKPOINT, dir_kind, load_model
 
     parallel = config.parallel_of(deployment)
     if parallel.single:
@@ -23,7 +23,7 @@ def make_engine(config: ServeConfig, deployment: str, tok):
         return engine
     if dir_kind(config.model_path) == FLOAT_CHECKPOINT:
         raise ValueError(f"{config.model_path}: a float checkpoint is served by one process only; the sharded "
-                         f"engine ({parallel.describe()}) loads quantized directories (pipeline.engine.shard_loader)")
+                         f"engine ({parallel.describe()}) loads quantized directories (pipeline.engine.sharding.shard_loader)")
     from actors.rank_group import build_sharded_engine
 
     opts = getattr(config, deployment).ray_actor_options

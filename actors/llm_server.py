@@ -1,8 +1,8 @@
 """The engine side of the serving application: :class:`LLMServer` owns one
-:class:`~pipeline.engine.engine.LLMEngine` and streams each request's
-:class:`~pipeline.engine.engine_loop.TokenEvent` s.
+:class:`~pipeline.engine.core.engine.LLMEngine` and streams each request's
+:class:`~pipeline.engine.core.engine_loop.TokenEvent` s.
 
-By default the engine steps in a child process of its own (:class:`~pipeline.engine.core_process.EngineCoreClient`,
+By default the engine steps in a child process of its own (:class:`~pipeline.engine.core.core_process.EngineCoreClient`,
 vLLM v1's EngineCore split: no interpreter lock shared with HTTP and streaming, one message per step), a
 sharded replica (or ``engine_process: false``) on a background thread (:class:`EngineLoop`).
 
@@ -29,7 +29,7 @@ from ray.serve.handle import DeploymentHandle
 from actors.engine_replica import make_engine
 from actors.ray_errors import app_error
 from actors.serve_config import ServeConfig
-from pipeline.engine.engine_loop import EngineDead, EngineLoop, PrefillFailed, TokenEvent
+from pipeline.engine.core.engine_loop import EngineDead, EngineLoop, PrefillFailed, TokenEvent
 from pipeline.serving.openai_api import GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def engine_info(engine) -> dict:
 class LoopSink:
     """A request's event sink bound to the asyncio loop that reads it: called from the engine's thread
     (``sink(ev)``: one wake-up of the loop per event), or, by a deliverer that has a whole step's events,
-    grouped by :attr:`loop` and put in one call on that loop (:func:`pipeline.engine.engine_loop.deliver_all`)."""
+    grouped by :attr:`loop` and put in one call on that loop (:func:`pipeline.engine.core.engine_loop.deliver_all`)."""
 
     __slots__ = ("loop", "put")
 
@@ -162,7 +162,7 @@ class LLMServer:
         self.prefill_failing: Optional[str] = None  # the last error, once PREFILL_FAILURES_UNHEALTHY in a row
         self._failures_in_row = 0
         if config.engine_process and config.parallel_of("llm").single:
-            from pipeline.engine.core_process import EngineCoreClient
+            from pipeline.engine.core.core_process import EngineCoreClient
 
             self.loop = EngineCoreClient(partial(build_engine, config, "llm", True), engine_info)
             info = self.loop.ready

@@ -1,4 +1,4 @@
-"""A sharded replica's ranks as Ray actors (pipeline.parallel for the layout; pipeline.engine.dist_runner for
+"""A sharded replica's ranks as Ray actors (pipeline.parallel for the layout; pipeline.engine.sharding.dist_runner for
 how they run).
 
 The calling process (a job's driver, or a Serve replica) is rank 0: it holds the engine. Ranks 1..N-1
@@ -22,13 +22,13 @@ import torch
 from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pipeline.engine.comm import Comm
-from pipeline.engine.dist_runner import DPRunner, ShardedRunner, follow
-from pipeline.engine.dp_engine import DPEngine
-from pipeline.engine.engine import EngineConfig, LLMEngine, make_runner
-from pipeline.engine.qlinear import EXACT
-from pipeline.engine.shard_loader import load_sharded, resident_bytes
-from pipeline.engine.sharded import REDUCE
+from pipeline.engine.sharding.comm import Comm
+from pipeline.engine.sharding.dist_runner import DPRunner, ShardedRunner, follow
+from pipeline.engine.sharding.dp_engine import DPEngine
+from pipeline.engine.core.engine import EngineConfig, LLMEngine, make_runner
+from pipeline.engine.layers.qlinear import EXACT
+from pipeline.engine.sharding.shard_loader import load_sharded, resident_bytes
+from pipeline.engine.sharding.sharded import REDUCE
 from pipeline.parallel import ParallelConfig
 
 DEFAULT_TIMEOUT_S = 120.0

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from pipeline.engine import cpu_pinning
-from pipeline.engine.engine import EngineConfig
-from pipeline.engine.loader import DTYPES
+from pipeline.engine.core.engine import EngineConfig
+from pipeline.engine.worker.loader import DTYPES
 from pipeline.parallel import SIZES as PARALLEL_SIZES, ParallelConfig
 from pipeline.strict import check_keys
 
@@ -37,7 +37,7 @@ DEFAULT_ENGINE = EngineConfig(num_blocks=256, block_size=16, max_num_seqs=16, ma
 @dataclass(frozen=True)
 class ServeConfig:
     """Everything the application needs. ``model_path``: a quantized directory or a float checkpoint
-    (pipeline.engine.loader.load_model tells them apart; every replica reads it: use an absolute or shared
+    (pipeline.engine.worker.loader.load_model tells them apart; every replica reads it: use an absolute or shared
     path). ``served_model_name``: the OpenAI model id (default: the directory's name). ``dtype``: a float
     checkpoint's compute dtype, or a quantized directory's float parts' (float32, bfloat16, float16; None
     or "auto": the loader's default). ``engine``: the engine's options. ``api_key``: required bearer
@@ -68,8 +68,8 @@ class ServeConfig:
     body_timeout_s: float = 30.0            # a body not received in full by then: 408 (slow clients)
     parallel: Mapping[str, int] = field(default_factory=dict)  # tp/dp/moe_ep/moe_tp of each engine replica
     prefill_parallel: Optional[Mapping[str, int]] = None       # the prefill replicas' (default: parallel's)
-    moe_combine: str = "reduce"     # MoE combine over ranks: "reduce" or "exact" (pipeline.engine.sharded)
-    # the engine of a single-process replica steps in a child process of its own (pipeline.engine.core_process:
+    moe_combine: str = "reduce"     # MoE combine over ranks: "reduce" or "exact" (pipeline.engine.sharding.sharded)
+    # the engine of a single-process replica steps in a child process of its own (pipeline.engine.core.core_process:
     # no interpreter lock shared with HTTP and streaming); False: on a thread of the replica (a sharded
     # replica always does: its ranks are Ray actors of the replica)
     engine_process: bool = True
@@ -84,7 +84,7 @@ class ServeConfig:
     port: int = 8000
     app_name: str = "dsquant"
     route_prefix: str = "/"
-    dtype: Optional[str] = None     # float compute dtype (pipeline.engine.loader.DTYPES); None: the loader's
+    dtype: Optional[str] = None     # float compute dtype (pipeline.engine.worker.loader.DTYPES); None: the loader's
 
     def __post_init__(self):
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -207,10 +207,10 @@ class ServeConfig:
 
 
 def check_model_dir(config: ServeConfig) -> str:
-    """The kind of ``config.model_path`` (pipeline.engine.loader.dir_kind: "quantized" or "float"),
+    """The kind of ``config.model_path`` (pipeline.engine.worker.loader.dir_kind: "quantized" or "float"),
     refusing (ValueError naming the directory) one that is neither, and a float checkpoint with a sharded
     llm or prefill layout (its engine runs in one process: the shard loader reads quantized directories)."""
-    from pipeline.engine.loader import FLOAT_CHECKPOINT, dir_kind
+    from pipeline.engine.worker.loader import FLOAT_CHECKPOINT, dir_kind
 
     kind = dir_kind(config.model_path)
     if kind == FLOAT_CHECKPOINT:

@@ -11,7 +11,7 @@ import asyncio
 from typing import AsyncIterator, Sequence
 
 from actors.ray_errors import app_error
-from pipeline.engine.engine_loop import EngineDead, PrefillFailed, TokenEvent
+from pipeline.engine.core.engine_loop import EngineDead, PrefillFailed, TokenEvent
 from pipeline.serving import openai_api as api
 from pipeline.serving.openai_api import ApiError
 

@@ -1,5 +1,5 @@
 """The sharding flags jobs.generate and jobs.serve share: --tp/--dp/--moe-ep/--moe-tp (MindIE's names) and
---moe-combine (pipeline.parallel, pipeline.engine.sharded)."""
+--moe-combine (pipeline.parallel, pipeline.engine.sharding.sharded)."""
 
 from __future__ import annotations
 

@@ -66,10 +66,10 @@ def main(argv=None) -> int:
 
     from pipeline.io import storage
     from pipeline.assets import EMBEDDED_MODEL_DIR
-    from pipeline.engine.loader import QUANTIZED, dir_kind
+    from pipeline.engine.worker.loader import QUANTIZED, dir_kind
     from pipeline.engine.reference import generate_text
     from pipeline.model.loading import load_model
-    from pipeline.engine.sampling import SamplingParams
+    from pipeline.engine.core.sampling import SamplingParams
     from pipeline.text.tokenizer import Tokenizer
 
     path = args.model_path or EMBEDDED_MODEL_DIR
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         kind = dir_kind(path)
         tok = Tokenizer.from_dir(path)
         if kind == QUANTIZED or args.engine:
-            from pipeline.engine.engine import LLMEngine
+            from pipeline.engine.core.engine import LLMEngine
 
             parallel = _parallel(args)
             if parallel is None:
@@ -134,7 +134,7 @@ def _sharded_engine(path, parallel, args, tok, stack: contextlib.ExitStack):
 
     from actors.rank_group import build_sharded_engine
     from actors.ray_start import init_ray
-    from pipeline.engine.engine import EngineConfig
+    from pipeline.engine.core.engine import EngineConfig
     from pipeline.format.reader import QuantizedSource
 
     src = QuantizedSource(path)

@@ -1,5 +1,5 @@
 """Benchmark: the engine's decode attention for ONE layer on the CPU, the torch path
-(``batched_decode_attention``) against the C kernel (``pipeline.engine.cpu_attention``), and the step's
+(``batched_decode_attention``) against the C kernel (``pipeline.engine.native.cpu_attention``), and the step's
 cache write (``PagedLatentCache.write_slots``) through torch ops against the C kernel.
 
     python scripts/bench_cpu_attention.py [--batches 1,8,16,32] [--contexts 190,1000] [--repeat 15]
@@ -31,10 +31,10 @@ from bench_io import loadavg, write_result  # noqa: E402
 import torch  # noqa: E402
 
 from pipeline.cbuild import cpu_description  # noqa: E402
-from pipeline.engine import cpu_attention  # noqa: E402
-from pipeline.engine.batched_attention import DecodeBatch, batched_decode_attention  # noqa: E402
-from pipeline.engine.kernels import dispatch  # noqa: E402
-from pipeline.engine.paged_cache import PagedLatentCache  # noqa: E402
+from pipeline.engine.native import cpu_attention  # noqa: E402
+from pipeline.engine.attention.batched import DecodeBatch, batched_decode_attention  # noqa: E402
+from pipeline.engine.worker import kernels as dispatch  # noqa: E402
+from pipeline.engine.cache.paged_cache import PagedLatentCache  # noqa: E402
 
 H, C, D_R, BLOCK = 4, 512, 64, 16
 SOFTMAX_SCALE = 0.1352338

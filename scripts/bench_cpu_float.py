@@ -1,5 +1,5 @@
 """Per-call time of the engine's float work on the CPU: the torch modules against the C kernels
-(pipeline.engine.cpu_float).
+(pipeline.engine.native.cpu_float).
 
     python scripts/bench_cpu_float.py [--model-dir DIR] [--threads 1] [--reps 300] [--out FILE]
 
@@ -40,8 +40,8 @@ def linears(reps: int, g) -> list[dict]:
     from torch import nn
 
     from pipeline.cbuild import EXACT_FLAGS, NativeLibrary
-    from pipeline.engine import cpu_float
-    from pipeline.engine.cpu_float import NativeLinear
+    from pipeline.engine.native import cpu_float
+    from pipeline.engine.native.cpu_float import NativeLinear
 
     tiles = cpu_float._LIB
     fma = NativeLibrary(cpu_float.CSRC / "float_ops_cpu.c", cpu_float._declare,
@@ -77,9 +77,9 @@ def main() -> int:
     import torch
     from torch import nn
 
-    from pipeline.engine import cpu_float
-    from pipeline.engine.cpu_float import NativeHeadLinear, NativeRMSNorm, NativeRouter
-    from pipeline.engine.loader import load_quantized
+    from pipeline.engine.native import cpu_float
+    from pipeline.engine.native.cpu_float import NativeHeadLinear, NativeRMSNorm, NativeRouter
+    from pipeline.engine.worker.loader import load_quantized
     from pipeline.model.norm import RMSNorm
 
     torch.set_num_threads(args.threads)

@@ -38,8 +38,8 @@ def _reps(reps: int, macs: float) -> int:
 def linears(model_dir: str, reps: int) -> list[dict]:
     import torch
 
-    from pipeline.engine.loader import load_quantized
-    from pipeline.engine.qlinear import Int8Linear, W8A8DynamicLinear
+    from pipeline.engine.worker.loader import load_quantized
+    from pipeline.engine.layers.qlinear import Int8Linear, W8A8DynamicLinear
 
     model = load_quantized(model_dir, fuse_moe=False).model
     seen, mods = set(), []
@@ -75,8 +75,8 @@ def linears(model_dir: str, reps: int) -> list[dict]:
 def moe(model_dir: str, reps: int) -> list[dict]:
     import torch
 
-    from pipeline.engine.loader import load_quantized
-    from pipeline.engine.moe import Int8MoE
+    from pipeline.engine.worker.loader import load_quantized
+    from pipeline.engine.layers.moe import Int8MoE
 
     model = load_quantized(model_dir).model
     layer = next(m for m in model.modules() if isinstance(m, Int8MoE))
@@ -109,7 +109,7 @@ def main() -> int:
 
     import torch
 
-    from pipeline.engine import cpu_linear
+    from pipeline.engine.native import cpu_linear
 
     if os.environ.get("DSQUANT_KERNELS", "") not in ("", "auto"):
         raise SystemExit("unset DSQUANT_KERNELS: the script switches it itself")

@@ -7,7 +7,7 @@ layout against a bf16 cache.
         [--max-batch-tokens N] [--threads N] [--retries 1] [--budget-s 300]
         [--out benchmarks/decode_attention.json]
 
-What is timed: ``pipeline.engine.attention.paged_decode_attention`` for B sequences of ``context`` cached
+What is timed: ``pipeline.engine.attention.paged.paged_decode_attention`` for B sequences of ``context`` cached
 tokens each (one query token per sequence, o_lat [B, 128, 512] out), i.e. the part of the decode step that
 reads the KV cache; the projections around it are the same for every cache kind and not included.
 
@@ -49,9 +49,9 @@ from bench_io import write_result  # noqa: E402
 import torch  # noqa: E402
 
 from pipeline.config import DeepseekV3Config  # noqa: E402
-from pipeline.engine.attention import paged_decode_attention  # noqa: E402
+from pipeline.engine.attention.paged import paged_decode_attention  # noqa: E402
 from pipeline.quant.recipe import kv_bytes_per_token  # noqa: E402
-from pipeline.engine.paged_cache import PagedLatentCache  # noqa: E402
+from pipeline.engine.cache.paged_cache import PagedLatentCache  # noqa: E402
 from pipeline.plan.replica import DEEPSEEK_V3_CONFIG  # noqa: E402
 from pipeline.quant.recipe import Recipe  # noqa: E402
 

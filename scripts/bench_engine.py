@@ -44,11 +44,11 @@ def main() -> int:
     import torch
 
     from pipeline.assets import EMBEDDED_MODEL_DIR
-    from pipeline.engine.engine import EngineConfig, LLMEngine
-    from pipeline.engine.loader import load_quantized
+    from pipeline.engine.core.engine import EngineConfig, LLMEngine
+    from pipeline.engine.worker.loader import load_quantized
     from pipeline.quant.recipe import Recipe
     from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
-    from pipeline.engine.sampling import SamplingParams
+    from pipeline.engine.core.sampling import SamplingParams
     from pipeline.text.tokenizer import Tokenizer
 
     torch.set_num_threads(2)

@@ -1,4 +1,4 @@
-"""Benchmark the Triton kernels (pipeline.engine.kernels) on a CUDA GPU at DeepSeek-V3's shapes; on a CPU,
+"""Benchmark the Triton kernels (pipeline.engine.triton) on a CUDA GPU at DeepSeek-V3's shapes; on a CPU,
 a self-check of each kernel through Triton's interpreter (no timings: they need a GPU).
 
     python scripts/bench_gpu.py [--peak-gbps 4800] [--contexts 4096,8192,16384,32768] [--batches 1,8,32,64]
@@ -69,12 +69,12 @@ def log(msg: str) -> None:
 # ----- self-check (both devices) ----------------------------------------------------------------------------
 def self_check(dev: str) -> dict:
     """Each kernel at tiny shapes against the torch path on ``dev``; returns {check: result}."""
-    from pipeline.engine.attention import paged_decode_attention
-    from pipeline.engine.kernels.int8_gemm import int8_gemm_dynamic, int8_gemm_static, int8_linear
-    from pipeline.engine.kernels.mla_decode import block_table_tensor, paged_mla_decode_cache
-    from pipeline.engine.kernels.moe_gemm import fused_moe
-    from pipeline.engine.paged_cache import PagedLatentCache
-    from pipeline.engine.qlinear import FAST, build_int8_linear, quantize_per_token, quantize_static
+    from pipeline.engine.attention.paged import paged_decode_attention
+    from pipeline.engine.triton.int8_gemm import int8_gemm_dynamic, int8_gemm_static, int8_linear
+    from pipeline.engine.triton.mla_decode import block_table_tensor, paged_mla_decode_cache
+    from pipeline.engine.triton.moe_gemm import fused_moe
+    from pipeline.engine.cache.paged_cache import PagedLatentCache
+    from pipeline.engine.layers.qlinear import FAST, build_int8_linear, quantize_per_token, quantize_static
     from pipeline.format.description import W8A8, W8A8_DYNAMIC
 
     g = torch.Generator().manual_seed(0)
@@ -111,7 +111,7 @@ def self_check(dev: str) -> dict:
     out["gemm_dynamic_acc_exact"] = {"ok": torch.equal(acc.cpu().long(), xq.cpu().long() @ w.long().T)}
     dyn = build_int8_linear("d", W8A8_DYNAMIC, dp, epilogue=FAST)
     out["gemm_dynamic_fast_bits"] = {"ok": torch.equal(int8_linear(dyn, x), dyn(x.float()))}
-    # MoE against the torch per-expert path (pipeline.engine.moe's arithmetic)
+    # MoE against the torch per-expert path (pipeline.engine.layers.moe's arithmetic)
     E, hid, inter, top = 4, 64, 32, 2
     st = _random_experts(E, hid, inter, dev, g)
     xm = torch.randn(9, hid, generator=g).bfloat16().to(dev)
@@ -134,17 +134,17 @@ def _random_experts(E, hid, inter, dev, g=None):
 
 
 def _expert_linears(st):
-    from pipeline.engine.qlinear import FAST, W8A8DynamicLinear
+    from pipeline.engine.layers.qlinear import FAST, W8A8DynamicLinear
     w13, s13, w2, s2 = st
     return [(W8A8DynamicLinear("gu", w13[e], s13[e].reshape(-1, 1), epilogue=FAST),
              W8A8DynamicLinear("dn", w2[e], s2[e].reshape(-1, 1), epilogue=FAST)) for e in range(w13.shape[0])]
 
 
 def _moe_torch(x, ids, wts, st, lins):
-    """The routed experts as pipeline.engine.moe.Int8MoE runs them (combine_experts over Int8Expert's math)."""
+    """The routed experts as pipeline.engine.layers.moe.Int8MoE runs them (combine_experts over Int8Expert's math)."""
     import torch.nn.functional as F
 
-    from pipeline.engine.qlinear import quantize_per_token
+    from pipeline.engine.layers.qlinear import quantize_per_token
     from pipeline.model.ffn import combine_experts
     inter = st[0].shape[1] // 2
     x_q, s_tok = quantize_per_token(x)
@@ -181,7 +181,7 @@ def bench(fn) -> float:
 def make_caches(max_batch: int, max_ctx: int, bs: int, dev: str) -> dict:
     """One cache per kind holding max_batch sequences of max_ctx tokens on shuffled blocks (values random:
     they do not change the time). Returns kind -> (c, pe, nz, fa_k) and the block table."""
-    from pipeline.engine.nz import nz_shape
+    from pipeline.engine.cache.nz import nz_shape
     per_seq = -(-max_ctx // bs)
     nb = max_batch * per_seq
     table = torch.randperm(nb, device=dev).to(torch.int32).view(max_batch, per_seq)
@@ -195,7 +195,7 @@ def make_caches(max_batch: int, max_ctx: int, bs: int, dev: str) -> dict:
 
 
 def run_decode(fn_kw: dict, caches, table, B: int, ctx: int, bs: int, dev: str, kind: str) -> dict:
-    from pipeline.engine.kernels.mla_decode import paged_mla_decode
+    from pipeline.engine.triton.mla_decode import paged_mla_decode
     c, pe, nz, fa_k = caches[kind]
     q = torch.randn(B, H, C, device=dev, dtype=torch.bfloat16)
     qp = torch.randn(B, H, D_R, device=dev, dtype=torch.bfloat16)
@@ -231,8 +231,8 @@ def tune(caches, table, bs, dev, budget) -> dict:
 
 
 def gemm_points(rows, dev, budget) -> list:
-    from pipeline.engine.kernels.int8_gemm import int8_gemm_dynamic, int8_gemm_static
-    from pipeline.engine.qlinear import FAST, W8A8DynamicLinear, W8A8StaticLinear
+    from pipeline.engine.triton.int8_gemm import int8_gemm_dynamic, int8_gemm_static
+    from pipeline.engine.layers.qlinear import FAST, W8A8DynamicLinear, W8A8StaticLinear
     out = []
     for name, (n, k) in GEMMS.items():
         w = torch.randint(-127, 128, (n, k), device=dev, dtype=torch.int8)
@@ -263,7 +263,7 @@ def gemm_points(rows, dev, budget) -> list:
 
 
 def moe_points(rows, experts, dev, budget) -> list:
-    from pipeline.engine.kernels.moe_gemm import fused_moe
+    from pipeline.engine.triton.moe_gemm import fused_moe
     st = _random_experts(experts, HIDDEN, MOE_INTER, dev)
     lins = _expert_linears(st)
     out = []
@@ -282,9 +282,9 @@ def moe_points(rows, experts, dev, budget) -> list:
 
 def engine_free(batches, contexts, caches, table, bs, tuned, experts, dev, budget) -> list:
     """One layer's kernels back to back (see the module docstring), x 61 layers."""
-    from pipeline.engine.kernels.int8_gemm import int8_gemm_dynamic, int8_gemm_static
-    from pipeline.engine.kernels.mla_decode import paged_mla_decode
-    from pipeline.engine.kernels.moe_gemm import fused_moe
+    from pipeline.engine.triton.int8_gemm import int8_gemm_dynamic, int8_gemm_static
+    from pipeline.engine.triton.mla_decode import paged_mla_decode
+    from pipeline.engine.triton.moe_gemm import fused_moe
     lin = {}
     for name, (n, k) in GEMMS.items():
         lin[name] = (torch.randint(-127, 128, (n, k), device=dev, dtype=torch.int8),

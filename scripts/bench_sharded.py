@@ -59,9 +59,9 @@ def main(argv=None) -> int:
 
     from actors.rank_group import build_sharded_engine
     from actors.ray_start import init_ray
-    from pipeline.engine.engine import EngineConfig, LLMEngine
-    from pipeline.engine.loader import load_quantized
-    from pipeline.engine.sampling import SamplingParams
+    from pipeline.engine.core.engine import EngineConfig, LLMEngine
+    from pipeline.engine.worker.loader import load_quantized
+    from pipeline.engine.core.sampling import SamplingParams
     from pipeline.parallel import ParallelConfig
     from pipeline.text.tokenizer import Tokenizer
 

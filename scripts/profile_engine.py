@@ -83,7 +83,10 @@ class Profiler:
 def instrument(prof: Profiler) -> None:
     import torch
 
-    from pipeline.engine import engine, paged_cache, qlinear, runner, scheduler
+    from pipeline.engine.core import engine, scheduler
+    from pipeline.engine.cache import paged_cache
+    from pipeline.engine.layers import qlinear
+    from pipeline.engine.worker import runner
     from pipeline.model import ffn
 
     prof.wrap(engine.LLMEngine, "step", "prepare")
@@ -97,22 +100,22 @@ def instrument(prof: Profiler) -> None:
                  "native_decode_attention", "paged_prefill_attention", "mha_prefill_attention"):
         if hasattr(runner, name):                                        # (the C kernel, the prefill forms)
             prof.wrap(runner, name, "attention")
-    from pipeline.engine import mha_prefill                           # the C prefill chunk (native kernels)
+    from pipeline.engine.attention import mha_prefill                           # the C prefill chunk (native kernels)
 
     for name in ("native_prefill_attention", "native_prefill_chunks"):   # a chunk / all of a layer's chunks
         if hasattr(mha_prefill, name):
             prof.wrap(mha_prefill, name, "attention")
     prof.wrap(ffn.MoE, "forward", "moe")
-    from pipeline.engine import cpu_float_ffn                         # a float model's MLP and MoE in C
+    from pipeline.engine.native import cpu_float_ffn                         # a float model's MLP and MoE in C
 
     prof.wrap(cpu_float_ffn.NativeFloatMoE, "forward", "moe")
     prof.wrap(cpu_float_ffn.NativeFloatMLP, "forward", "linears")
     try:
-        from pipeline.engine import moe as engine_moe
+        from pipeline.engine.layers import moe as engine_moe
         prof.wrap(engine_moe.Int8MoE, "forward", "moe")
     except ImportError:
         pass
-    from pipeline.engine import cpu_float
+    from pipeline.engine.native import cpu_float
 
     for cls in (qlinear.W8A8StaticLinear, qlinear.W8A8DynamicLinear, torch.nn.Linear, cpu_float.NativeHeadLinear):
         prof.wrap(cls, "forward", "linears")
@@ -174,8 +177,8 @@ def main() -> int:
 
     import torch
 
-    from pipeline.engine.engine import LLMEngine
-    from pipeline.engine.sampling import SamplingParams
+    from pipeline.engine.core.engine import LLMEngine
+    from pipeline.engine.core.sampling import SamplingParams
 
     torch.set_num_threads(args.threads)
     if not any((Path(args.model_dir) / f).exists() for f in ("quant_model_description.json", "config.json")):

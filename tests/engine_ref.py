@@ -8,7 +8,7 @@ from typing import Iterator
 
 import torch
 
-from pipeline.engine.engine import EngineConfig, LLMEngine
+from pipeline.engine.core.engine import EngineConfig, LLMEngine
 
 #: The EngineConfig fields a ServeConfig's engine passes on to the replica's engine.
 REPLICA_FIELDS = ("num_blocks", "block_size", "max_num_seqs", "max_batched_tokens", "nz")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline.assets import EMBEDDED_MODEL_DIR
-from pipeline.engine.engine_loop import TokenEvent
-from pipeline.engine.sampling import TokenLogprobs
+from pipeline.engine.core.engine_loop import TokenEvent
+from pipeline.engine.core.sampling import TokenLogprobs
 from pipeline.serving import openai_api as api
 from pipeline.serving import tokenize_api
 from pipeline.serving.api_options import choice_seed

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
 
 from engine_ref import replica_engine, torch_threads  # noqa: E402
-from pipeline.engine.engine import EngineConfig, latest_logprobs  # noqa: E402
-from pipeline.engine.sampling import SamplingParams  # noqa: E402
+from pipeline.engine.core.engine import EngineConfig, latest_logprobs  # noqa: E402
+from pipeline.engine.core.sampling import SamplingParams  # noqa: E402
 from pipeline.serving.logprobs import TokenStrings  # noqa: E402
 from serve_apps import deploy  # noqa: E402
 from test_serve import free_port, http  # noqa: E402

@@ -1,5 +1,5 @@
-"""pipeline.engine.batched_attention: every decode row of a step in one call over a padded block table,
-against the per-sequence reference path (pipeline.engine.attention.paged_decode_attention) and the
+"""pipeline.engine.attention.batched: every decode row of a step in one call over a padded block table,
+against the per-sequence reference path (pipeline.engine.attention.paged.paged_decode_attention) and the
 contiguous reference, ND and NZ, int8 and bf16 latents, ragged lengths and tiles."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from pipeline.engine.attention import paged_decode_attention, reference_attention
-from pipeline.engine.batched_attention import DecodeBatch, batched_decode_attention
-from pipeline.engine.paged_cache import PagedLatentCache
+from pipeline.engine.attention.paged import paged_decode_attention, reference_attention
+from pipeline.engine.attention.batched import DecodeBatch, batched_decode_attention
+from pipeline.engine.cache.paged_cache import PagedLatentCache
 
 SCALE = 0.1352338
 # Batched vs per-sequence, same float32 math and the same tiles: only the GEMMs' summation order differs

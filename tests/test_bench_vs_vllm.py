@@ -34,7 +34,7 @@ def test_ours_picks_the_servers_and_refuses_unknown_choices(capsys):
 
 def test_server_commands():
     from pipeline.assets import EMBEDDED_MODEL_DIR
-    from pipeline.engine.loader import FLOAT_CHECKPOINT, dir_kind
+    from pipeline.engine.worker.loader import FLOAT_CHECKPOINT, dir_kind
 
     cmd, _ = bench.server_command("ours-float", args("--float-dtype", "bfloat16"), 9000)
     assert cmd[1:] == ["-m", "jobs.serve", "--model-path", EMBEDDED_MODEL_DIR, "--served-model-name", "ours-float",

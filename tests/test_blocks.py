@@ -1,4 +1,4 @@
-"""pipeline.engine.blocks: the paged KV cache's block allocator, block tables and bytes per token."""
+"""pipeline.engine.cache.blocks: the paged KV cache's block allocator, block tables and bytes per token."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from pipeline.config import DeepseekV3Config
-from pipeline.engine.blocks import BlockAllocator, BlockTable, OutOfBlocks
+from pipeline.engine.cache.blocks import BlockAllocator, BlockTable, OutOfBlocks
 from pipeline.quant.recipe import kv_bytes_per_token
 from pipeline.plan.replica import DEEPSEEK_V3_CONFIG
 from pipeline.quant.qparams import QuantError

@@ -1,4 +1,4 @@
-"""EngineConfig.compile: the layers' work around attention through torch.compile (pipeline/engine/regions.py)
+"""EngineConfig.compile: the layers' work around attention through torch.compile (pipeline/engine/layers/regions.py)
 against the eager reference on the embedded quantized model: logits within a stated tolerance at every
 step shape (prefill chunk, a decode batch, one token), and the same greedy tokens under batching."""
 
@@ -9,10 +9,10 @@ import shutil
 import pytest
 import torch
 
-from pipeline.engine.engine import EngineConfig, LLMEngine
-from pipeline.engine.loader import load_quantized
-from pipeline.engine.runner import Span
-from pipeline.engine.sampling import SamplingParams
+from pipeline.engine.core.engine import EngineConfig, LLMEngine
+from pipeline.engine.worker.loader import load_quantized
+from pipeline.engine.worker.runner import Span
+from pipeline.engine.core.sampling import SamplingParams
 from pipeline.text.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.slow,    # compiling takes ~40-90 s on 2 cores

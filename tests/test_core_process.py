@@ -1,4 +1,4 @@
-"""The engine core in its own process (pipeline/engine/core_process.py), spoken to as the serving replica
+"""The engine core in its own process (pipeline/engine/core/core_process.py), spoken to as the serving replica
 does: the same tokens as the engine in this process, refusals and aborts crossing the pipe, one message per
 step, a child that cannot build its engine reported with its traceback, and a killed child ending every
 open request with EngineDead."""
@@ -13,10 +13,10 @@ from functools import partial
 
 import pytest
 
-from pipeline.engine.core_process import EngineCoreClient
-from pipeline.engine.engine import LLMEngine
-from pipeline.engine.engine_loop import EngineDead, TokenEvent
-from pipeline.engine.sampling import SamplingParams
+from pipeline.engine.core.core_process import EngineCoreClient
+from pipeline.engine.core.engine import LLMEngine
+from pipeline.engine.core.engine_loop import EngineDead, TokenEvent
+from pipeline.engine.core.sampling import SamplingParams
 from pipeline.text.tokenizer import Tokenizer
 
 PROMPT = "The os module provides"

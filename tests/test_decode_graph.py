@@ -1,4 +1,4 @@
-"""Replayed decode steps (pipeline.engine.decode_graph) against the eager path, the reference: the same
+"""Replayed decode steps (pipeline.engine.worker.decode_graph) against the eager path, the reference: the same
 engine with ``decode_graph=False``. Everything must be bit for bit the same (no tolerance: the graph makes
 the same calls on the same values), on the quantized model (W8A8 + FA3 int8 latent; and a bf16 latent)
 and the float model (bf16 latent; and a float32 one), ND and NZ: every step's logits and final hidden
@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 from pipeline.assets import EMBEDDED_MODEL_DIR
-from pipeline.engine import decode_graph
-from pipeline.engine.batched_attention import DecodeBatch
-from pipeline.engine.decode_graph import DecodeGraph, GraphError
-from pipeline.engine.engine import EngineConfig, LLMEngine
-from pipeline.engine.loader import load_model
-from pipeline.engine.sampling import SamplingParams
+from pipeline.engine.worker import decode_graph
+from pipeline.engine.attention.batched import DecodeBatch
+from pipeline.engine.worker.decode_graph import DecodeGraph, GraphError
+from pipeline.engine.core.engine import EngineConfig, LLMEngine
+from pipeline.engine.worker.loader import load_model
+from pipeline.engine.core.sampling import SamplingParams
 
 NEW = SamplingParams(max_new_tokens=40)
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from pipeline.assets import EMBEDDED_MODEL_DIR
-from pipeline.engine.engine import LLMEngine, greedy_agreement
-from pipeline.engine.loader import load_quantized
+from pipeline.engine.core.engine import LLMEngine, greedy_agreement
+from pipeline.engine.worker.loader import load_quantized
 from pipeline.engine.reference import generate_ids
 from pipeline.model.loading import load_model
 from pipeline.quant.fakequant import load_fakequant_model
 from pipeline.io.safetensors_io import CheckpointError
-from pipeline.engine.sampling import SamplingParams
+from pipeline.engine.core.sampling import SamplingParams
 
 QUESTIONS = ["What's deep learning?", "What does the os module do?", "Explain list comprehensions.",
              "How do I open a file?", "What is a decorator?", "Describe the json module."]

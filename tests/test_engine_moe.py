@@ -1,4 +1,4 @@
-"""pipeline.engine.moe: the engine's MoE (one activation quantization per layer, gate and up stacked) gives
+"""pipeline.engine.layers.moe: the engine's MoE (one activation quantization per layer, gate and up stacked) gives
 the model's MoE output over the same int8 linears bit for bit, in both epilogues; the loader uses it."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.engine.loader import load_quantized
-from pipeline.engine.moe import Int8MoE, can_fuse
-from pipeline.engine.qlinear import EXACT, FAST
+from pipeline.engine.worker.loader import load_quantized
+from pipeline.engine.layers.moe import Int8MoE, can_fuse
+from pipeline.engine.layers.qlinear import EXACT, FAST
 from pipeline.model.ffn import MoE
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.run import QuantizeOptions, quantize_checkpoint

@@ -1,4 +1,4 @@
-"""The engine on a float checkpoint (the embedded bf16 model, pipeline.engine.loader.load_float): float
+"""The engine on a float checkpoint (the embedded bf16 model, pipeline.engine.worker.loader.load_float): float
 linears, no fa_k, the latent cached in the model's dtype, the MTP layer; against the float model's own
 cached generation (pipeline.engine.reference.generate_ids, absorbed form) and its full forward.
 
@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from pipeline.assets import EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME
-from pipeline.engine.engine import EngineConfig, LLMEngine, greedy_agreement
-from pipeline.engine.loader import FLOAT_CHECKPOINT, QUANTIZED, dir_kind, load_model
+from pipeline.engine.core.engine import EngineConfig, LLMEngine, greedy_agreement
+from pipeline.engine.worker.loader import FLOAT_CHECKPOINT, QUANTIZED, dir_kind, load_model
 from pipeline.engine.reference import generate_ids
-from pipeline.engine.runner import Span
-from pipeline.engine.sampling import SamplingParams
+from pipeline.engine.worker.runner import Span
+from pipeline.engine.core.sampling import SamplingParams
 from pipeline.model.loading import load_model as load_float_model
 from pipeline.text.tokenizer import Tokenizer
 
@@ -94,7 +94,7 @@ def reference_logits(model, ids: list[int]):
 def test_load_model_picks_the_loader_by_what_the_directory_holds(f32, tmp_path):
     from torch import nn
 
-    from pipeline.engine.qlinear import Int8Linear
+    from pipeline.engine.layers.qlinear import Int8Linear
     from pipeline.io.safetensors_io import CheckpointError
 
     assert dir_kind(EMBEDDED_MODEL_DIR) == FLOAT_CHECKPOINT

@@ -8,7 +8,7 @@ import torch
 
 from pipeline.engine.reference import generate_ids, generate_text
 from pipeline.model.loading import load_model
-from pipeline.engine.sampling import SamplingParams, sample
+from pipeline.engine.core.sampling import SamplingParams, sample
 from pipeline.text.tokenizer import Tokenizer
 from tiny import TINY_FIXTURE
 

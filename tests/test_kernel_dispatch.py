@@ -1,4 +1,4 @@
-"""The engine's kernel choice (pipeline.engine.kernels.dispatch): the C kernels on the CPU by default (torch
+"""The engine's kernel choice (pipeline.engine.worker.kernels): the C kernels on the CPU by default (torch
 where there is no compiler, or with DSQUANT_NATIVE=0), visible in the engine loop's snapshot (which /metrics renders); and the Triton path wired into the engine end to end —
 decode attention and the fused MoE run through Triton's interpreter on the CPU (``DSQUANT_KERNELS=triton``,
 ``TRITON_INTERPRET=1``, in a subprocess so the variables do not leak) give the torch path's greedy tokens."""
@@ -12,16 +12,16 @@ import sys
 
 import pytest
 
-from pipeline.engine.engine import EngineConfig, LLMEngine
-from pipeline.engine.engine_loop import EngineLoop
-from pipeline.engine.kernels import dispatch
-from pipeline.engine.loader import load_quantized
+from pipeline.engine.core.engine import EngineConfig, LLMEngine
+from pipeline.engine.core.engine_loop import EngineLoop
+from pipeline.engine.worker import kernels as dispatch
+from pipeline.engine.worker.loader import load_quantized
 
 SCRIPT = """
 import json, sys
-from pipeline.engine.engine import EngineConfig, LLMEngine
-from pipeline.engine.loader import load_quantized
-from pipeline.engine.sampling import SamplingParams
+from pipeline.engine.core.engine import EngineConfig, LLMEngine
+from pipeline.engine.worker.loader import load_quantized
+from pipeline.engine.core.sampling import SamplingParams
 from pipeline.text.tokenizer import Tokenizer
 tok = Tokenizer.from_dir(sys.argv[1])
 ids = tok.encode_chat([{"role": "user", "content": "What's deep learning?"}])

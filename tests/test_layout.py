@@ -108,7 +108,7 @@ def test_cycle_finder_finds_a_planted_cycle():
 
 
 def test_graph_sees_every_import_form(graph):
-    assert "pipeline.format.reader" in graph["pipeline.engine.loader"]      # from a.b import name
+    assert "pipeline.format.reader" in graph["pipeline.engine.worker.loader"]      # from a.b import name
     assert "pipeline.io.storage" in graph["pipeline.config"]                # from a import module
     assert "pipeline.plan.report" in graph["jobs.plan"]
     assert "pipeline.io.checkpoint" in graph["jobs.quantize"]               # inside a function

@@ -13,10 +13,10 @@ import queue
 import pytest
 import torch
 
-import pipeline.engine.sampling as sampling_mod
-from pipeline.engine.engine import LLMEngine, latest_logprobs
-from pipeline.engine.engine_loop import EngineLoop, TokenEvent
-from pipeline.engine.sampling import SamplingParams, token_logprobs
+import pipeline.engine.core.sampling as sampling_mod
+from pipeline.engine.core.engine import LLMEngine, latest_logprobs
+from pipeline.engine.core.engine_loop import EngineLoop, TokenEvent
+from pipeline.engine.core.sampling import SamplingParams, token_logprobs
 
 QUESTIONS = ["What's deep learning?", "How do I open a file?", "What is a decorator?"]
 # The engine's logprobs against the fake-quant model's full forward (float32 k_pe cache: the same tokens):

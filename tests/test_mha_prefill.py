@@ -1,4 +1,4 @@
-"""Prefill in the non-absorbed (MHA) form (pipeline/engine/mha_prefill.py) against the absorbed reference
+"""Prefill in the non-absorbed (MHA) form (pipeline/engine/attention/mha_prefill.py) against the absorbed reference
 (attention.paged_prefill_attention times W_UV^T): ND and NZ, int8 and bf16 latents, a whole prompt and a
 chunk after cached tokens, the torch ops (scores held whole, torch's flash kernel) and the C call (the AMX
 tiles where the CPU has them, the FMA loops, and the plain C loops of a build without -march); and the
@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.engine.attention import paged_prefill_attention
-from pipeline.engine.engine import EngineConfig, make_runner
-from pipeline.engine.loader import load_quantized
-from pipeline.engine.mha_prefill import mha_prefill_attention
-from pipeline.engine.runner import Span
+from pipeline.engine.attention.paged import paged_prefill_attention
+from pipeline.engine.core.engine import EngineConfig, make_runner
+from pipeline.engine.worker.loader import load_quantized
+from pipeline.engine.attention.mha_prefill import mha_prefill_attention
+from pipeline.engine.worker.runner import Span
 
 SCALE = 0.1352338
 # The two forms are the same sums reassociated, in float32: measured max |diff| / max |ref| 5.6e-7 here.
@@ -28,7 +28,7 @@ _PLAIN: list = []
 
 def _plain_library():
     from pipeline.cbuild import BASE_FLAGS, NativeLibrary
-    from pipeline.engine import mha_prefill
+    from pipeline.engine.attention import mha_prefill
 
     if not _PLAIN:
         _PLAIN.append(NativeLibrary(mha_prefill._LIB.source, mha_prefill._declare,
@@ -45,8 +45,8 @@ def test_mha_form_equals_the_absorbed_form(nz, int8, start, S, scores, monkeypat
     """Every way of attending: the scores held whole, torch's flash kernel past WHOLE_SCORES_MAX, the C call
     (its decompression product on bf16 dot products -- the AMX tiles, or AVX512-BF16 without AMX -- or in
     FMA loops; the weights rounded to bf16 values, as a checkpoint's are)."""
-    from pipeline.engine import mha_prefill
-    from pipeline.engine.paged_cache import PagedLatentCache
+    from pipeline.engine.attention import mha_prefill
+    from pipeline.engine.cache.paged_cache import PagedLatentCache
 
     if scores == "flash":
         monkeypatch.setattr(mha_prefill, "WHOLE_SCORES_MAX", 0)
@@ -86,8 +86,8 @@ def test_one_call_for_every_chunk_equals_a_call_per_chunk(kind, nz):
     reads the cache blocks itself) gives each chunk's rows the bits of native_prefill_attention on that
     chunk alone (torch's float32 copy of the blocks), for chunks of several sequences at several starts;
     rows of no chunk are left as they were; a block outside the cache is refused before anything runs."""
-    from pipeline.engine import mha_prefill
-    from pipeline.engine.paged_cache import PagedLatentCache
+    from pipeline.engine.attention import mha_prefill
+    from pipeline.engine.cache.paged_cache import PagedLatentCache
 
     if mha_prefill.library() is None:
         pytest.skip("no C compiler: the torch forms only")

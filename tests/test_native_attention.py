@@ -1,4 +1,4 @@
-"""pipeline.engine.cpu_attention: the C decode attention against the batched torch path and the
+"""pipeline.engine.native.cpu_attention: the C decode attention against the batched torch path and the
 per-sequence reference (int8 and 16-bit / float32 latents, ND and NZ, ragged lengths, block sizes 16 and
 128, the vectorized and the plain C code), the C cache write byte for byte against the torch code, the
 fallbacks to torch, and the engine's greedy tokens with the native kernels against the torch ones."""
@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from pipeline.cbuild import NativeLibrary
-from pipeline.engine import cpu_attention, runner as runner_mod
-from pipeline.engine.attention import paged_decode_attention
-from pipeline.engine.batched_attention import DecodeBatch, batched_decode_attention
-from pipeline.engine.engine import LLMEngine
-from pipeline.engine.kernels import dispatch
-from pipeline.engine.paged_cache import PagedLatentCache
-from pipeline.engine.sampling import SamplingParams
+from pipeline.engine.native import cpu_attention
+from pipeline.engine.worker import runner as runner_mod
+from pipeline.engine.attention.paged import paged_decode_attention
+from pipeline.engine.attention.batched import DecodeBatch, batched_decode_attention
+from pipeline.engine.core.engine import LLMEngine
+from pipeline.engine.worker import kernels as dispatch
+from pipeline.engine.cache.paged_cache import PagedLatentCache
+from pipeline.engine.core.sampling import SamplingParams
 
 SCALE = 0.1352338
 # Native vs torch: the same float32 arithmetic summed in another order (tiles of 32 tokens, 16-lane dot

@@ -1,4 +1,4 @@
-"""pipeline.engine.cpu_float_ffn: the float model's MoE (routed and shared experts in one C call) and dense
+"""pipeline.engine.native.cpu_float_ffn: the float model's MoE (routed and shared experts in one C call) and dense
 MLP against the torch modules (MoE.forward: combine_experts over MLP.forward; MLP.forward) on the embedded
 model's weights and real activations, and on hand-made routings (every token on the same experts, tokens
 sharing no expert, experts without tokens, no tokens); a token's output independent of the other tokens;
@@ -21,12 +21,12 @@ import torch
 
 from pipeline.assets import EMBEDDED_MODEL_DIR
 from pipeline.cbuild import EXACT_FLAGS, NativeLibrary
-from pipeline.engine import cpu_float, cpu_float_ffn
-from pipeline.engine.cpu_float_ffn import FFN_C_ROWS, NativeFloatMLP, NativeFloatMoE
-from pipeline.engine.engine import LLMEngine
-from pipeline.engine.kernels import dispatch
-from pipeline.engine.loader import load_model
-from pipeline.engine.sampling import SamplingParams
+from pipeline.engine.native import cpu_float, cpu_float_ffn
+from pipeline.engine.native.cpu_float_ffn import FFN_C_ROWS, NativeFloatMLP, NativeFloatMoE
+from pipeline.engine.core.engine import LLMEngine
+from pipeline.engine.worker import kernels as dispatch
+from pipeline.engine.worker.loader import load_model
+from pipeline.engine.core.sampling import SamplingParams
 from pipeline.model.ffn import MLP, MoE, combine_experts
 
 FFN_RTOL = 1e-5                     # of max |ref|

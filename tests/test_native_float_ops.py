@@ -1,4 +1,4 @@
-"""pipeline.engine.cpu_float: the C float linears (lm_head and the float model's others) from bf16 weights,
+"""pipeline.engine.native.cpu_float: the C float linears (lm_head and the float model's others) from bf16 weights,
 RMSNorm and the MoE router against their torch modules (random shapes, and the embedded model's real
 weights and activations), a linear row's result independent of the other rows of the call, the plain C
 build, the swaps the loader makes (a quantized model's float parts but the heads untouched), the
@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.cbuild import EXACT_FLAGS, NativeLibrary, cpu_flags
-from pipeline.engine import cpu_float
-from pipeline.engine.cpu_float import LINEAR_C_ROWS, NativeHeadLinear, NativeLinear, NativeRMSNorm, NativeRouter
-from pipeline.engine.cpu_float_ffn import NativeFloatMLP, NativeFloatMoE
-from pipeline.engine.engine import LLMEngine
-from pipeline.engine.kernels import dispatch
-from pipeline.engine.native_swap import use_native_float_ops
-from pipeline.engine.loader import load_model, load_quantized
-from pipeline.engine.sampling import SamplingParams
+from pipeline.engine.native import cpu_float
+from pipeline.engine.native.cpu_float import LINEAR_C_ROWS, NativeHeadLinear, NativeLinear, NativeRMSNorm, NativeRouter
+from pipeline.engine.native.cpu_float_ffn import NativeFloatMLP, NativeFloatMoE
+from pipeline.engine.core.engine import LLMEngine
+from pipeline.engine.worker import kernels as dispatch
+from pipeline.engine.layers.native_swap import use_native_float_ops
+from pipeline.engine.worker.loader import load_model, load_quantized
+from pipeline.engine.core.sampling import SamplingParams
 from pipeline.model.ffn import Router
 from pipeline.model.norm import RMSNorm
 

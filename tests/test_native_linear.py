@@ -1,4 +1,4 @@
-"""pipeline.engine.cpu_linear: the int8 linears' fused C forward (quantize, int32 product, epilogue) equals
+"""pipeline.engine.native.cpu_linear: the int8 linears' fused C forward (quantize, int32 product, epilogue) equals
 the torch path (the reference: quantize_static / quantize_per_token, torch._int_mm, the float64 or float32
 epilogue, the casts) bit for bit, for both kinds, both epilogues, float32 and bf16 input, with and without
 bias, on random values and on every linear of the embedded model; the VNNI and the plain C loops agree,
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from pipeline.cbuild import EXACT_FLAGS, NativeLibrary, cpu_flags
-from pipeline.engine import cpu_linear
-from pipeline.engine.loader import load_quantized
-from pipeline.engine.qlinear import (EXACT, FAST, FP32_CHUNKED, INT_MM, NATIVE, Int8Linear, Int8LinearError,
+from pipeline.engine.native import cpu_linear
+from pipeline.engine.worker.loader import load_quantized
+from pipeline.engine.layers.qlinear import (EXACT, FAST, FP32_CHUNKED, INT_MM, NATIVE, Int8Linear, Int8LinearError,
                                      W8A8DynamicLinear, W8A8StaticLinear, quantize_per_token, quantize_static)
 
 pytestmark = [pytest.mark.skipif(cpu_linear.library() is None, reason="no C compiler: the torch path only"),

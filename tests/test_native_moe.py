@@ -1,4 +1,4 @@
-"""pipeline.engine.cpu_moe: the routed experts of an Int8MoE in two C calls (all tokens at once) equal the
+"""pipeline.engine.native.cpu_moe: the routed experts of an Int8MoE in two C calls (all tokens at once) equal the
 torch path (a Python loop over experts: combine_experts over Int8Expert.forward_quantized) bit for bit,
 ``last_load`` included, on the embedded model's MoE layers (both epilogues, float32 and bf16 tokens) and on
 hand-made routings (tokens sharing no expert, experts without tokens, every token on the same experts);
@@ -14,12 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.engine import cpu_linear, cpu_moe
-from pipeline.engine.engine import LLMEngine
-from pipeline.engine.loader import load_quantized
-from pipeline.engine.moe import Int8MoE
-from pipeline.engine.qlinear import EXACT, FAST, quantize_per_token
-from pipeline.engine.sampling import SamplingParams
+from pipeline.engine.native import cpu_linear, cpu_moe
+from pipeline.engine.core.engine import LLMEngine
+from pipeline.engine.worker.loader import load_quantized
+from pipeline.engine.layers.moe import Int8MoE
+from pipeline.engine.layers.qlinear import EXACT, FAST, quantize_per_token
+from pipeline.engine.core.sampling import SamplingParams
 from pipeline.model.ffn import combine_experts
 
 pytestmark = [pytest.mark.skipif(cpu_linear.library() is None, reason="no C compiler: the torch path only"),

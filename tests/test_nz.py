@@ -1,11 +1,11 @@
-"""pipeline.engine.nz: the FRACTAL_NZ layout of docs/serving.md, exact both ways."""
+"""pipeline.engine.cache.nz: the FRACTAL_NZ layout of docs/serving.md, exact both ways."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pipeline.engine.nz import c0_of, nd_to_nz, nz_rows, nz_shape, nz_to_nd
+from pipeline.engine.cache.nz import c0_of, nd_to_nz, nz_rows, nz_shape, nz_to_nd
 
 DTYPES = [torch.int8, torch.uint8, torch.bfloat16, torch.float16]
 SHAPES = [(1, 1), (1, 16), (16, 16), (16, 32), (15, 31), (17, 33), (5, 576), (64, 512), (128, 512),

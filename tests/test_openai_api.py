@@ -11,7 +11,7 @@ import pytest
 from pipeline.serving import openai_api as api
 from pipeline.serving import openai_responses as resp
 from pipeline.assets import EMBEDDED_MODEL_DIR
-from pipeline.engine.sampling import SamplingParams
+from pipeline.engine.core.sampling import SamplingParams
 from pipeline.text.tokenizer import Tokenizer
 
 MODEL = "dsv3-tiny-pydoc-w8a8-fa3"

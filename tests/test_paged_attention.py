@@ -1,4 +1,4 @@
-"""pipeline.engine.paged_cache + pipeline.engine.attention: the paged (int8 / NZ) latent cache of one layer
+"""pipeline.engine.cache.paged_cache + pipeline.engine.attention.paged: the paged (int8 / NZ) latent cache of one layer
 and absorbed-MLA attention over it, against the contiguous reference (MLA._absorbed's math)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from pipeline.engine.attention import paged_decode_attention, paged_prefill_attention, reference_attention
-from pipeline.engine.blocks import BlockAllocator, BlockTable
-from pipeline.engine.nz import nd_to_nz
-from pipeline.engine.paged_cache import PagedLatentCache, quantize_latent
+from pipeline.engine.attention.paged import paged_decode_attention, paged_prefill_attention, reference_attention
+from pipeline.engine.cache.blocks import BlockAllocator, BlockTable
+from pipeline.engine.cache.nz import nd_to_nz
+from pipeline.engine.cache.paged_cache import PagedLatentCache, quantize_latent
 from pipeline.quant.fakequant import fa3_latent
 
 # Paged vs contiguous, both float32 on the same (dequantized) latent: only the summation order differs

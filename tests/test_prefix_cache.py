@@ -1,4 +1,4 @@
-"""Prefix caching (pipeline.engine.prefix_cache, the scheduler's use of it, the engine's): the chained
+"""Prefix caching (pipeline.engine.cache.prefix_cache, the scheduler's use of it, the engine's): the chained
 block keys, the allocator's reference counts and LRU eviction; the scheduler against the stand-in model
 of test_scheduler with a simulated cache whose every slot holds a digest of the prefix it was computed
 from (so a block shared from the cache is checked to hold exactly what the sequence would compute); and
@@ -16,10 +16,10 @@ from collections import Counter
 import pytest
 import torch
 
-from pipeline.engine.blocks import BlockAllocator, BlockTable, OutOfBlocks
-from pipeline.engine.prefix_cache import ROOT, PrefixCachingAllocator, block_key, extend_keys
-from pipeline.engine.sampling import SamplingParams
-from pipeline.engine.scheduler import FINISHED, RUNNING, Scheduler
+from pipeline.engine.cache.blocks import BlockAllocator, BlockTable, OutOfBlocks
+from pipeline.engine.cache.prefix_cache import ROOT, PrefixCachingAllocator, block_key, extend_keys
+from pipeline.engine.core.sampling import SamplingParams
+from pipeline.engine.core.scheduler import FINISHED, RUNNING, Scheduler
 from test_scheduler import V, alone, next_token
 
 
@@ -259,7 +259,7 @@ def reference(qdir, tok, prompts):
 
 
 def engine(qdir, tok, **kw):
-    from pipeline.engine.engine import LLMEngine
+    from pipeline.engine.core.engine import LLMEngine
 
     return LLMEngine.from_dir(qdir, tokenizer=tok, **{"num_blocks": 64, "block_size": 16, **kw})
 
@@ -424,7 +424,7 @@ def test_hit_rate_in_the_loop_snapshot_and_metrics(qdir, tok, prompts):
     import time
 
     from actors.serve_metrics import ServeMetrics
-    from pipeline.engine.engine_loop import EngineLoop
+    from pipeline.engine.core.engine_loop import EngineLoop
 
     loop = EngineLoop(engine(qdir, tok))
     try:

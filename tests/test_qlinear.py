@@ -1,4 +1,4 @@
-"""pipeline.engine.qlinear: int8 linears that compute with the stored integers, against the quantizer's real
+"""pipeline.engine.layers.qlinear: int8 linears that compute with the stored integers, against the quantizer's real
 output for the tiny fixture model, the fake-quant reference (QuantLinear), exact int64 products, msModelSlim's
 own ascendV1 files (bf16 and fp16), and the float model.
 
@@ -27,7 +27,7 @@ from torch import nn
 from pipeline.engine import int8_arith as ql
 from pipeline.engine.int8_arith import (FLOAT64, FP32_CHUNKED, INT_MM, Int8LinearError, decode_deq_scale,
                                        int8_matmul, select_kernel)
-from pipeline.engine.qlinear import (EXACT, FAST, FAST_EPILOGUE_ULPS, NATIVE, W8A8DynamicLinear, W8A8StaticLinear,
+from pipeline.engine.layers.qlinear import (EXACT, FAST, FAST_EPILOGUE_ULPS, NATIVE, W8A8DynamicLinear, W8A8StaticLinear,
                                      build_from_checkpoint, build_int8_linear, linear_tensors)
 from pipeline.model.loading import load_model
 from pipeline.quant import qparams

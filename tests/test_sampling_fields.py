@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.engine.engine import LLMEngine
-from pipeline.engine.sampling import SamplingParams, adjust_logits
+from pipeline.engine.core.engine import LLMEngine
+from pipeline.engine.core.sampling import SamplingParams, adjust_logits
 from pipeline.text.tokenizer import Tokenizer
 
 

@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from pipeline.engine.blocks import BlockAllocator
-from pipeline.engine.scheduler import FINISHED, Scheduler
-from pipeline.engine.sampling import SamplingParams
+from pipeline.engine.cache.blocks import BlockAllocator
+from pipeline.engine.core.scheduler import FINISHED, Scheduler
+from pipeline.engine.core.sampling import SamplingParams
 
 V = 97
 

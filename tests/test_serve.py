@@ -21,8 +21,8 @@ openai = pytest.importorskip("openai")
 
 from serve_apps import deploy  # noqa: E402
 from engine_ref import replica_engine, torch_threads  # noqa: E402
-from pipeline.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from pipeline.engine.sampling import SamplingParams  # noqa: E402
+from pipeline.engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
+from pipeline.engine.core.sampling import SamplingParams  # noqa: E402
 
 MODEL = "tiny-w8a8"
 KEY = "sk-test-123"
@@ -416,7 +416,7 @@ def test_engine_loop_streams_refuses_and_aborts(qdir, tok, reference):
     import queue
 
     from actors.serve_app import EngineLoop
-    from pipeline.engine.engine_loop import TokenEvent
+    from pipeline.engine.core.engine_loop import TokenEvent
 
     with torch_threads(1):
         loop = EngineLoop(LLMEngine.from_dir(qdir, tokenizer=tok, num_blocks=16, block_size=16))

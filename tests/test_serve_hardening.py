@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from serve_apps import deploy  # noqa: E402
-from pipeline.engine.engine import LLMEngine
-from pipeline.engine.sampling import SamplingParams, sample
+from pipeline.engine.core.engine import LLMEngine
+from pipeline.engine.core.sampling import SamplingParams, sample
 from pipeline.serving import openai_api as api
 from pipeline.serving import openai_responses as resp
 from pipeline.text.tokenizer import ASSISTANT, EOS, USER, Tokenizer
@@ -55,7 +55,7 @@ def test_sampling_is_safe_for_every_value_validation_accepts():
 def test_a_request_whose_sampling_fails_fails_alone(qdir, tok):
     import queue
 
-    from pipeline.engine.engine_loop import EngineLoop, TokenEvent
+    from pipeline.engine.core.engine_loop import EngineLoop, TokenEvent
 
     ref = LLMEngine.from_dir(qdir, tokenizer=tok, num_blocks=32).generate([tok.encode(RAW)],
                                                                           SamplingParams(max_new_tokens=6))[0]
@@ -265,7 +265,7 @@ def server(ray_cluster, qdir):
     from ray import serve
 
     from actors.serve_app import DeploymentOptions, ServeConfig
-    from pipeline.engine.engine import EngineConfig
+    from pipeline.engine.core.engine import EngineConfig
 
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")

@@ -4,7 +4,7 @@ the quantized embedded model (MTP on) and on msModelSlim's own output for the ti
 Real parts: the session's simulated Ray cluster (three 2-CPU nodes, so a 4-rank replica spans nodes),
 real ``torch.distributed`` gloo groups between the test process (rank 0) and the rank actors.
 
-Exactness (pipeline.engine.sharded): with the ``exact`` MoE combine every logit equals the single-rank
+Exactness (pipeline.engine.sharding.sharded): with the ``exact`` MoE combine every logit equals the single-rank
 engine's bit for bit, and every int8 linear's output on rank 0 equals the single-rank linear's (its slice
 for a column-parallel one); with ``reduce`` the MoE's float sums run in another order, so logits agree
 within REDUCE_LOGIT_ATOL and greedy outputs token for token.
@@ -19,15 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.engine.engine import EngineConfig, LLMEngine
-from pipeline.engine.loader import load_quantized
-from pipeline.engine.qlinear import Int8Linear
-from pipeline.engine.runner import Span
-from pipeline.engine.sampling import SamplingParams
-from pipeline.engine.shard_loader import held_parts, resident_bytes
-from pipeline.engine.shard_spec import COL, FULL, REPLICATED, linear_role, part, tensor_slice
-from pipeline.engine.sharded import RowParallel
-from pipeline.engine.comm import Comm
+from pipeline.engine.core.engine import EngineConfig, LLMEngine
+from pipeline.engine.worker.loader import load_quantized
+from pipeline.engine.layers.qlinear import Int8Linear
+from pipeline.engine.worker.runner import Span
+from pipeline.engine.core.sampling import SamplingParams
+from pipeline.engine.sharding.shard_loader import held_parts, resident_bytes
+from pipeline.engine.sharding.shard_spec import COL, FULL, REPLICATED, linear_role, part, tensor_slice
+from pipeline.engine.sharding.sharded import RowParallel
+from pipeline.engine.sharding.comm import Comm
 from pipeline.format.reader import QuantizedSource
 from pipeline.parallel import ParallelConfig
 from pipeline.text.tokenizer import Tokenizer

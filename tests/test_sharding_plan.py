@@ -144,8 +144,8 @@ def test_placement_rules():
 def test_the_engines_slices_hold_the_same_bytes(par):
     """Tensor by tensor, rank by rank, on msModelSlim's fixture output (every tensor it wrote): the bytes
     this calculator puts on a rank are those of the slice the sharded engine's loader reads
-    (pipeline.engine.shard_spec.tensor_slice)."""
-    shard_spec = pytest.importorskip("pipeline.engine.shard_spec")
+    (pipeline.engine.sharding.shard_spec.tensor_slice)."""
+    shard_spec = pytest.importorskip("pipeline.engine.sharding.shard_spec")
     ref = read_header(str(FIXTURES / "msmodelslim-v1-bf16" / "quant_model_weights-00001-of-00001.safetensors"))
     cfg = CheckpointReader(str(TINY_FIXTURE)).config
     for name, t in ref.tensors.items():

@@ -1,4 +1,4 @@
-"""pipeline.engine.kernels: the Triton kernels against the engine's torch paths, at tiny shapes.
+"""pipeline.engine.triton: the Triton kernels against the engine's torch paths, at tiny shapes.
 
 Without a CUDA device the kernels run on CPU tensors through Triton's interpreter: TRITON_INTERPRET=1 is
 set below before any kernel module is imported (the kernels are defined at import). With a CUDA device
@@ -24,16 +24,16 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 pytest.importorskip("triton")
 
 from pipeline.config import DeepseekV3Config                                         # noqa: E402
-from pipeline.engine.attention import paged_decode_attention                          # noqa: E402
-from pipeline.engine.kernels import dispatch                                          # noqa: E402
-from pipeline.engine.kernels.int8_gemm import (int8_gemm_dynamic, int8_gemm_quantized,  # noqa: E402
+from pipeline.engine.attention.paged import paged_decode_attention                          # noqa: E402
+from pipeline.engine.worker import kernels as dispatch                                          # noqa: E402
+from pipeline.engine.triton.int8_gemm import (int8_gemm_dynamic, int8_gemm_quantized,  # noqa: E402
                                                int8_gemm_static, int8_linear, int8_matmul_acc)
-from pipeline.engine.kernels.mla_decode import (block_table_tensor, paged_mla_decode,  # noqa: E402
+from pipeline.engine.triton.mla_decode import (block_table_tensor, paged_mla_decode,  # noqa: E402
                                                 paged_mla_decode_cache)
-from pipeline.engine.kernels.moe_gemm import StackedExperts, fused_moe, int8_moe_forward, route  # noqa: E402
-from pipeline.engine.moe import Int8MoE                                               # noqa: E402
-from pipeline.engine.paged_cache import PagedLatentCache                              # noqa: E402
-from pipeline.engine.qlinear import (EXACT, FAST, FAST_EPILOGUE_ULPS, build_int8_linear,  # noqa: E402
+from pipeline.engine.triton.moe_gemm import StackedExperts, fused_moe, int8_moe_forward, route  # noqa: E402
+from pipeline.engine.layers.moe import Int8MoE                                               # noqa: E402
+from pipeline.engine.cache.paged_cache import PagedLatentCache                              # noqa: E402
+from pipeline.engine.layers.qlinear import (EXACT, FAST, FAST_EPILOGUE_ULPS, build_int8_linear,  # noqa: E402
                                      quantize_per_token, quantize_static)
 from pipeline.format.description import W8A8, W8A8_DYNAMIC                            # noqa: E402
 from pipeline.model.ffn import MoE                                                    # noqa: E402
@@ -399,7 +399,7 @@ def test_package_imports_no_triton():
     """The engine can import the package and the dispatcher without triton (nothing imported eagerly)."""
     import subprocess
     import sys
-    code = ("import sys; import pipeline.engine.kernels, pipeline.engine.kernels.dispatch as d; "
+    code = ("import sys; import pipeline.engine.triton, pipeline.engine.worker.kernels as d; "
             "d.backend('cpu'); print('triton' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={k: v for k, v in os.environ.items() if k != "DSQUANT_KERNELS"})

@@ -1,4 +1,4 @@
-"""The arithmetic under the int8 linears (:mod:`pipeline.engine.qlinear`): activation quantization
+"""The arithmetic under the int8 linears (:mod:`pipeline.engine.layers.qlinear`): activation quantization
 (static and per token, the quantizer's formulas op for op), the two stored forms of ``deq_scale``, and
 the exact integer product ``x_q @ W8.T`` on the torch kernels.
 

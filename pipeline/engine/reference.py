@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.model import DeepseekV3ForCausalLM, ModelCache
-from pipeline.engine.sampling import SamplingParams, adjust_logits, cut_at_stop, sample
+from pipeline.engine.core.sampling import SamplingParams, adjust_logits, cut_at_stop, sample
 
 
 @torch.inference_mode()

@@ -21,7 +21,7 @@ and head, counted as one more pass of every token through it):
                   where the slots of a rank's expert group are dp * t * top_k / moe_ep in expectation
                   (uniform routing), over at most min(E / moe_ep, that) experts (``calls_per_step`` is
                   that bound); combine (world > 1; only moe_tp rank 0 of each expert group contributes,
-                  as pipeline.engine.sharded.ShardedMoE does): ``reduce`` all-reduces float32
+                  as pipeline.engine.sharding.sharded.ShardedMoE does): ``reduce`` all-reduces float32
                   [dp * t, hidden] over the world, ``exact`` float32 [dp * t, top_k, hidden] (each token
                   slot's output kept apart and added in a fixed order afterwards)
     lm_head       vocab-parallel: all-gather float32 logits [t, vocab] over tp (main and MTP heads)

@@ -8,7 +8,7 @@ by one of three rules:
 
     REP    every rank holds it whole: norms, the router (mlp.gate weight and bias), q_a_proj and
            kv_a_proj_with_mqa (every leaf), the FA3 scales fa_q / fa_k / fa_v (fa_q [heads, 1] too, as
-           pipeline.engine.shard_spec holds it: 3 bytes a head), the MTP layer's eh_proj; and the leaves of a
+           pipeline.engine.sharding.shard_spec holds it: 3 bytes a head), the MTP layer's eh_proj; and the leaves of a
            split linear that the split does not cut (below). Held ``world`` times in the replica.
     TP     split over the ``tp`` ranks of a dp group, one copy per dp group (``dp`` copies):
            column-parallel q_b_proj, kv_b_proj, gate_proj / up_proj of the dense MLP and of the shared

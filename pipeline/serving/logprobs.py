@@ -1,5 +1,5 @@
 """Logprobs in OpenAI's response shapes, pure: the engine's ``sampling.TokenLogprobs`` (raw logprobs, see
-pipeline.engine.sampling) become
+pipeline.engine.core.sampling) become
 
 - for /v1/completions OpenAI's legacy object ``{tokens, token_logprobs, top_logprobs, text_offset}``:
   per token its string, its logprob, a dict of the top-N tokens' strings to their logprobs plus the

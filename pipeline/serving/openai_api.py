@@ -16,7 +16,7 @@ OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``:
 
 Output (:mod:`pipeline.serving.api_options`): ``n`` choices in [1, 16] (choice i of a seeded request uses
 ``seed + i``, as vLLM does), ``logprobs`` (completions: 0..20 alternatives; chat: ``logprobs: true`` and
-``top_logprobs`` 0..20; raw logprobs, before temperature and penalties, see pipeline.engine.sampling),
+``top_logprobs`` 0..20; raw logprobs, before temperature and penalties, see pipeline.engine.core.sampling),
 ``echo`` (completions: the prompt text before each choice's text), ``stream_options`` (``include_usage``,
 ``continuous_usage_stats``).
 
@@ -36,7 +36,7 @@ honoured (the caller could send the ids themselves anyway). A body must be a JSO
 ``MAX_JSON_DEPTH`` deep, whose strings are valid Unicode (no lone surrogate): else 400, naming the field.
 
 The engine side answers each choice's request (:meth:`GenerateRequest.choice`) with
-``pipeline.engine.engine_loop.TokenEvent`` s; the ingress turns them into text, logprobs and responses
+``pipeline.engine.core.engine_loop.TokenEvent`` s; the ingress turns them into text, logprobs and responses
 with :mod:`pipeline.serving.choices` and :mod:`pipeline.serving.openai_responses`.
 """
 
@@ -48,7 +48,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Sequence
 
-from pipeline.engine.sampling import SEED_RANGE, SamplingParams
+from pipeline.engine.core.sampling import SEED_RANGE, SamplingParams
 from pipeline.serving.api_errors import ApiError, invalid
 from pipeline.serving.api_options import OutputOptions, choice_seed, parse_output_options
 

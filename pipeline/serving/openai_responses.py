@@ -14,7 +14,7 @@ import json
 import time
 from typing import Any, Iterable, Mapping, Optional
 
-from pipeline.engine.sampling import StopText
+from pipeline.engine.core.sampling import StopText
 from pipeline.serving.openai_api import COMPLETION, GenerateRequest
 
 DONE_LINE = "data: [DONE]\n\n"

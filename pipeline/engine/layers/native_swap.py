@@ -1,0 +1,81 @@
+"""Swapping the engine's float C modules into a model in place (:func:`use_native_float_ops`): the
+modules of :mod:`pipeline.engine.native.cpu_float` (linears, RMSNorm, router) and of
+:mod:`pipeline.engine.native.cpu_float_ffn` (a float model's MoE and dense MLPs), each where it takes the module's
+weights; a module that does not fit stays torch."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pipeline.engine.native import cpu_float_ffn
+from pipeline.engine.native.cpu_float import _DT, _LIB, NativeLinear, NativeRMSNorm, NativeRouter
+from pipeline.model.ffn import MLP, MoE, Router
+from pipeline.model.norm import RMSNorm
+
+log = logging.getLogger("dsquant.kernels")
+
+
+def _is_head(name: str) -> bool:
+    return name == "lm_head" or name.endswith("shared_head.head")
+
+
+def _quantized(model: nn.Module) -> bool:
+    from pipeline.engine.layers.qlinear import Int8Linear
+
+    return any(isinstance(m, Int8Linear) for m in model.modules())
+
+
+def _swap(name: str, mod: nn.Module, float_model: bool) -> Optional[tuple[nn.Module, str]]:
+    """The C module for ``mod`` and its kind, or None (it stays)."""
+    try:
+        if type(mod) is nn.Linear and mod.bias is None and mod.weight.dtype == torch.float32:
+            return NativeLinear(mod), "lm_head" if _is_head(name) else "linear"
+        if type(mod) is RMSNorm and mod.weight.dtype in _DT and mod.bias is None:  # (the C norm has no bias)
+            return NativeRMSNorm(mod), "rms_norm"
+        if type(mod) is Router and mod.weight.dtype in _DT:
+            return NativeRouter(mod), "router"
+        if type(mod) is MoE and float_model and cpu_float_ffn.supported(mod):
+            return cpu_float_ffn.NativeFloatMoE(mod), "moe"
+        if type(mod) is MLP and float_model and cpu_float_ffn.plain_mlp(mod):
+            return cpu_float_ffn.NativeFloatMLP(mod), "mlp"
+    except ValueError as e:                     # e.g. a linear of other values than bf16's
+        log.info("%s stays torch: %s", name, e)
+    return None
+
+
+def use_native_float_ops(model: nn.Module) -> dict[str, int]:
+    """Swap the C modules into ``model`` (in place); the counts per kind. Any model: the lm_head / MTP head
+    when a float32 linear of bf16 values, every RMSNorm of a float32 or bf16 weight, every Router that fits
+    (groups of >= 2 experts). A float model (no int8 linear) also: every MoE whose experts fit and every
+    dense MLP (cpu_float_ffn: their linears, and a MoE's shared expert, run inside the C call and stay
+    nn.Linear for the torch fallback). Every model: every other bias-free float32 linear of bf16 values
+    (a quantized model's float MTP layer's included; its MoE stays torch, its experts' linears swapped).
+    Nothing when the library is not available (:func:`status` says why)."""
+    counts = dict.fromkeys(("lm_head", "linear", "rms_norm", "router", "moe", "mlp"), 0)
+    if _LIB.library() is None:
+        return counts
+    float_model = not _quantized(model) and cpu_float_ffn.library() is not None
+    swaps, inside = [], []                       # inside: prefixes computed within a swapped C block
+    for name, mod in model.named_modules():
+        if not name or any(name == p or name.startswith(p + ".") for p in inside):
+            continue
+        new = _swap(name, mod, float_model)
+        if new is None:
+            continue
+        swaps.append((name, *new))
+        if new[1] == "mlp":
+            inside.append(name)
+        elif new[1] == "moe":
+            inside.append(name + ".experts")
+            if cpu_float_ffn.plain_mlp(mod.shared_experts):
+                inside.append(name + ".shared_experts")
+    for name, new, kind in swaps:                # parents first (named_modules' order): a MoE's router is
+        parent, _, child = name.rpartition(".")  # then set on the NativeFloatMoE, which holds it
+        setattr(model.get_submodule(parent), child, new)
+        counts[kind] += 1
+    log.info("native float ops: %s", counts)
+    return counts

@@ -1,0 +1,250 @@
+"""The engine's int8 linears on the CPU in one C call each (csrc/int8_linear_cpu.c): quantize the rows,
+multiply in int32, apply the epilogue, write the output in x's dtype.
+
+The arithmetic is :mod:`pipeline.engine.layers.qlinear`'s op for op (the C file's header lists it): the same
+float32 divisions, additions and round-half-even for the activations, the exact int32 product, the same
+float64 (``exact``) or float32 (``fast``) epilogue in the same order, the bias added in float32, bf16
+rounded to nearest even from the float32 value as ``Tensor.to(torch.bfloat16)`` does; built without FMA
+contraction (:data:`pipeline.cbuild.EXACT_FLAGS`). So the output equals the torch path's bit for bit,
+for both kinds and both epilogues (the tests check it).
+
+Each linear's weight is packed once (:class:`Packed`: the VNNI layout, 128 * row sums, float32 copies of
+the scales), on first use, and again after ``load_state_dict``, a buffer assigned, ``.to()`` / ``.float()``
+(the module drops its copy: :func:`drop`) or an in-place change of the weight (its version is compared on
+each call); an in-place edit of a scale tensor outside ``load_state_dict`` needs :func:`drop`. The packed
+copy holds the weight a second time (int8, n rounded up to 64 columns). A call then costs a shape/dtype
+check, one output allocation and the ctypes call: ~6 us of Python with everything in cache, ~15-20 us
+inside an engine step (cold caches), against ~12 torch ops (~40-100 us) on the torch path.
+
+The int32 product runs on AVX-512 VNNI (4-row register tiles), or, for calls of 32 rows or more on a CPU
+with AMX that the kernel lets use it, on the AMX tiles (tdpbusd, the same u8 x s8 sums: the same int32
+bits); the quantization and the epilogue run 16 lanes at a time with the scalar code's operations. At
+2048 rows (a served prefill step) that made a call 1.5-3x faster (benchmarks/cpu_linear.json).
+
+Which path runs is :func:`enabled` (the kernels backend is ``native`` on this device, the library built,
+``DSQUANT_NATIVE_LINEAR`` not ``0``) and, for ``kernel="auto"``, the batch. The C kernel is single-threaded.
+With one torch thread (the engine profile's and a one-core engine's setting) it beat the torch path at
+every size measured (1 to 2048 rows, benchmarks/cpu_linear.json: ~4x at decode sizes, 1.03-2.1x from
+512 rows), so it takes every batch. With two threads ``_int_mm`` (oneDNN) catches up once a call holds
+about 2^24 multiply-adds (k = 256 -> 768 at 64 rows: 0.91x; 7168 -> 1536 at 16 rows: 0.85x, at 8 rows
+still 1.39x), so it takes at most :func:`max_rows` rows: 64, fewer for wide weights, 8 at least.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from pipeline.cbuild import EXACT_FLAGS, NativeLibrary
+from pipeline.format.description import W8A8
+
+SOURCE = Path(__file__).with_name("csrc") / "int8_linear_cpu.c"
+#: With several torch threads, ``kernel="auto"`` uses the C kernel for at most max_rows(k, n) rows
+#: (module docstring): MAX_ROWS, fewer for wide weights (MAX_MACS per call), MIN_ROWS at least.
+MAX_ROWS, MIN_ROWS, MAX_MACS = 64, 8, 2 ** 24
+PANEL_COLS, K_STEP = 64, 4                 # the packed layout's padding of n and k
+MAX_K = (2 ** 31 - 1) // (128 * 128)       # 131071: the int32 product is exact (see the C header)
+DTYPES = {torch.float32: 3, torch.bfloat16: 1}   # csrc/dtypes.h's codes
+STATIC, DYNAMIC = 0, 1
+EPILOGUES = {"exact": 0, "fast": 1}
+
+p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+class LinearParams(ctypes.Structure):
+    """csrc/int8_linear_cpu.c's ``linear_t``."""
+    _fields_ = [("n", i64), ("k", i64), ("np", i64), ("kp", i64), ("wpack", p), ("wsum", p),
+                ("kind", i32), ("epilogue", i32), ("in_scale", f32), ("in_offset", f32),
+                ("quant_bias", p), ("deq", p), ("wscale", p), ("bias", p)]
+
+
+def _declare(dll: ctypes.CDLL) -> None:
+    dll.native_has_vnni.argtypes, dll.native_has_vnni.restype = [], ctypes.c_int
+    dll.native_has_amx.argtypes, dll.native_has_amx.restype = [], ctypes.c_int
+    dll.int8_pack.argtypes, dll.int8_pack.restype = [p, i64, i64, i64, i64, p, p], None
+    dll.int8_linear.argtypes, dll.int8_linear.restype = [p, p, i64, i64, i32, p], ctypes.c_int
+    dll.int8_linear_q.argtypes, dll.int8_linear_q.restype = [p, p, p, i64, p], ctypes.c_int
+    moe = [p, p, i32, i64, i64, p, p, p]
+    dll.moe_gate_up.argtypes, dll.moe_gate_up.restype = moe + [p], ctypes.c_int
+    dll.moe_down.argtypes, dll.moe_down.restype = moe + [p], ctypes.c_int
+
+
+_LIB = NativeLibrary(SOURCE, _declare, EXACT_FLAGS, switch="DSQUANT_NATIVE_LINEAR",
+                     what="native int8 linear kernel (torch ops give the same bits)")
+_enabled: dict[tuple, bool] = {}
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The compiled kernels, or None (the reason in :func:`status`)."""
+    return _LIB.library()
+
+
+def status() -> str:
+    """``native (<path>, vnni=..., amx=...)`` or ``torch ops (<why>)``, for logs and benchmark records."""
+    lib = library()
+    if lib is None:
+        return _LIB.status()
+    return f"{_LIB.status()[:-1]}, vnni={bool(lib.native_has_vnni())}, amx={bool(lib.native_has_amx())})"
+
+
+def max_rows(k: int, n: int) -> int:
+    """The most rows ``kernel="auto"`` gives the C kernel when torch runs several threads."""
+    return max(MIN_ROWS, min(MAX_ROWS, MAX_MACS // max(1, k * n)))
+
+
+def _switches() -> tuple:
+    """The values of the switch variables: os.environ's own dict when it has one (CPython's, kept in step
+    with os.environ and putenv by os.environ itself; 10x cheaper than two os.environ.get), else .get."""
+    raw = getattr(os.environ, "_data", None)
+    if isinstance(raw, dict) and _RAW_KEYS is not None:
+        return tuple(raw.get(k) for k in _RAW_KEYS)
+    return tuple(os.environ.get(k) for k in _SWITCHES)
+
+
+#: DSQUANT_NATIVE_LINEAR=0 turns off these kernels only (the other native kernels stay on).
+_SWITCHES = ("DSQUANT_KERNELS", "DSQUANT_NATIVE", "DSQUANT_NATIVE_LINEAR")
+try:
+    _RAW_KEYS: Optional[tuple] = tuple(os.environ.encodekey(v) for v in _SWITCHES)  # type: ignore[attr-defined]
+except AttributeError:
+    _RAW_KEYS = None
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether the C kernels run for work on ``device``: the kernels backend is ``native`` there and the
+    library loaded, and ``DSQUANT_NATIVE_LINEAR`` is not ``0``. Cached per device type and value of the
+    switch variables (read on every call: tests and users flip them)."""
+    key = (device.type, _switches())
+    hit = _enabled.get(key)
+    if hit is None:
+        from pipeline.engine.worker.kernels import NATIVE, backend
+
+        # library() is None while DSQUANT_NATIVE(_LINEAR)=0: the library's own switch (its status says so)
+        hit = _enabled[key] = device.type == "cpu" and backend(device) == NATIVE and library() is not None
+    return hit
+
+
+def reset() -> None:
+    """Forget the loaded library and the cached choices (tests that flip the switch variables)."""
+    _enabled.clear()
+    _LIB.reset()
+
+
+def padded(n: int, k: int) -> tuple[int, int]:
+    return -(-n // PANEL_COLS) * PANEL_COLS, -(-k // K_STEP) * K_STEP
+
+
+def pack_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [n, k] -> (packed int8 [np * kp], 128 * row sums int32 [np]) in the C kernel's layout."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"pack_weight: {status()}")
+    w = w.contiguous()
+    n, k = w.shape
+    np_, kp = padded(n, k)
+    pack, wsum = torch.empty(np_ * kp, dtype=torch.int8), torch.empty(np_, dtype=torch.int32)
+    lib.int8_pack(w.data_ptr(), n, k, np_, kp, pack.data_ptr(), wsum.data_ptr())
+    return pack, wsum
+
+
+def drop(mod, *hook_args) -> None:
+    """Forget ``mod``'s packed copy (the next call repacks): Int8Linear calls it when a buffer is assigned,
+    on ``.to()`` / ``.float()`` (``_apply``) and after ``load_state_dict`` (a post hook)."""
+    mod.__dict__.pop("_native_packed", None)
+
+
+class Packed:
+    """A linear's packed weight and float32 scales and the ``LinearParams`` pointing at them."""
+
+    def __init__(self, mod):
+        self.weight = mod._buffers["weight"]          # held: its identity and version are the key
+        self.version = self.weight._version
+        n, k = mod.out_features, mod.in_features
+        self.pack, self.wsum = pack_weight(mod.weight)
+        prm = LinearParams(n=n, k=k, wpack=self.pack.data_ptr(), wsum=self.wsum.data_ptr(),
+                           epilogue=EPILOGUES[mod.epilogue])
+        prm.np, prm.kp = padded(n, k)
+        self.keep: list[torch.Tensor] = []
+        if mod.kind == W8A8:                           # qlinear.W8A8StaticLinear (not imported: it imports us)
+            prm.kind = STATIC
+            prm.in_scale = float(mod.input_scale.float().reshape(()))
+            prm.in_offset = float(mod.input_offset.float().reshape(()))
+            prm.quant_bias = self._hold(mod.quant_bias.to(torch.int32))
+            prm.deq = self._hold(mod.deq_float32().float())
+        else:
+            prm.kind = DYNAMIC
+            prm.wscale = self._hold(mod.weight_scale.float().reshape(-1))
+            prm.bias = self._hold(mod.bias.float()) if mod.bias is not None else None
+        self.params = prm
+        self.ref = ctypes.addressof(prm)
+
+    def _hold(self, t: torch.Tensor) -> int:
+        t = t.contiguous()
+        self.keep.append(t)
+        return t.data_ptr()
+
+
+def packed(mod) -> Packed:
+    """``mod``'s :class:`Packed`, made on first use, after :func:`drop` and when the weight tensor was
+    replaced or changed in place (its version)."""
+    pk = mod.__dict__.get("_native_packed")
+    w = mod._buffers["weight"]
+    if pk is None or pk.weight is not w or pk.version != w._version:
+        if not 0 < mod.in_features <= MAX_K:
+            raise ValueError(f"{mod.name}: in_features {mod.in_features} outside 1 .. {MAX_K} for the C kernel")
+        pk = mod.__dict__["_native_packed"] = Packed(mod)
+    return pk
+
+
+def _check(rc: int, what: str) -> None:
+    if rc:
+        raise MemoryError(f"{what}: the C kernel could not allocate its scratch")
+
+
+def forward(mod, x: torch.Tensor) -> torch.Tensor:
+    """The linear of float32 / bf16 ``x`` [..., k] (any strides): [..., n] in x's dtype, bias included:
+    qlinear's ``forward``. A contiguous x is read in place, without a reshape."""
+    pk, k = packed(mod), mod.in_features
+    if x.is_contiguous():
+        m, ldx, x2 = x.numel() // k, k, x
+    else:
+        x2 = x.reshape(-1, k)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        m, ldx = x2.shape[0], x2.stride(0)
+    y = torch.empty(x.shape[:-1] + (mod.out_features,), dtype=x.dtype)
+    if m:
+        _check(library().int8_linear(pk.ref, x2.data_ptr(), m, ldx, DTYPES[x.dtype], y.data_ptr()), mod.name)
+    return y
+
+
+def bind(mod, x: torch.Tensor, out: torch.Tensor) -> Optional[tuple]:
+    """(C function, arguments, the pack to hold) computing qlinear's forward of contiguous ``x`` [..., k]
+    into ``out`` (contiguous, x's dtype, [..., n]) for the tensors' current storage
+    (pipeline.engine.worker.decode_graph); None where that forward would not call this kernel."""
+    if not x.is_contiguous() or not out.is_contiguous() or out.dtype != x.dtype \
+            or out.shape != x.shape[:-1] + (mod.out_features,) or not mod._native(x):
+        return None
+    pk, k = packed(mod), mod.in_features
+    return library().int8_linear, (pk.ref, x.data_ptr(), x.numel() // k, k, DTYPES[x.dtype], out.data_ptr()), (pk,)
+
+
+def apply_quantized(mod, x_q: torch.Tensor, s_tok: Optional[torch.Tensor]) -> torch.Tensor:
+    """int8 rows ``x_q`` [m, k]: the exact product int32 [m, n] (``s_tok`` None: ``_acc``), or with the
+    per-token scales float32 [m, 1] the dynamic epilogue, float32 [m, n] without bias (``apply_quantized``)."""
+    pk = packed(mod)
+    x_q = x_q.contiguous()
+    m = x_q.shape[0]
+    if s_tok is None:
+        y, s_ptr = torch.empty(m, mod.out_features, dtype=torch.int32), None
+    else:
+        s_tok = s_tok.contiguous()
+        if s_tok.dtype != torch.float32 or s_tok.numel() != m:
+            raise ValueError(f"{mod.name}: s_tok must be float32 [{m}, 1], got {s_tok.dtype} {list(s_tok.shape)}")
+        y, s_ptr = torch.empty(m, mod.out_features, dtype=torch.float32), s_tok.data_ptr()
+    if m:
+        _check(library().int8_linear_q(pk.ref, x_q.data_ptr(), s_ptr, m, y.data_ptr()), mod.name)
+    return y

@@ -1,0 +1,169 @@
+"""Load a model directory as the engine runs it: :func:`load_model` takes either kind and picks the loader
+by what the directory holds (:func:`dir_kind`): a quantized one (quant_model_description.json) goes to
+:func:`load_quantized`, a float HF-layout checkpoint (config.json + safetensors) to :func:`load_float`.
+
+A quantized directory (ours, or any the checker accepts) is loaded with the float parts
+(embeddings, norms, router, ``kv_b_proj``, the MTP layer when FLOAT) in the compute dtype, every W8A8 and
+W8A8_DYNAMIC linear as an :class:`pipeline.engine.layers.qlinear.Int8Linear` that computes with the stored
+integers, and each FA3 layer's ``fa_k`` scale for the int8 latent cache.
+
+The quantized linears are never materialized in float: the model is built with those weights on the meta
+device and the modules are then replaced. ``epilogue`` picks the int8 linears' epilogue (``exact``, the
+reference mode, or ``fast``); with ``fuse_moe`` every MoE whose experts are all W8A8_DYNAMIC runs as
+:class:`pipeline.engine.layers.moe.Int8MoE` (one activation quantization per layer, gate and up stacked: the same
+output in the reference mode).
+
+A float checkpoint (bf16, fp16, fp32, or the FP8 block-quantized release, dequantized on reading as the
+quantizer reads it: pipeline.io.checkpoint) is the float model itself (pipeline.model), every linear an
+``nn.Linear`` in the compute dtype, the MTP layer included when the checkpoint has it, and no fa_k scale:
+its cache holds the latent in the model's dtype (bf16 for the embedded model), never int8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pipeline import layout
+from pipeline.config import DeepseekV3Config
+from pipeline.model import DeepseekV3ForCausalLM, build_model
+from pipeline.engine.layers.moe import fuse_moe_layers
+from pipeline.engine.layers.qlinear import EXACT, build_from_checkpoint, by_linear
+from pipeline.format.description import DESCRIPTION_NAME, FLOAT, QUANT_KINDS
+from pipeline.format.reader import fa_scales, read_quantized
+from pipeline.io import storage
+
+QUANTIZED, FLOAT_CHECKPOINT = "quantized", "float"
+QUANT_WEIGHT_PREFIX = "quant_model_weight"     # msModelSlim's weight files (quant_model_weight_w8a8*.safetensors)
+#: The compute dtype of a float checkpoint on the CPU when none is asked for. Measured on the embedded
+#: model (2-core AVX512-BF16 machine, one torch thread, 128-token prompts, NZ cache; medians of 6
+#: alternating rounds): float32 / bfloat16 ms per decode step 8.1 / 10.1 at 1 sequence, 17.8 / 21.0 at 8,
+#: 24.1 / 27.0 at 16, prefill of 128 tokens 32 / 40 ms (a second run: 7.2 / 10.0, 14.4 / 20.4,
+#: 22.5 / 27.4, 32 / 44 ms; the machine was shared, load 3-7, hence two runs). A bf16 GEMM alone is
+#: faster from ~8 rows up, but a step is mostly small ones (an expert sees a few rows): profiled at 8
+#: sequences its GEMMs average 46 us in bf16 against 39 in float32, and bf16 adds twice the copies
+#: (casts around the float32 attention and router). So float32 (the bf16 weights widened exactly, the
+#: float model's own CPU default, pipeline.model.loading); ``dtype="bfloat16"`` computes in the model's
+#: dtype. On CUDA the default is the checkpoint's torch_dtype.
+FLOAT_CPU_DTYPE = torch.float32
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: DeepseekV3ForCausalLM
+    config: DeepseekV3Config
+    types: dict[str, str]
+    fa_k: dict[int, float]          # layer id -> the latent's int8 scale (FA3 layers only)
+    path: str
+
+    @property
+    def quantized_linears(self) -> int:
+        return sum(1 for n, t in self.types.items() if n.endswith(".weight") and t in QUANT_KINDS)
+
+
+def load_quantized(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                   with_mtp: bool = True, epilogue: str = EXACT, fuse_moe: bool = True) -> LoadedModel:
+    """Validate ``path`` with the checker (refusing what it rejects, with its report) and build the model."""
+    cfg, types, tensors = read_quantized(path)
+    quant = {n[: -len(".weight")] for n, t in types.items() if n.endswith(".weight") and t in QUANT_KINDS}
+    floats = {n: tensors[n] for n in layout.checkpoint_shapes(cfg)
+              if n in tensors and types.get(n, FLOAT) == FLOAT and n[: -len(".weight")] not in quant}
+    # iter_smooth's biases on norms and on linears kept float (a quantized linear's is inside its quant_bias)
+    floats.update({n: t for n, t in tensors.items() if n.endswith(".bias") and types.get(n, FLOAT) == FLOAT
+                   and n[: -len(".bias")] not in quant})
+    if not with_mtp:
+        floats = {n: t for n, t in floats.items() if layout.layer_of(n) not in cfg.mtp_layer_ids}
+    model = build_model(cfg, floats, dtype=dtype, device=device, with_mtp=with_mtp and bool(cfg.mtp_layer_ids),
+                        strict=False)
+    index = by_linear(tensors)
+    for prefix in sorted(quant):
+        if not with_mtp and layout.layer_of(prefix + ".weight") in cfg.mtp_layer_ids:
+            continue
+        parent_name, child = prefix.rsplit(".", 1)
+        parent = model.get_submodule(parent_name)
+        if not isinstance(getattr(parent, child, None), nn.Linear):
+            raise ValueError(f"{path}: {prefix} is typed {types[prefix + '.weight']} but the model has no linear there")
+        params = {f"{prefix}.{leaf}": v.to(device) for leaf, v in index.get(prefix, {}).items()}
+        setattr(parent, child, build_from_checkpoint(prefix, params, types, epilogue=epilogue))
+    missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    if missing:
+        raise ValueError(f"{path}: tensors missing for {missing[:5]}")
+    if fuse_moe:
+        fuse_moe_layers(model)
+    _native_float_ops(model, device)
+    fa_k = {i: float(s.float().reshape(())) for i, s in fa_scales(tensors).items()}
+    return LoadedModel(model.eval(), cfg, dict(types), fa_k, path)
+
+
+def _native_float_ops(model: nn.Module, device) -> None:
+    """Where the kernels backend is ``native``: the C lm_head / RMSNorm / router (engine.cpu_float)."""
+    from pipeline.engine.worker.kernels import NATIVE, backend
+
+    if backend(device) == NATIVE:
+        from pipeline.engine.layers.native_swap import use_native_float_ops
+
+        use_native_float_ops(model)
+
+
+def dir_kind(path: str) -> str:
+    """``QUANTIZED`` (quant_model_description.json or msModelSlim weight files present) or
+    ``FLOAT_CHECKPOINT`` (config.json and safetensors weights: the index, model.safetensors or any
+    *.safetensors); anything else is a ValueError naming the directory and what it holds
+    (FileNotFoundError when it is not a directory)."""
+    if not storage.isdir(path):
+        raise FileNotFoundError(f"{path}: not a directory (a quantized directory or a float checkpoint)")
+    entries = set(storage.listdir(path))
+    if DESCRIPTION_NAME in entries or any(e.startswith(QUANT_WEIGHT_PREFIX) for e in entries):
+        return QUANTIZED    # msModelSlim weights without their description: the checker says what is wrong
+    if "config.json" in entries and any(e.endswith(".safetensors") or e == "model.safetensors.index.json"
+                                        for e in entries):
+        return FLOAT_CHECKPOINT
+    shown = sorted(entries)[:8]
+    raise ValueError(f"{path}: neither a quantized directory (no {DESCRIPTION_NAME}) nor a float checkpoint "
+                     f"(config.json and *.safetensors weights{'' if 'config.json' in entries else ': no config.json'}"
+                     f"); it holds {shown or 'nothing'}")
+
+
+def resolve_float_dtype(dtype, cfg: DeepseekV3Config, device: str) -> torch.dtype:
+    """A float checkpoint's compute dtype: a torch dtype or its name; None / "auto": FLOAT_CPU_DTYPE on
+    the CPU, the checkpoint's torch_dtype elsewhere (an FP8 release's is bfloat16)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return FLOAT_CPU_DTYPE if str(device).startswith("cpu") else getattr(torch, cfg.torch_dtype)
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)} or 'auto'")
+    return DTYPES[dtype]
+
+
+def load_float(path: str, dtype=None, device: str = "cpu", with_mtp: bool = True) -> LoadedModel:
+    """A float HF-layout DeepSeek-V3 checkpoint as the engine runs it: the float model (pipeline.model)
+    with every tensor checked against the config (pipeline.io.checkpoint.CheckpointReader: a missing,
+    unexpected or misshapen tensor, a pickle, NaN/Inf all raise naming the file), FP8 weights dequantized
+    on reading, everything in ``dtype`` (:func:`resolve_float_dtype`) but the router bias (float32), the
+    MTP layer when the checkpoint has one and ``with_mtp``. No fa_k scales: the engine's cache holds the
+    latent in the model's dtype (EngineConfig.cache_dtype; default the config's torch_dtype).
+    The default dtype on the CPU is float32 (measured faster there: FLOAT_CPU_DTYPE)."""
+    from pipeline.model.loading import load_model as load_float_model
+
+    cfg = DeepseekV3Config.from_file(storage.join(path, "config.json"))
+    dt = resolve_float_dtype(dtype, cfg, device)
+    model = load_float_model(path, dtype=dt, device=device, with_mtp=with_mtp and bool(cfg.mtp_layer_ids))
+    types = {n: FLOAT for n, _ in [*model.named_parameters(), *model.named_buffers()]}
+    _native_float_ops(model, device)
+    return LoadedModel(model.eval(), model.config, types, {}, path)
+
+
+def load_model(path: str, dtype=None, device: str = "cpu", with_mtp: bool = True, **quantized) -> LoadedModel:
+    """Either kind of directory (:func:`dir_kind`): a quantized one with :func:`load_quantized` (``dtype``
+    of its float parts, default float32; ``quantized``: its ``epilogue`` / ``fuse_moe``), a float
+    checkpoint with :func:`load_float` (``dtype`` default: :func:`resolve_float_dtype`)."""
+    if dir_kind(path) == QUANTIZED:
+        kw = {} if dtype in (None, "auto") else {"dtype": resolve_float_dtype(dtype, None, device)}
+        return load_quantized(path, device=device, with_mtp=with_mtp, **kw, **quantized)
+    if quantized:
+        raise ValueError(f"{path}: a float checkpoint takes no quantized-model options ({sorted(quantized)})")
+    return load_float(path, dtype=dtype, device=device, with_mtp=with_mtp)
