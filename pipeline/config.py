@@ -108,17 +108,6 @@ class DeepseekV3Config:
     def from_dict(cls, raw: Mapping[str, Any], source: str = "config.json") -> "DeepseekV3Config":
         return _parse(raw, source)
 
-    @classmethod
-    def from_file(cls, path: str) -> "DeepseekV3Config":
-        from pipeline.io import storage
-
-        from pipeline.io.json_input import parse_json
-
-        raw = parse_json(storage.read_bytes(path), path, ConfigError)
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-        return cls.from_dict(raw, source=path)
-
     def to_dict(self) -> dict:
         out = dict(self.extra)
         for f in dataclasses.fields(self):

@@ -13,13 +13,14 @@ from pipeline.config import DeepseekV3Config
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
 from tiny import FIXTURES, TINY_FIXTURE
+from pipeline.io.checkpoint import read_model_config
 
 DATA_FREE = Recipe(dynamic=True, fa_quant=False)
 
 
 @pytest.fixture(scope="module")
 def cfg() -> DeepseekV3Config:
-    return DeepseekV3Config.from_file(str(TINY_FIXTURE / "config.json"))
+    return read_model_config(str(TINY_FIXTURE / "config.json"))
 
 
 def test_which_recipes_need_calibration(cfg):

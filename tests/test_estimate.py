@@ -13,7 +13,7 @@ import pytest
 from pipeline.assets import EMBEDDED_MODEL_DIR
 from pipeline.format.description import MANIFEST_NAME
 from pipeline.io.checkpoint import CheckpointReader
-from pipeline.plan.costs import unit_costs
+from pipeline.quant.costs import unit_costs
 from pipeline.quant.estimate import FORWARD_EFFICIENCY, GB, Probe, estimate_job, probe
 from pipeline.quant.progress import JobProgress, over_samples
 from pipeline.quant.recipe import Recipe

@@ -1,6 +1,7 @@
 """The layout's rules, read from the source (every import, module level or inside a function):
-no import cycle among the project's modules, dependencies that point one way between the parts, and a
-``pipeline/`` whose top level holds a handful of modules."""
+no import cycle among the project's modules nor among its packages (a package: one directory's modules,
+its subpackages apart), dependencies that point one way between the parts, a ``pipeline/`` whose top
+level holds a handful of modules, and an engine whose folder shows its parts."""
 
 from __future__ import annotations
 
@@ -109,13 +110,35 @@ def test_cycle_finder_finds_a_planted_cycle():
 
 def test_graph_sees_every_import_form(graph):
     assert "pipeline.format.reader" in graph["pipeline.engine.worker.loader"]      # from a.b import name
-    assert "pipeline.io.storage" in graph["pipeline.config"]                # from a import module
+    assert "pipeline.io.storage" in graph["pipeline.format.reader"]         # from a import module
     assert "pipeline.plan.report" in graph["jobs.plan"]
     assert "pipeline.io.checkpoint" in graph["jobs.quantize"]               # inside a function
 
 
 def test_no_import_cycle(graph):
     assert _cycles(graph) == []
+
+
+def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between packages: a module's package is its directory (a package's __init__ is
+    in the package itself), an edge where a module of one imports a module of another."""
+    mods = _modules()
+
+    def package(m: str) -> str:
+        return m if mods[m].name == "__init__.py" else m.rpartition(".")[0]
+
+    out: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        out.setdefault(package(m), set()).update(package(d) for d in deps if package(d) != package(m))
+    return out
+
+
+def test_no_package_cycle(graph):
+    """Packages depend one way too: e.g. pipeline.plan on pipeline.quant and never back, pipeline.engine's
+    subpackages in layers (core above worker above layers above attention, native, triton and cache)."""
+    packages = _package_graph(graph)
+    assert "pipeline.quant" in packages["pipeline.plan"]
+    assert [c for c in _cycles(packages) if not c[0].startswith("pipeline.engine")] == []
 
 
 def _violations(graph, src_prefix: str, dst_prefix: str, allowed_src: tuple[str, ...] = ()) -> list[str]:
@@ -162,3 +185,14 @@ def _all_imported(path: Path) -> set[str]:
 def test_pipeline_top_level_is_small():
     top = sorted(p.name for p in (REPO / "pipeline").glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+
+
+ENGINE_PACKAGES = ("core", "worker", "layers", "attention", "cache", "sharding", "native", "triton")
+MAX_ENGINE_FLAT_MODULES = 10
+
+
+def test_engine_folder_shows_its_parts():
+    engine = REPO / "pipeline" / "engine"
+    assert sorted(p.name for p in engine.iterdir() if (p / "__init__.py").exists()) == sorted(ENGINE_PACKAGES)
+    flat = sorted(p.name for p in engine.glob("*.py"))
+    assert len(flat) <= MAX_ENGINE_FLAT_MODULES, flat

@@ -13,6 +13,7 @@ from pipeline.config import DeepseekV3Config
 from pipeline.model import ModelCache, build_model
 from pipeline.model.rope import inv_frequencies
 from tiny import TINY_FIXTURE, tiny_config, write_checkpoint
+from pipeline.io.checkpoint import read_model_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -21,7 +22,7 @@ FORMS_ATOL = 2e-5       # naive vs absorbed vs cached: same math, different summ
 
 
 def load_ours(path, dtype=torch.float32):
-    cfg = DeepseekV3Config.from_file(str(path / "config.json"))
+    cfg = read_model_config(str(path / "config.json"))
     return build_model(cfg, load_file(str(path / "model.safetensors")), dtype=dtype)
 
 
@@ -144,7 +145,7 @@ def test_yarn_frequencies_match_transformers():
 
     hf_cfg = transformers.AutoConfig.from_pretrained(str(TINY_FIXTURE))
     want, factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
-    got = inv_frequencies(DeepseekV3Config.from_file(str(TINY_FIXTURE / "config.json")))
+    got = inv_frequencies(read_model_config(str(TINY_FIXTURE / "config.json")))
     torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
     assert factor == 1.0
 

@@ -23,7 +23,7 @@ from pipeline.plan.planner import plan
 from pipeline.plan.report import plan_from_dict, plan_to_dict, plan_to_text
 from pipeline.plan.resources import check_resources
 from pipeline.plan.types import GiB, PlanError
-from pipeline.plan.costs import unit_costs
+from pipeline.quant.costs import unit_costs
 from pipeline.plan.replica import RELEASE_SHARDS, make_header_replica
 from pipeline.plan.timing import Cluster, estimate_wall_time
 from pipeline.quant.recipe import Recipe

@@ -19,7 +19,7 @@ from pipeline.io.checkpoint import CheckpointReader
 from pipeline.io.safetensors_io import read_header
 from pipeline.parallel import ParallelConfig
 from pipeline.plan import sharding as S
-from pipeline.plan.costs import unit_costs
+from pipeline.quant.costs import unit_costs
 from pipeline.plan.replica import DEEPSEEK_V3_CONFIG, make_header_replica
 from pipeline.quant.recipe import Recipe
 from tiny import FIXTURES, TINY_FIXTURE
@@ -76,7 +76,7 @@ def test_single_rank_is_the_whole_quantized_model(recipe, quantize_mtp):
 
 
 def test_the_planner_on_the_header_replica_counts_the_same(tmp_path):
-    """The 671B release's header-only replica, read by the quantization planner (pipeline.plan.costs), gives
+    """The 671B release's header-only replica, read by the quantization planner (pipeline.quant.costs), gives
     the same output bytes, for the default recipe and --quantize-mtp."""
     make_header_replica(str(tmp_path / "v3"))
     reader = CheckpointReader(str(tmp_path / "v3"))

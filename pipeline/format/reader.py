@@ -12,6 +12,7 @@ from pipeline.config import DeepseekV3Config
 from pipeline.format.checker import check_dir
 from pipeline.format.description import DESCRIPTION_NAME, loads_json_object, parse_description
 from pipeline.io import storage
+from pipeline.io.checkpoint import read_model_config
 from pipeline.io.safetensors_io import CheckpointError, read_header, read_rows, read_tensors
 
 
@@ -29,7 +30,7 @@ class QuantizedSource:
         if not report.ok:
             raise CheckpointError(f"{path}: not a valid quantized directory:\n{report.to_text()}")
         self.path = path
-        self.config = DeepseekV3Config.from_file(storage.join(path, "config.json"))
+        self.config = read_model_config(storage.join(path, "config.json"))
         desc = parse_description(loads_json_object(storage.read_bytes(storage.join(path, DESCRIPTION_NAME)),
                                                    DESCRIPTION_NAME))
         self.types = dict(desc.tensors)

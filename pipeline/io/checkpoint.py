@@ -29,6 +29,7 @@ from pipeline.io import storage
 from pipeline.config import ConfigError, DeepseekV3Config
 from pipeline.io.finite import all_finite, nonfinite_counts
 from pipeline.io.json_input import parse_json
+from pipeline.io.json_input import parse_json
 from pipeline.io.fp8 import (
     DEFAULT_BLOCK, FP8_DTYPE, FP8_MAX, BlockRows, dequantize_fp8_blocks, fp8_nan_count, scale_shape,
 )
@@ -46,6 +47,15 @@ FP8_NAME = "F8_E4M3"
 ROUTER_BIAS_SUFFIX = "mlp.gate.e_score_correction_bias"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
+
+
+def read_model_config(path: str) -> DeepseekV3Config:
+    """The model's config.json at ``path`` (a local path or an fsspec URL); ConfigError naming the file for
+    anything unreadable or invalid."""
+    raw = parse_json(storage.read_bytes(path), path, ConfigError)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return DeepseekV3Config.from_dict(raw, source=path)
 
 def _refuse_pickles(where: str, names: Iterable[str]) -> None:
     found = sorted(n for n in names if n.endswith(PICKLE_SUFFIXES) or n.endswith(".bin.index.json"))
@@ -67,7 +77,7 @@ class CheckpointReader:
         entries = storage.listdir(self.path)
         if CONFIG_NAME not in entries:
             raise CheckpointError(f"{self.path}: no {CONFIG_NAME} in the checkpoint directory")
-        self.config: DeepseekV3Config = DeepseekV3Config.from_file(storage.join(self.path, CONFIG_NAME))
+        self.config: DeepseekV3Config = read_model_config(storage.join(self.path, CONFIG_NAME))
         self.block: tuple[int, int] = tuple(self.config.fp8_block_size or DEFAULT_BLOCK)  # type: ignore[assignment]
         self._headers: dict[str, SafetensorsHeader] = {}
         self._file_of = self._discover(entries)

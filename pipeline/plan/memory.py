@@ -6,7 +6,7 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
-from pipeline.plan.costs import LayerCost
+from pipeline.quant.costs import LayerCost
 from pipeline.plan.partition import stage_units
 from pipeline.plan.types import Plan, PlanParams
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from pipeline.plan.costs import EMBED, HEAD, LayerCost
+from pipeline.quant.costs import EMBED, HEAD, LayerCost
 from pipeline.plan.types import PlanError
 
 

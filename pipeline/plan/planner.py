@@ -2,7 +2,7 @@
 weight read): which pipeline stage owns which contiguous units, which output shard holds which tensors,
 and what each actor is estimated to need. ``python -m jobs.plan`` prints it.
 
-Units (:mod:`pipeline.plan.costs`): ``embed``, layers ``0..L-1``, ``head`` (norm + lm_head), MTP layers.
+Units (:mod:`pipeline.quant.costs`): ``embed``, layers ``0..L-1``, ``head`` (norm + lm_head), MTP layers.
 ``embed`` is glued to layer 0 and ``head`` to layer L-1 (the stage that runs them runs those layers); the
 MTP layer is a unit of its own, on the last stage or a stage of its own.
 
@@ -44,7 +44,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 from pipeline.format.description import NAMING
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.io.safetensors_io import itemsize
-from pipeline.plan.costs import EMBED, HEAD, MD_NAMES, LayerCost, unit_costs
+from pipeline.quant.costs import EMBED, HEAD, MD_NAMES, LayerCost, unit_costs
 from pipeline.plan.memory import calib_memory, weight_memory
 from pipeline.plan.partition import partition, stage_units, unit_cost_shares
 from pipeline.plan.types import (

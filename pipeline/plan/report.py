@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from pipeline.plan.types import GiB, Plan, PlanError, PlanParams, ShardPlan, StagePlan, WorkerPlan, units_label
-from pipeline.plan.costs import LayerCost
+from pipeline.quant.costs import LayerCost
 from pipeline.strict import build, check_keys
 
 _DERIVED = ("totals",)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pipeline.plan.costs import EMBED, HEAD, LayerCost
+from pipeline.quant.costs import EMBED, HEAD, LayerCost
 
 
 class PlanError(ValueError):

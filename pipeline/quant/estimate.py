@@ -1,7 +1,7 @@
 """The up-front estimate a quantize job prints before its heavy work: what it will read, compute and
 write, and roughly how long on this machine.
 
-What: the planner's cost model (:func:`pipeline.plan.costs.unit_costs`, from the headers alone): every
+What: the planner's cost model (:func:`pipeline.quant.costs.unit_costs`, from the headers alone): every
 unit's stored bytes (read), float bytes (dequantized and quantized), output bytes (written) and forward
 FLOPs per calibration token (at the samples' mean length). How fast: a probe of about a second on this
 machine (:func:`probe`): a timed read of the source (its largest file, up to ``PROBE_READ`` bytes), a
@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from pipeline.io import storage
 from pipeline.io.checkpoint import CheckpointReader
+from pipeline.quant.costs import unit_costs
 from pipeline.quant.products import AUTO, calibration_products
 
 GB = 1e9
@@ -196,8 +197,6 @@ def estimate_job(reader: CheckpointReader, recipe, samples: Sequence[Sequence[in
     """The estimate of the module doc; ``samples`` empty for a data-free recipe; ``actors``: the
     distributed job's stage actors (0: single process); ``single_read``: the layer-wise single-process
     job (one read; only with samples and no actors)."""
-    from pipeline.plan.costs import unit_costs
-
     tokens = sum(len(s) for s in samples)
     mean_len = max(1, round(tokens / len(samples))) if samples else 1
     units, _ = unit_costs(reader, recipe, min(mean_len, reader.config.max_position_embeddings))

@@ -34,6 +34,7 @@ from pipeline.engine.layers.qlinear import EXACT, build_from_checkpoint, by_line
 from pipeline.format.description import DESCRIPTION_NAME, FLOAT, QUANT_KINDS
 from pipeline.format.reader import fa_scales, read_quantized
 from pipeline.io import storage
+from pipeline.io.checkpoint import read_model_config
 
 QUANTIZED, FLOAT_CHECKPOINT = "quantized", "float"
 QUANT_WEIGHT_PREFIX = "quant_model_weight"     # msModelSlim's weight files (quant_model_weight_w8a8*.safetensors)
@@ -149,7 +150,7 @@ def load_float(path: str, dtype=None, device: str = "cpu", with_mtp: bool = True
     The default dtype on the CPU is float32 (measured faster there: FLOAT_CPU_DTYPE)."""
     from pipeline.model.loading import load_model as load_float_model
 
-    cfg = DeepseekV3Config.from_file(storage.join(path, "config.json"))
+    cfg = read_model_config(storage.join(path, "config.json"))
     dt = resolve_float_dtype(dtype, cfg, device)
     model = load_float_model(path, dtype=dt, device=device, with_mtp=with_mtp and bool(cfg.mtp_layer_ids))
     types = {n: FLOAT for n, _ in [*model.named_parameters(), *model.named_buffers()]}
