@@ -1,6 +1,6 @@
 """The engine side of the serving application: :class:`LLMServer` owns one
-:class:`~pipeline.engine.core.engine.LLMEngine` and streams each request's
-:class:`~pipeline.engine.core.engine_loop.TokenEvent` s.
+:class:`~pipeline.engine.core.engine.LLMEngine` and streams each
+:class:`~pipeline.engine.protocol.EngineRequest`'s :class:`~pipeline.engine.protocol.EngineOutput` s.
 
 By default the engine steps in a child process of its own (:class:`~pipeline.engine.core.core_process.EngineCoreClient`,
 vLLM v1's EngineCore split: no interpreter lock shared with HTTP and streaming, one message per step), a
@@ -29,8 +29,8 @@ from ray.serve.handle import DeploymentHandle
 from actors.engine_replica import make_engine
 from actors.ray_errors import app_error
 from actors.serve_config import ServeConfig
-from pipeline.engine.core.engine_loop import EngineDead, EngineLoop, PrefillFailed, TokenEvent
-from pipeline.serving.openai_api import GenerateRequest
+from pipeline.engine.core.engine_loop import EngineLoop
+from pipeline.engine.protocol import EngineDead, EngineOutput, EngineRequest, PrefillFailed
 
 log = logging.getLogger(__name__)
 PREFILL_FAILURES_UNHEALTHY = 3  # prefills failed in a row (disaggregated): /health says so until one succeeds
@@ -55,7 +55,7 @@ def build_engine(config: ServeConfig, deployment: str, own_process: bool = False
 
 def engine_info(engine) -> dict:
     """What the replica needs to know about its engine, wherever the engine runs."""
-    return {"max_model_len": engine.scheduler.max_model_len, "layout": engine.kv_layout()}
+    return {"max_model_len": engine.max_model_len, "layout": engine.kv_layout()}
 
 
 class LoopSink:
@@ -73,18 +73,18 @@ class LoopSink:
 
 
 class EngineStream:
-    """One request's events, read on the event loop that made it: ``await stream.__anext__()`` gives the
-    next :class:`TokenEvent` (StopAsyncIteration after the one with a finish reason), raises what the
+    """One request's outputs, read on the event loop that made it: ``await stream.__anext__()`` gives the
+    next :class:`EngineOutput` (StopAsyncIteration after the one with a finish reason), raises what the
     engine raised for it (its ValueError for a request it refuses, EngineDead, RequestFailed, PrefillFailed).
     :meth:`cancel` (any time, idempotent) aborts the sequence unless it has finished. In the disaggregated
     mode the first read waits for the prefill deployment (its first token is the first event), then the
     handed-over blocks are decoded here."""
 
-    __slots__ = ("_server", "_request", "_key", "_queue", "_waiter", "_finished", "_cancelled", "_started")
+    __slots__ = ("_server", "_request", "_submitted", "_queue", "_waiter", "_finished", "_cancelled", "_started")
 
-    def __init__(self, server: "LLMServer", request: GenerateRequest):
+    def __init__(self, server: "LLMServer", request: EngineRequest):
         self._server, self._request = server, request
-        self._key: Optional[int] = None
+        self._submitted = False
         self._queue: collections.deque = collections.deque()
         self._waiter: Optional[asyncio.Future] = None
         self._finished = self._cancelled = self._started = False
@@ -98,28 +98,31 @@ class EngineStream:
     def _sink(self) -> LoopSink:
         return LoopSink(asyncio.get_running_loop(), self._put)
 
-    async def _start(self) -> Optional[TokenEvent]:
+    async def _start(self) -> Optional[EngineOutput]:
         self._started = True
         server, request = self._server, self._request
         if server.prefill is None:
-            self._key = server.loop.submit(request.prompt_ids, request.params, self._sink())
+            server.loop.submit(request, self._sink())
+            self._submitted = True
             return None
         try:
             kv = await server._prefilled(request)
         except BaseException:
             self._finished = True
             raise
-        first = TokenEvent(() if kv.first_token is None else (kv.first_token,), kv.finish_reason, kv.first_logprobs)
+        first = EngineOutput(request.request_id, () if kv.first_token is None else (kv.first_token,),
+                             kv.finish_reason, kv.first_logprobs, kv.first_text)
         if kv.finish_reason is not None or self._cancelled:
             self._finished = kv.finish_reason is not None
             return first
-        self._key = server.loop.submit_prefilled(kv, request.params, self._sink())
+        server.loop.submit_prefilled(request, kv, self._sink())
+        self._submitted = True
         return first
 
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> TokenEvent:
+    async def __anext__(self) -> EngineOutput:
         if self._finished or self._cancelled:
             raise StopAsyncIteration
         if not self._started:
@@ -145,14 +148,14 @@ class EngineStream:
         if self._cancelled or self._finished:
             return
         self._cancelled = True
-        if self._key is not None:
-            self._server.loop.abort(self._key)
+        if self._submitted:
+            self._server.loop.abort(self._request.request_id)
 
 
 @serve.deployment(name="LLMServer")
 class LLMServer:
     """One engine replica. Interface (all async, through a DeploymentHandle, or called in the ingress's
-    process): ``generate(GenerateRequest)`` (stream=True) -> TokenEvent*, or :meth:`stream` -> an
+    process): ``generate(EngineRequest)`` (stream=True) -> EngineOutput*, or :meth:`stream` -> an
     :class:`EngineStream`; ``info()`` -> dict with ``max_model_len``, ``num_blocks``, ``block_size``,
     ``model``; ``stats()`` -> the loop's snapshot; ``check_health()``."""
 
@@ -172,11 +175,10 @@ class LLMServer:
             self.loop = EngineLoop(engine)
         self.max_model_len, self.layout = info["max_model_len"], info["layout"]
 
-    async def _prefilled(self, request: GenerateRequest):
+    async def _prefilled(self, request: EngineRequest):
         """Ask the prefill deployment for the prompt's first token and cache blocks (disaggregated mode)."""
         try:
-            kv = await asyncio.wait_for(self.prefill.prefill.remote(request.prompt_ids, request.params),
-                                        self.config.prefill_timeout_s)
+            kv = await asyncio.wait_for(self.prefill.prefill.remote(request), self.config.prefill_timeout_s)
         except ValueError:
             raise
         except Exception as e:  # noqa: BLE001 - unavailable, timed out, failed: this request only
@@ -186,6 +188,7 @@ class LLMServer:
             self.prefill_failures += 1
             self._failures_in_row += 1
             why = f"prefill failed: {type(cause).__name__}: {cause}"
+            log.warning("request %s: %s", request.request_id, why)
             if self._failures_in_row >= PREFILL_FAILURES_UNHEALTHY:
                 self.prefill_failing = why
             raise PrefillFailed(why) from None
@@ -197,13 +200,13 @@ class LLMServer:
         self.handoff_bytes += kv.nbytes
         return kv
 
-    def stream(self, request: GenerateRequest) -> EngineStream:
+    def stream(self, request: EngineRequest) -> EngineStream:
         """The request's event stream, read on the calling event loop (nothing is submitted before the
         first read)."""
         return EngineStream(self, request)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
-        """Token events for the request until one carries a finish reason (an :class:`EngineStream` as an
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """The request's outputs until one carries a finish reason (an :class:`EngineStream` as an
         async generator, for a streaming DeploymentHandle call). Closed early: the sequence is aborted."""
         stream = EngineStream(self, request)
         try:

@@ -28,15 +28,15 @@ class PrefillServer:
         self.lock = threading.Lock()
         self.prefilled = 0
 
-    def _prefill(self, prompt_ids, params):
+    def _prefill(self, request):
         with self.lock:
-            kv = self.engine.prefill(prompt_ids, params)
+            kv = self.engine.prefill(request)
             self.prefilled += 1
             return kv
 
-    async def prefill(self, prompt_ids, params):
-        """The KVHandoff of one prompt (its first token and cache blocks)."""
-        return await asyncio.to_thread(self._prefill, list(prompt_ids), params)
+    async def prefill(self, request):
+        """The KVHandoff of one EngineRequest's prompt (its first token and cache blocks)."""
+        return await asyncio.to_thread(self._prefill, request)
 
     def check_health(self) -> None:
         broken = getattr(self.engine.runner, "broken", None)
@@ -49,4 +49,4 @@ class PrefillServer:
         return self.engine.kv_layout()
 
     async def stats(self) -> dict:
-        return {"prefilled": self.prefilled, "cache_blocks_free": self.engine.allocator.num_free}
+        return {"prefilled": self.prefilled, "cache_blocks_free": self.engine.stats().cache_blocks_free}

@@ -25,7 +25,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from pipeline.engine.sharding.comm import Comm
 from pipeline.engine.sharding.dist_runner import DPRunner, ShardedRunner, follow
 from pipeline.engine.sharding.dp_engine import DPEngine
-from pipeline.engine.core.engine import EngineConfig, LLMEngine, make_runner
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.core.engine import LLMEngine, make_runner
 from pipeline.engine.layers.qlinear import EXACT
 from pipeline.engine.sharding.shard_loader import load_sharded, resident_bytes
 from pipeline.engine.sharding.sharded import REDUCE

@@ -28,7 +28,6 @@ from actors.engine_replica import placement
 from actors.llm_server import LLMServer
 from actors.serve_config import DEFAULT_ENGINE, DeploymentOptions, ServeConfig, check_fits  # noqa: F401
 from actors.serve_ingress import OpenAIIngress
-from pipeline.engine.core.engine_loop import EngineDead, EngineLoop, PrefillFailed  # noqa: F401
 
 ADMIN_HEADROOM = 16     # calls beyond max_in_flight a replica accepts: health, metrics, stats, refusals
 

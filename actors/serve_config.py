@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from pipeline.engine import cpu_pinning
-from pipeline.engine.core.engine import EngineConfig
+from pipeline.engine.config import EngineConfig
 from pipeline.engine.worker.loader import DTYPES
 from pipeline.parallel import SIZES as PARALLEL_SIZES, ParallelConfig
 from pipeline.strict import check_keys

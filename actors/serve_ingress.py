@@ -3,8 +3,10 @@
 ``text/event-stream``), vLLM's ``POST /tokenize`` and ``POST /detokenize``
 (:mod:`pipeline.serving.tokenize_api`), ``GET /health``, ``GET /metrics`` (Prometheus text), and the
 API's own description (``/openapi.json``, ``/docs``, ``/redoc``). Every request is validated here
-(:mod:`pipeline.serving.openai_api`); a bad one never reaches the engine. A request for ``n`` choices is
-``n`` engine requests (choice i seeded ``seed + i``), their event streams merged
+(:mod:`pipeline.serving.openai_api`); a bad one never reaches the engine. Each request gets its id here
+(``openai_api.request_id``, from its X-Request-ID): the response's ``id``, its engine requests', its log
+line, its metrics' exemplars. A request for ``n`` choices is ``n`` engine requests (choice i seeded
+``seed + i``), their output streams merged
 (:mod:`actors.serve_streams`), each choice's events turned into its text, logprobs and chunks by
 :class:`~pipeline.serving.choices.ChoiceState`. With ``api_key`` set, the ``/v1`` routes, the tokenizer
 routes and the API description need ``Authorization: Bearer <key>`` (401 otherwise); ``/health`` and
@@ -24,6 +26,7 @@ ingress is bounded too): there is no unbounded queue; ``n`` above ``max_in_fligh
 
 import asyncio
 import hmac
+import logging
 import time
 from typing import AsyncIterator, Optional
 
@@ -46,6 +49,7 @@ from pipeline.serving.logprobs import TokenStrings
 from pipeline.serving.openai_api import ApiError, GenerateRequest
 
 STATS_TIMEOUT_S = 5.0
+log = logging.getLogger("dsquant.serve")
 
 
 # ----- the ingress -------------------------------------------------------------------------------------
@@ -143,9 +147,9 @@ class OpenAIIngress:
             raise ApiError(408, f"the request body did not arrive within {self.config.body_timeout_s:g} s",
                            "invalid_request_error", None, "request_timeout") from None
 
-    def _parse(self, raw: bytes, parse, max_model_len: int) -> GenerateRequest:
+    def _parse(self, raw: bytes, parse, max_model_len: int, rid: str) -> GenerateRequest:
         """JSON, validation and tokenization (run on a worker thread: a large prompt takes a while)."""
-        return parse(api.parse_json_body(raw), self.tokenizer, self.model, max_model_len)
+        return parse(api.parse_json_body(raw), self.tokenizer, self.model, max_model_len, rid)
 
     async def drain(self) -> int:
         """Shutdown: every open stream ends with an error event and ``data: [DONE]``, new generation
@@ -169,8 +173,10 @@ class OpenAIIngress:
     def _done(self, route: str, status: int) -> None:
         self.metrics.requests.labels(route=route, status=str(status)).inc()
 
-    def _reply(self, route: str, err: ApiError) -> JSONResponse:
+    def _reply(self, route: str, err: ApiError, rid: Optional[str] = None) -> JSONResponse:
         self._done(route, err.status)
+        if rid is not None:
+            (log.warning if err.status >= 500 else log.info)("request %s: %d %s", rid, err.status, err.message)
         headers = {"Retry-After": "1"} if err.status == 429 else None
         return _error(err, headers)
 
@@ -188,14 +194,13 @@ class OpenAIIngress:
         return {"status": "ok"}
 
     @openai_app.get("/metrics")
-    async def metrics(self):
+    async def metrics(self, request: Request):
         try:
             stats = await asyncio.wait_for(self.engine.stats(), STATS_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - the scrape still answers, with dsquant_engine_up 0
             stats = None
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        return Response(self.metrics.render(stats), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        body, content_type = self.metrics.render(stats, request.headers.get("accept", ""))
+        return Response(body, headers={"Content-Type": content_type})
 
     @openai_app.get("/openapi.json", include_in_schema=False)
     async def openapi(self, request: Request):
@@ -271,28 +276,29 @@ class OpenAIIngress:
     # -- generation ------------------------------------------------------------------------------------
     async def _generate(self, request: Request, route: str, parse):
         t0 = time.perf_counter()
+        rid = api.request_id(api.CHAT if route == "chat" else api.COMPLETION, request.headers.get("x-request-id"))
         err = self._auth(request)
         if err is not None:
             return self._reply(route, err)
         if self._draining.is_set():
-            return self._reply(route, shutdown_error())
+            return self._reply(route, shutdown_error(), rid)
         try:
             raw = await self._read_body(request)
             info = await self._engine_info()
-            req = await asyncio.to_thread(self._parse, raw, parse, info["max_model_len"])
+            req = await asyncio.to_thread(self._parse, raw, parse, info["max_model_len"], rid)
         except ApiError as e:
-            return self._reply(route, e)
+            return self._reply(route, e, rid)
         limit, n = self.config.max_in_flight, req.n
         if n > limit:
             return self._reply(route, api.invalid(f"n is {n} but this server runs at most {limit} generations at "
-                                                  "once (each choice is one)", "n"))
+                                                  "once (each choice is one)", "n"), rid)
         if self.in_flight + n > limit:
             return self._reply(route, ApiError(
                 429, f"the server is at its limit of {limit} requests in flight; retry later",
-                "rate_limit_error", None, "too_many_requests_in_flight"))
+                "rate_limit_error", None, "too_many_requests_in_flight"), rid)
         self._acquire(n)
         self.metrics.prompt_tokens.inc(req.num_prompt_tokens)
-        gens = [self.engine.stream(req.choice(i)) for i in range(n)]
+        gens = [self.engine.stream(req.engine_request(i)) for i in range(n)]
         handed_over = False
         try:
             # before any header goes out: a refusal can still be a 400
@@ -301,7 +307,7 @@ class OpenAIIngress:
                 if isinstance(f, asyncio.CancelledError):
                     raise f
                 if isinstance(f, BaseException):
-                    return self._reply(route, first_error(f))
+                    return self._reply(route, first_error(f), rid)
             if req.stream:
                 # From here the stream generator owns the cleanup (abort, in-flight count). It is started
                 # (primed) before it is handed over, so its ``finally`` runs however it ends: finished,
@@ -325,12 +331,19 @@ class OpenAIIngress:
         self.in_flight -= n
         self.metrics.in_flight.set(self.in_flight)
 
-    def _observe(self, t0: float, last: Optional[float], now: float) -> float:
+    def _observe(self, req: GenerateRequest, t0: float, last: Optional[float], now: float) -> float:
         if last is None:
-            self.metrics.ttft.observe(now - t0)
+            self.metrics.ttft.observe(now - t0, {"request_id": req.request_id})
         else:
             self.metrics.itl.observe(now - last)
         return now
+
+    def _finished(self, req: GenerateRequest, choices: list[ChoiceState], tokens: int, t0: float) -> None:
+        """The request's end-to-end latency (its id the exemplar) and its log line."""
+        dt = time.perf_counter() - t0
+        self.metrics.e2e.observe(dt, {"request_id": req.request_id})
+        log.info("request %s: %s, %d prompt + %d generated tokens, %.3f s", req.request_id,
+                 "/".join(str(c.finish_reason) for c in choices), req.num_prompt_tokens, tokens, dt)
 
     def _choices(self, req: GenerateRequest) -> list[ChoiceState]:
         return [ChoiceState(req, i, self.tokenizer, self.strings) for i in range(req.n)]
@@ -340,17 +353,17 @@ class OpenAIIngress:
         try:
             async for i, ev in merge_events(gens, firsts, self._draining):
                 if ev.token_ids:
-                    last[i] = self._observe(t0, last[i], time.perf_counter())
+                    last[i] = self._observe(req, t0, last[i], time.perf_counter())
                 choices[i].add(ev)
         except asyncio.CancelledError:  # the client went away; the caller's finally aborts the sequences
             self.metrics.finished.labels(reason="abort").inc(sum(not c.done for c in choices))
             raise
         except ShuttingDown:
-            return self._reply(route, shutdown_error())
+            return self._reply(route, shutdown_error(), req.request_id)
         except Exception as e:  # noqa: BLE001
-            return self._reply(route, engine_failed(app_error(e)))
+            return self._reply(route, engine_failed(app_error(e)), req.request_id)
         tokens = sum(c.tokens for c in choices)
-        self.metrics.e2e.observe(time.perf_counter() - t0)
+        self._finished(req, choices, tokens, t0)
         self.metrics.generation_tokens.inc(tokens)
         for c in choices:
             self.metrics.finished.labels(reason=c.finish_reason).inc()
@@ -369,7 +382,7 @@ class OpenAIIngress:
             try:
                 async for i, ev in merge_events(gens, firsts, self._draining):
                     if ev.token_ids:
-                        last[i] = self._observe(t0, last[i], time.perf_counter())
+                        last[i] = self._observe(req, t0, last[i], time.perf_counter())
                         tokens += len(ev.token_ids)
                         self.metrics.generation_tokens.inc(len(ev.token_ids))
                     chunk = choices[i].chunk(ev, created, tokens)  # the finish reason rides on the last text
@@ -379,13 +392,16 @@ class OpenAIIngress:
                         self.metrics.finished.labels(reason=ev.finish_reason).inc()
                 if req.include_usage:
                     yield resp.sse(resp.usage_chunk(req, created, tokens))
-                self.metrics.e2e.observe(time.perf_counter() - t0)
+                self._finished(req, choices, tokens, t0)
             except ShuttingDown:  # headers are out: say so in the stream, and stop generating for it
                 _cancel(gens)
+                log.info("request %s: ended by the shutdown", req.request_id)
                 yield resp.sse(shutdown_error().body())
             except Exception as e:  # noqa: BLE001 - headers are out: report in the stream
                 _cancel(gens)
-                yield resp.sse(engine_failed(app_error(e)).body())
+                err = engine_failed(app_error(e))
+                log.warning("request %s: %d %s", req.request_id, err.status, err.message)
+                yield resp.sse(err.body())
             yield resp.DONE_LINE
             complete = True
         finally:

@@ -1,4 +1,6 @@
-"""The ingress's Prometheus metrics (its own registry) plus the engine's figures, fetched per scrape."""
+"""The ingress's Prometheus metrics (its own registry) plus the engine's figures, fetched per scrape. A scraper
+that accepts OpenMetrics gets that format, whose exemplars name the request id of a latency sample (the
+time to first token and the end-to-end latency)."""
 
 from typing import Optional
 
@@ -31,11 +33,15 @@ class ServeMetrics:
         self.engine: dict = {}
         self.registry.register(_EngineCollector(self))
 
-    def render(self, engine_stats: Optional[dict]) -> bytes:
-        from prometheus_client import generate_latest
-
+    def render(self, engine_stats: Optional[dict], accept: str = "") -> tuple[bytes, str]:
+        """(the exposition, its content type): OpenMetrics (with exemplars) when ``accept`` (the scrape's
+        Accept header) takes it, else Prometheus's text format."""
         self.engine = engine_stats or {}
-        return generate_latest(self.registry)
+        if "application/openmetrics-text" in accept:
+            from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST, generate_latest
+        else:
+            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
 class _EngineCollector:

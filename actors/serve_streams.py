@@ -1,5 +1,5 @@
 """The engine event streams of one generation request, as the ingress (actors/serve_ingress.py) reads
-them: each of its ``n`` choices is an engine request whose ``TokenEvent`` s come through a Serve
+them: each of its ``n`` choices is an engine request whose ``EngineOutput`` s come through a Serve
 streaming handle. :func:`first_event` reads a choice's first event (before any header goes out, so a
 refusal is still an HTTP error: :func:`first_error` says which), :func:`merge_events` then interleaves
 the choices' events as they come, each choice's in order up to its finish reason, and raises
@@ -11,7 +11,7 @@ import asyncio
 from typing import AsyncIterator, Sequence
 
 from actors.ray_errors import app_error
-from pipeline.engine.core.engine_loop import EngineDead, PrefillFailed, TokenEvent
+from pipeline.engine.protocol import EngineDead, EngineOutput, PrefillFailed
 from pipeline.serving import openai_api as api
 from pipeline.serving.openai_api import ApiError
 
@@ -49,15 +49,15 @@ def first_error(e: BaseException) -> ApiError:
     return engine_failed(cause)
 
 
-async def first_event(gen) -> TokenEvent:
+async def first_event(gen) -> EngineOutput:
     try:
         return await gen.__anext__()
     except StopAsyncIteration:
         raise NoEvents() from None
 
 
-async def merge_events(gens: Sequence, firsts: Sequence[TokenEvent],
-                       draining: asyncio.Event) -> AsyncIterator[tuple[int, TokenEvent]]:
+async def merge_events(gens: Sequence, firsts: Sequence[EngineOutput],
+                       draining: asyncio.Event) -> AsyncIterator[tuple[int, EngineOutput]]:
     """(choice index, event): the first events, then every choice's next events as they arrive (several
     ready at once: in index order), each choice up to the event with its finish reason. EngineDead when a
     stream ends without one; ShuttingDown once ``draining`` is set (the events already arrived first)."""

@@ -67,9 +67,9 @@ def main(argv=None) -> int:
     from pipeline.io import storage
     from pipeline.assets import EMBEDDED_MODEL_DIR
     from pipeline.engine.worker.loader import QUANTIZED, dir_kind
-    from pipeline.engine.reference import generate_text
+    from pipeline.engine.core.reference import generate_text
     from pipeline.model.loading import load_model
-    from pipeline.engine.core.sampling import SamplingParams
+    from pipeline.engine.protocol import SamplingParams
     from pipeline.text.tokenizer import Tokenizer
 
     path = args.model_path or EMBEDDED_MODEL_DIR
@@ -95,16 +95,13 @@ def main(argv=None) -> int:
                 eng = _sharded_engine(path, parallel, args, tok, stack)
             t1 = time.time()
             ids = tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user", "content": args.prompt}])
-            seq = eng.add_request(ids, params)
-            while eng.has_work:
-                eng.step()
-            text = eng.text(seq)
+            text = tok.decode(eng.generate([ids], params)[0])     # (no stop strings here)
             where = "" if parallel is None else f", {parallel.describe()}"
             latent = next(iter(eng.runner.caches.values())).latent_dtype
             what = "int8 linears, int8" if kind == QUANTIZED else \
                 f"float linears ({str(eng.loaded.model.lm_head.weight.dtype)[6:]}), {str(latent)[6:]}"
             path = f"{path} (engine: {what}-NZ latent cache{where}" + (
-                f", MTP acceptance {eng.acceptance_rate:.2f})" if eng.config.mtp else ")")
+                f", MTP acceptance {eng.stats().acceptance_rate:.2f})" if eng.config.mtp else ")")
         else:
             model = load_model(path, dtype=args.dtype, device=args.device, with_mtp=False)
             t1 = time.time()
@@ -134,7 +131,7 @@ def _sharded_engine(path, parallel, args, tok, stack: contextlib.ExitStack):
 
     from actors.rank_group import build_sharded_engine
     from actors.ray_start import init_ray
-    from pipeline.engine.core.engine import EngineConfig
+    from pipeline.engine.config import EngineConfig
     from pipeline.format.reader import QuantizedSource
 
     src = QuantizedSource(path)

@@ -44,11 +44,12 @@ def main() -> int:
     import torch
 
     from pipeline.assets import EMBEDDED_MODEL_DIR
-    from pipeline.engine.core.engine import EngineConfig, LLMEngine
+    from pipeline.engine.config import EngineConfig
+    from pipeline.engine.core.engine import LLMEngine
     from pipeline.engine.worker.loader import load_quantized
     from pipeline.quant.recipe import Recipe
     from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
-    from pipeline.engine.core.sampling import SamplingParams
+    from pipeline.engine.protocol import SamplingParams
     from pipeline.text.tokenizer import Tokenizer
 
     torch.set_num_threads(2)
@@ -70,11 +71,12 @@ def main() -> int:
             t = time.perf_counter()
             outputs[name] = eng.generate(prompts, params)
             times.append(time.perf_counter() - t)
-        gen = eng.stats.generated_tokens
+        stats = eng.stats()
+        gen = stats.generated_tokens
         res["configs"][name] = {
             "seconds": round(statistics.median(times), 3), "generated_tokens": gen,
-            "tokens_per_s": round(gen / statistics.median(times), 1), "steps": eng.stats.steps,
-            "acceptance_rate": round(eng.acceptance_rate, 3) if kw.get("mtp") else None,
+            "tokens_per_s": round(gen / statistics.median(times), 1), "steps": stats.steps,
+            "acceptance_rate": round(stats.acceptance_rate, 3) if kw.get("mtp") else None,
             "cache_bytes_per_token": eng.runner.bytes_per_token(), "runs_s": [round(t, 3) for t in times]}
         print(name, json.dumps(res["configs"][name]), flush=True)
     res["mtp_outputs_identical"] = (outputs["int8-NZ cache + MTP"] == outputs["int8-NZ cache"]

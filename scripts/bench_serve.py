@@ -104,7 +104,7 @@ def main() -> int:
     from actors.serve_config import DeploymentOptions, ServeConfig
     from pipeline.text import corpus
     from pipeline.assets import EMBEDDED_MODEL_DIR
-    from pipeline.engine.core.engine import EngineConfig
+    from pipeline.engine.config import EngineConfig
     from pipeline.quant.recipe import Recipe
     from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
     from pipeline.text.tokenizer import Tokenizer

@@ -32,15 +32,16 @@ QUESTIONS = ["What's deep learning?", "How do I open a file?", "Explain list com
 def run(eng, prompts, params) -> dict:
     comm = getattr(eng.runner, "comm", None)
     sent0 = comm.bytes_sent if comm else 0
-    steps0 = eng.stats.steps
-    eng.stats.step_seconds.clear()
+    steps0 = eng.stats().steps
+    times = (eng.counters if hasattr(eng, "counters") else eng.groups[0].counters).step_seconds
+    times.clear()
     t = time.perf_counter()
     outs = eng.generate(prompts, params)
     wall = time.perf_counter() - t
-    steps = eng.stats.steps - steps0
+    steps = eng.stats().steps - steps0
     n = sum(len(o) for o in outs)
     return {"tokens": n, "wall_s": wall, "tok_s": n / wall,
-            "step_ms_median": 1000 * statistics.median(eng.stats.step_seconds),
+            "step_ms_median": 1000 * statistics.median(times),
             "bytes_per_step": ((comm.bytes_sent - sent0) / steps) if comm else 0.0, "outputs": outs}
 
 
@@ -59,9 +60,10 @@ def main(argv=None) -> int:
 
     from actors.rank_group import build_sharded_engine
     from actors.ray_start import init_ray
-    from pipeline.engine.core.engine import EngineConfig, LLMEngine
+    from pipeline.engine.config import EngineConfig
+    from pipeline.engine.core.engine import LLMEngine
     from pipeline.engine.worker.loader import load_quantized
-    from pipeline.engine.core.sampling import SamplingParams
+    from pipeline.engine.protocol import SamplingParams
     from pipeline.parallel import ParallelConfig
     from pipeline.text.tokenizer import Tokenizer
 

@@ -178,7 +178,7 @@ def main() -> int:
     import torch
 
     from pipeline.engine.core.engine import LLMEngine
-    from pipeline.engine.core.sampling import SamplingParams
+    from pipeline.engine.protocol import EngineRequest, SamplingParams
 
     torch.set_num_threads(args.threads)
     if not any((Path(args.model_dir) / f).exists() for f in ("quant_model_description.json", "config.json")):
@@ -196,10 +196,10 @@ def main() -> int:
     instrument(prof)
     eng.runner.graph_timer = prof.timer   # replayed decode steps (engine.decode_graph) time each op
     decode, prefill = [], []
-    for p in batch:
-        eng.add_request(p, params)
+    for i, p in enumerate(batch):
+        eng.add(EngineRequest(f"profile-{i}", tuple(p), params))
     t0 = time.perf_counter()
-    generated = eng.stats.generated_tokens
+    generated = eng.stats().generated_tokens
     while eng.has_work:
         prof.step = defaultdict(float)
         prefilling = any(s.in_prefill for s in eng.scheduler.running + list(eng.scheduler.waiting))
@@ -208,7 +208,7 @@ def main() -> int:
     wall = time.perf_counter() - t0
     res = {"model_dir": Path(args.model_dir).name, "batch": args.batch, "compile": args.compile, "prompt_len": args.prompt_len,
            "new_tokens": args.new_tokens, "mtp": args.mtp, "threads": args.threads, "wall_s": round(wall, 3),
-           "output_tok_s": round((eng.stats.generated_tokens - generated) / wall, 1),
+           "output_tok_s": round((eng.stats().generated_tokens - generated) / wall, 1),
            "kernels": eng.runner.kernels, "machine": cpu_description(), "decode": summarize(decode), "prefill": summarize(prefill)}
     write_result(args.out, res)
     return 0

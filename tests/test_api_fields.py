@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline.assets import EMBEDDED_MODEL_DIR
-from pipeline.engine.core.engine_loop import TokenEvent
-from pipeline.engine.core.sampling import TokenLogprobs
+from pipeline.engine.protocol import EngineOutput
+from pipeline.engine.protocol import TokenLogprobs
 from pipeline.serving import openai_api as api
 from pipeline.serving import tokenize_api
 from pipeline.serving.api_options import choice_seed
@@ -47,11 +47,13 @@ def test_output_fields_parse(tok):
     r = completion(tok, n=3, seed=7, logprobs=4, best_of=3, stream=True,
                    stream_options={"include_usage": True, "continuous_usage_stats": True})
     assert (r.n, r.params.logprobs, r.include_usage, r.continuous_usage, r.echo) == (3, 4, True, True, None)
-    assert [r.choice(i).params.seed for i in range(3)] == [7, 8, 9] and r.choice(1).n == 1
+    assert [r.engine_request(i).params.seed for i in range(3)] == [7, 8, 9]
+    assert [r.engine_request(i).request_id for i in range(3)] == [f"{r.request_id}-{i}" for i in range(3)]
     assert completion(tok, logprobs=0).params.logprobs == 0 and completion(tok, logprobs=False).params.logprobs is None
     plain = completion(tok)
     assert plain.params.logprobs is None and plain.n == 1
-    assert plain.choice(0) is plain                        # n 1, no echo: the request itself
+    one = plain.engine_request(0)                          # n 1: the request's own id and params
+    assert (one.request_id, one.prompt_ids, one.params) == (plain.request_id, plain.prompt_ids, plain.params)
     c = chat(tok, logprobs=True, top_logprobs=5, n=2)
     assert (c.params.logprobs, c.n) == (5, 2)
     assert chat(tok, logprobs=True).params.logprobs == 0
@@ -77,7 +79,7 @@ def test_echo_text(tok):
     ids = tok.encode("import os")
     r = api.parse_completion({"model": MODEL, "prompt": ids, "echo": True}, tok, MODEL, CTX)
     assert r.echo == tok.decode(ids, skip_special=False) and r.echo.startswith(tok.bos_token)
-    assert r.choice(0).echo is None and r.choice(0).prompt_ids == tuple(ids)
+    assert r.engine_request(0).prompt_ids == tuple(ids)
 
 
 @pytest.mark.parametrize("fn, kw, param, message", [
@@ -159,17 +161,17 @@ def chunks(state: ChoiceState, events) -> list[dict]:
 def test_the_finish_reason_rides_on_the_last_tokens_chunk(tok):
     ids = tok.encode("alpha beta gamma", add_bos=False)
     req = completion(tok, stream=True)
-    got = chunks(ChoiceState(req, 0, tok), [TokenEvent(tuple(ids[:2])), TokenEvent(tuple(ids[2:]), "length")])
+    got = chunks(ChoiceState(req, 0, tok), [EngineOutput("r", tuple(ids[:2])), EngineOutput("r", tuple(ids[2:]), "length")])
     assert [c["finish_reason"] for c in got] == [None, "length"] and got[-1]["text"]
     assert "".join(c["text"] for c in got) == "alpha beta gamma"
     # an event without a token ends the choice: an empty chunk carries the reason
-    got = chunks(ChoiceState(req, 2, tok), [TokenEvent(tuple(ids)), TokenEvent((), "stop")])
+    got = chunks(ChoiceState(req, 2, tok), [EngineOutput("r", tuple(ids)), EngineOutput("r", (), "stop")])
     assert [(c["index"], c["text"], c["finish_reason"]) for c in got] == [(2, "alpha beta gamma", None),
                                                                           (2, "", "stop")]
     # text held back (an incomplete character) goes out with the finish reason
     emoji = tok.encode("ok 🙂", add_bos=False)
     creq = chat(tok, stream=True)
-    got = chunks(ChoiceState(creq, 0, tok), [TokenEvent(tuple(emoji[:-1])), TokenEvent(tuple(emoji[-1:]), "stop")])
+    got = chunks(ChoiceState(creq, 0, tok), [EngineOutput("r", tuple(emoji[:-1])), EngineOutput("r", tuple(emoji[-1:]), "stop")])
     assert got[-1]["finish_reason"] == "stop" and got[-1]["delta"]["content"].endswith("🙂")
     assert "".join(c["delta"].get("content", "") for c in got) == "ok 🙂"
 
@@ -180,13 +182,38 @@ def test_chunks_with_logprobs_go_out_while_the_text_is_held_back(tok):
     req = chat(tok, stream=True, logprobs=True, top_logprobs=1)
     lps = tuple(TokenLogprobs(t, -1.0, ((t, -1.0),)) for t in emoji)
     st = ChoiceState(req, 1, tok)
-    first = st.chunk(TokenEvent(emoji[:1], None, lps[:1]), 1, 1)["choices"][0]
+    first = st.chunk(EngineOutput("r", emoji[:1], None, lps[:1]), 1, 1)["choices"][0]
     assert first["delta"] == {} and len(first["logprobs"]["content"]) == 1 and first["index"] == 1
-    last = st.chunk(TokenEvent(tuple(emoji[1:]), "stop", lps[1:]), 1, len(emoji))["choices"][0]
+    last = st.chunk(EngineOutput("r", tuple(emoji[1:]), "stop", lps[1:]), 1, len(emoji))["choices"][0]
     assert last["delta"] == {"content": "🙂"} and last["finish_reason"] == "stop"
     result = st.result()
     assert result["message"]["content"] == "🙂" and len(result["logprobs"]["content"]) == len(emoji)
     assert bytes(b for e in result["logprobs"]["content"] for b in e["bytes"]).decode() == "🙂"
+
+
+def test_the_engines_text_is_taken_as_it_is(tok):
+    """A request with stop strings is detokenized by the engine (EngineOutput.text): the choice takes that
+    text and decodes nothing itself; an output without text is decoded here."""
+    req = completion(tok, stop=["gamma"])
+    st = ChoiceState(req, 0, tok)
+    st.add(EngineOutput("r", (1, 2), None, None, "alpha "))
+    st.add(EngineOutput("r", (3,), "stop", None, "beta"))
+    assert st.result()["text"] == "alpha beta" and st.tokens == 3
+    ids = tok.encode("alpha beta", add_bos=False)
+    st = ChoiceState(completion(tok), 0, tok)
+    st.add(EngineOutput("r", tuple(ids), "length"))
+    assert st.result()["text"] == "alpha beta"
+
+
+def test_request_ids_come_from_the_header_when_they_are_plain(tok):
+    assert api.request_id(api.COMPLETION, "abc-1.2:3") == "cmpl-abc-1.2:3"
+    assert api.request_id(api.CHAT, "x" * 128) == "chatcmpl-" + "x" * 128
+    for bad in (None, "", "x" * 129, "a b", "é"):
+        rid = api.request_id(api.COMPLETION, bad)
+        assert rid.startswith("cmpl-") and len(rid) == len("cmpl-") + 32
+    assert completion(tok).request_id.startswith("cmpl-")
+    assert api.parse_chat({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, tok, MODEL, CTX,
+                          "chatcmpl-given").request_id == "chatcmpl-given"
 
 
 def test_echo_opens_the_stream_and_prefixes_the_text(tok):
@@ -194,10 +221,10 @@ def test_echo_opens_the_stream_and_prefixes_the_text(tok):
     st = ChoiceState(req, 0, tok)
     head = st.opening(5)
     assert head["choices"][0]["text"] == "The os module" and head["usage"] is None
-    st.add(TokenEvent(tuple(tok.encode(" provides", add_bos=False)), "length"))
+    st.add(EngineOutput("r", tuple(tok.encode(" provides", add_bos=False)), "length"))
     assert st.result()["text"] == "The os module provides"
     cont = completion(tok, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
-    c = ChoiceState(cont, 0, tok).chunk(TokenEvent((5, 6)), 5, 4)
+    c = ChoiceState(cont, 0, tok).chunk(EngineOutput("r", (5, 6)), 5, 4)
     assert c["usage"] == {"prompt_tokens": cont.num_prompt_tokens, "completion_tokens": 4,
                           "total_tokens": cont.num_prompt_tokens + 4}
 

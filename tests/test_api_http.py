@@ -15,9 +15,9 @@ pytestmark = pytest.mark.slow
 
 openai = pytest.importorskip("openai")
 
-from engine_ref import replica_engine, torch_threads  # noqa: E402
-from pipeline.engine.core.engine import EngineConfig, latest_logprobs  # noqa: E402
-from pipeline.engine.core.sampling import SamplingParams  # noqa: E402
+from engine_ref import drain, replica_engine, submit, torch_threads  # noqa: E402
+from pipeline.engine.config import EngineConfig  # noqa: E402
+from pipeline.engine.protocol import SamplingParams  # noqa: E402
 from pipeline.serving.logprobs import TokenStrings  # noqa: E402
 from serve_apps import deploy  # noqa: E402
 from test_serve import free_port, http  # noqa: E402
@@ -64,14 +64,10 @@ def reference(qdir, tok) -> dict:
     with torch_threads(1):
         eng = replica_engine(qdir, tok, ENGINE)
         params = SamplingParams(max_new_tokens=MAX_TOKENS, logprobs=3)
-        seqs = {"raw": eng.add_request(tok.encode(RAW), params),
-                "chat": eng.add_request(tok.encode_chat([{"role": "user", "content": QUESTION}]), params)}
-        lps = {s.seq_id: [] for s in seqs.values()}
-        while eng.has_work:
-            for s, new in eng.step():
-                if new:
-                    lps[s.seq_id] += latest_logprobs(eng, s)
-    return {k: (s.output, lps[s.seq_id], tok.decode(s.output)) for k, s in seqs.items()}
+        rids = {"raw": submit(eng, tok.encode(RAW), params),
+                "chat": submit(eng, tok.encode_chat([{"role": "user", "content": QUESTION}]), params)}
+        got = drain(eng)
+    return {k: (got[r].tokens, got[r].logprobs, tok.decode(got[r].tokens)) for k, r in rids.items()}
 
 
 def sse_chunks(server: str, path: str, body: dict, headers: dict = AUTH) -> list[dict]:

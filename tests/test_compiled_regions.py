@@ -9,10 +9,11 @@ import shutil
 import pytest
 import torch
 
-from pipeline.engine.core.engine import EngineConfig, LLMEngine
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.core.engine import LLMEngine
 from pipeline.engine.worker.loader import load_quantized
 from pipeline.engine.worker.runner import Span
-from pipeline.engine.core.sampling import SamplingParams
+from pipeline.engine.protocol import SamplingParams
 from pipeline.text.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.slow,    # compiling takes ~40-90 s on 2 cores

@@ -15,8 +15,8 @@ import pytest
 
 from pipeline.engine.core.core_process import EngineCoreClient
 from pipeline.engine.core.engine import LLMEngine
-from pipeline.engine.core.engine_loop import EngineDead, TokenEvent
-from pipeline.engine.core.sampling import SamplingParams
+from engine_ref import request
+from pipeline.engine.protocol import EngineDead, EngineOutput, SamplingParams
 from pipeline.text.tokenizer import Tokenizer
 
 PROMPT = "The os module provides"
@@ -32,12 +32,12 @@ def build(qdir: str) -> LLMEngine:
 
 
 def info(engine) -> dict:
-    return {"max_model_len": engine.scheduler.max_model_len}
+    return {"max_model_len": engine.max_model_len}
 
 
 def collect(q: queue.Queue, timeout: float = 60) -> list:
     out = [q.get(timeout=timeout)]
-    while isinstance(out[-1], TokenEvent) and out[-1].finish_reason is None:
+    while isinstance(out[-1], EngineOutput) and out[-1].finish_reason is None:
         out.append(q.get(timeout=timeout))
     return out
 
@@ -65,11 +65,12 @@ def test_tokens_equal_the_engine_in_this_process(core, qdir, reference):
     tok = Tokenizer.from_dir(qdir)
     assert core.ready["max_model_len"] == NUM_BLOCKS * 16 and core.pid != os.getpid() and core.alive
     qs = [queue.Queue() for _ in range(3)]
-    for q in qs:   # three at once: batched in the child, each stream intact
-        core.submit(tok.encode(PROMPT), SamplingParams(max_new_tokens=12), q.put)
-    for q in qs:
+    reqs = [request(tok.encode(PROMPT), SamplingParams(max_new_tokens=12)) for _ in qs]
+    for r, q in zip(reqs, qs):   # three at once: batched in the child, each stream intact
+        core.submit(r, q.put)
+    for r, q in zip(reqs, qs):
         events = collect(q)
-        assert all(isinstance(e, TokenEvent) for e in events)
+        assert all(isinstance(e, EngineOutput) and e.request_id == r.request_id for e in events)
         assert [t for e in events for t in e.token_ids] == reference
         assert events[-1].finish_reason == "length" and events[-1].token_ids  # the last token carries it
 
@@ -88,13 +89,17 @@ def test_the_snapshot_says_alive_as_soon_as_the_client_is_built(qdir):
 def test_refusal_and_abort_cross_the_pipe(core, qdir):
     tok = Tokenizer.from_dir(qdir)
     bad, long = queue.Queue(), queue.Queue()
-    core.submit(list(range(10, 10 + 300)), SamplingParams(max_new_tokens=5), bad.put)
+    core.submit(request(list(range(10, 10 + 300)), SamplingParams(max_new_tokens=5)), bad.put)
     err = bad.get(timeout=60)
     assert isinstance(err, ValueError) and "the prompt has 300 tokens" in str(err)
-    key = core.submit(tok.encode(PROMPT), SamplingParams(max_new_tokens=200), long.put)
+    running = request(tok.encode(PROMPT), SamplingParams(max_new_tokens=200))
+    core.submit(running, long.put)
     assert long.get(timeout=60).finish_reason is None      # running in the child now
+    again = queue.Queue()
+    core.submit(running, again.put)                        # its id is taken: refused, the first one goes on
+    assert isinstance(err := again.get(timeout=60), ValueError) and "is already in this engine" in str(err)
     aborted = core.snapshot.get("aborted", 0)
-    core.abort(key)
+    core.abort(running.request_id)
     deadline = time.time() + 20
     while core.snapshot.get("aborted") != aborted + 1 and time.time() < deadline:
         time.sleep(0.05)
@@ -118,16 +123,16 @@ def test_a_killed_child_ends_open_requests_with_engine_dead(qdir):
     client = EngineCoreClient(partial(build, qdir), info)
     try:
         q = queue.Queue()
-        client.submit(tok.encode(PROMPT), SamplingParams(max_new_tokens=200), q.put)
+        client.submit(request(tok.encode(PROMPT), SamplingParams(max_new_tokens=200)), q.put)
         assert q.get(timeout=60).finish_reason is None
         os.kill(client.pid, signal.SIGKILL)
         ev = q.get(timeout=30)
-        while isinstance(ev, TokenEvent):
+        while isinstance(ev, EngineOutput):
             ev = q.get(timeout=30)
         assert isinstance(ev, EngineDead) and "exited" in str(ev)
         assert not client.alive and client.snapshot["alive"] is False
         late = queue.Queue()
-        client.submit(tok.encode(PROMPT), SamplingParams(max_new_tokens=2), late.put)
+        client.submit(request(tok.encode(PROMPT), SamplingParams(max_new_tokens=2)), late.put)
         assert isinstance(late.get(timeout=5), EngineDead)
     finally:
         client.stop()

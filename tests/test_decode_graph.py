@@ -19,9 +19,10 @@ from pipeline.assets import EMBEDDED_MODEL_DIR
 from pipeline.engine.worker import decode_graph
 from pipeline.engine.attention.batched import DecodeBatch
 from pipeline.engine.worker.decode_graph import DecodeGraph, GraphError
-from pipeline.engine.core.engine import EngineConfig, LLMEngine
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.core.engine import LLMEngine
 from pipeline.engine.worker.loader import load_model
-from pipeline.engine.core.sampling import SamplingParams
+from pipeline.engine.protocol import SamplingParams
 
 NEW = SamplingParams(max_new_tokens=40)
 

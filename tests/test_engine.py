@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from pipeline.assets import EMBEDDED_MODEL_DIR
+from engine_ref import drain, request, submit
 from pipeline.engine.core.engine import LLMEngine, greedy_agreement
 from pipeline.engine.worker.loader import load_quantized
-from pipeline.engine.reference import generate_ids
+from pipeline.engine.core.reference import generate_ids
 from pipeline.model.loading import load_model
 from pipeline.quant.fakequant import load_fakequant_model
 from pipeline.io.safetensors_io import CheckpointError
-from pipeline.engine.core.sampling import SamplingParams
+from pipeline.engine.protocol import SamplingParams
 
 QUESTIONS = ["What's deep learning?", "What does the os module do?", "Explain list comprehensions.",
              "How do I open a file?", "What is a decorator?", "Describe the json module."]
@@ -68,7 +69,7 @@ def test_batching_chunking_and_preemption_change_no_token(qdir, tok, prompts):
     assert chunked.generate(prompts, GREEDY) == alone
     small = engine(qdir, tok, num_blocks=5, max_batched_tokens=64)  # 80 slots for ~6 x 52 tokens
     assert small.generate(prompts, GREEDY) == alone
-    assert small.stats.preemptions > 0 and small.allocator.num_free == 5
+    assert small.stats().preemptions > 0 and small.allocator.num_free == 5
 
 
 @pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])
@@ -78,14 +79,14 @@ def test_warm_up_runs_a_full_step_and_leaves_no_trace(qdir, tok, prompts, mtp):
     tokens generated afterwards are the ones of an engine that never warmed up."""
     cold = engine(qdir, tok, mtp=mtp, max_batched_tokens=300).generate(prompts, GREEDY)
     warm = engine(qdir, tok, mtp=mtp, max_batched_tokens=300)
-    before = (warm.stats.steps, warm.stats.prompt_tokens, warm.stats.prefix_cache_queries)
+    before = warm.stats()
     assert warm.warm_up() == 16 * 19                       # 16 sequences of ceil(300 / 16) tokens: 2 blocks each
     assert warm.allocator.num_free == 64 and warm.allocator.num_cached == 0
-    assert (warm.stats.steps, warm.stats.prompt_tokens, warm.stats.prefix_cache_queries) == before
+    assert warm.stats() == before
     assert warm.generate(prompts, GREEDY) == cold
     tight = engine(qdir, tok, num_blocks=3, max_batched_tokens=300)
     assert tight.warm_up() == 19                            # as many sequences as the free blocks hold (one)
-    tight.add_request(prompts[0], GREEDY)
+    submit(tight, prompts[0], GREEDY)
     assert tight.warm_up() == 0                             # busy: nothing run
 
 
@@ -98,12 +99,17 @@ def test_sampling_seed_stop_and_limits(qdir, tok, prompts):
     full = eng.generate([prompts[1]], GREEDY)[0]
     text = tok.decode(full)
     stop = text.split()[2]
-    seq = eng.add_request(prompts[1], SamplingParams(max_new_tokens=32, stop=(stop,)))
-    while eng.has_work:
-        eng.step()
-    assert seq.finish_reason == "stop" and stop not in eng.text(seq) and len(seq.output) < len(full)
+    rid = submit(eng, prompts[1], SamplingParams(max_new_tokens=32, stop=(stop,)))
+    got = drain(eng)[rid]
+    assert got.finish_reason == "stop" and len(got.tokens) < len(full)
+    assert got.text == text[:text.index(stop)]       # the engine's text, cut before the stop string
     with pytest.raises(ValueError, match="this model takes at most 1023 prompt tokens"):
-        eng.add_request(list(range(1, 1025)), GREEDY)
+        submit(eng, list(range(1, 1025)), GREEDY)
+    taken = submit(eng, prompts[0], GREEDY)
+    with pytest.raises(ValueError, match=f"request id '{taken}' is already in this engine"):
+        eng.add(request(prompts[1], GREEDY, rid=taken))
+    eng.abort(taken)
+    assert not eng.has_work and eng.allocator.num_free == 64
 
 
 def test_refuses_a_directory_the_checker_rejects(tmp_path, qdir):
@@ -124,11 +130,11 @@ def test_mtp_speculative_decoding_changes_no_token_and_counts_acceptance(qdir, t
     want = off.generate(prompts, params)
     on = engine(qdir, tok, mtp=True)
     assert on.generate(prompts, params) == want
-    assert on.stats.drafts > 0 and on.acceptance_rate >= 0.4, on.acceptance_rate
-    assert on.stats.steps < off.stats.steps and on.allocator.num_free == 64
+    assert on.stats().mtp_drafts > 0 and on.stats().acceptance_rate >= 0.4, on.stats().acceptance_rate
+    assert on.stats().steps < off.stats().steps and on.allocator.num_free == 64
     tight = engine(qdir, tok, mtp=True, num_blocks=6, max_batched_tokens=9)
     assert tight.generate(prompts, params) == want
-    assert tight.stats.preemptions > 0 and tight.allocator.num_free == 6
+    assert tight.stats().preemptions > 0 and tight.allocator.num_free == 6
 
 
 @pytest.mark.parametrize("fixture", ["msmodelslim-v1-bf16", "msmodelslim-v1-fp16"])
@@ -152,17 +158,18 @@ def test_prefill_decode_handoff_gives_the_same_tokens(qdir, tok, prompts, kw):
     too) to another, decode there: the greedy tokens are those of one engine doing both."""
     want = engine(qdir, tok, **kw).generate(prompts, GREEDY)
     pre, dec = engine(qdir, tok, **kw), engine(qdir, tok, **kw)
-    handoffs = [pre.prefill(p, GREEDY) for p in prompts]
+    reqs = [request(p, GREEDY) for p in prompts]
+    handoffs = [pre.prefill(r) for r in reqs]
     assert pre.allocator.num_free == 64  # the prefill side keeps nothing
     assert all(h.nbytes > 0 and h.first_token == w[0] for h, w in zip(handoffs, want))
-    seqs = [dec.add_prefilled(h, GREEDY) for h in handoffs]
-    while dec.has_work:
-        dec.step()
-    assert [s.output for s in seqs] == want
+    for r, h in zip(reqs, handoffs):
+        dec.add_prefilled(r, h)
+    got = drain(dec)
+    assert [[h.first_token] + got[r.request_id].tokens for r, h in zip(reqs, handoffs)] == want
     assert dec.allocator.num_free == 64
     other = engine(qdir, tok, block_size=32)
     with pytest.raises(ValueError, match="cache layout differs in \\['block_size'"):
-        other.add_prefilled(handoffs[0], GREEDY)
+        other.add_prefilled(reqs[0], handoffs[0])
 
 
 def test_generate_job_runs_a_quantized_directory_in_the_engine(qdir, capsys):

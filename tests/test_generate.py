@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.engine.reference import generate_ids, generate_text
+from pipeline.engine.core.reference import generate_ids, generate_text
 from pipeline.model.loading import load_model
-from pipeline.engine.core.sampling import SamplingParams, sample
+from pipeline.engine.protocol import SamplingParams
+from pipeline.engine.core.sampling import sample
 from pipeline.text.tokenizer import Tokenizer
 from tiny import TINY_FIXTURE
 

@@ -12,16 +12,18 @@ import sys
 
 import pytest
 
-from pipeline.engine.core.engine import EngineConfig, LLMEngine
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.core.engine import LLMEngine
 from pipeline.engine.core.engine_loop import EngineLoop
 from pipeline.engine.worker import kernels as dispatch
 from pipeline.engine.worker.loader import load_quantized
 
 SCRIPT = """
 import json, sys
-from pipeline.engine.core.engine import EngineConfig, LLMEngine
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.core.engine import LLMEngine
 from pipeline.engine.worker.loader import load_quantized
-from pipeline.engine.core.sampling import SamplingParams
+from pipeline.engine.protocol import SamplingParams
 from pipeline.text.tokenizer import Tokenizer
 tok = Tokenizer.from_dir(sys.argv[1])
 ids = tok.encode_chat([{"role": "user", "content": "What's deep learning?"}])

@@ -1,7 +1,7 @@
 """Logprobs and seeded sampling in the engine (the embedded model, quantized): every token's logprob and
 top alternatives are log_softmax of the model's raw logits (checked against the fake-quant reference's
 full forward, which the engine with a float32 k_pe cache reproduces token for token), carried on the
-engine loop's TokenEvents, one per token also when an MTP draft yields two tokens a step; a step with no
+engine loop's EngineOutputs, one per token also when an MTP draft yields two tokens a step; a step with no
 request asking computes none; and a seeded sampled request decodes the same tokens prefilled on one
 engine and decoded on another (the generator's state travels in the KV handoff) as in one engine."""
 
@@ -14,9 +14,11 @@ import pytest
 import torch
 
 import pipeline.engine.core.sampling as sampling_mod
-from pipeline.engine.core.engine import LLMEngine, latest_logprobs
-from pipeline.engine.core.engine_loop import EngineLoop, TokenEvent
-from pipeline.engine.core.sampling import SamplingParams, token_logprobs
+from pipeline.engine.core.engine import LLMEngine
+from engine_ref import request
+from pipeline.engine.core.engine_loop import EngineLoop
+from pipeline.engine.protocol import EngineOutput, SamplingParams
+from pipeline.engine.core.sampling import token_logprobs
 
 QUESTIONS = ["What's deep learning?", "How do I open a file?", "What is a decorator?"]
 # The engine's logprobs against the fake-quant model's full forward (float32 k_pe cache: the same tokens):
@@ -35,20 +37,31 @@ def engine(qdir, tok, **kw) -> LLMEngine:
     return LLMEngine.from_dir(qdir, tokenizer=tok, **{"num_blocks": 64, "block_size": 16, **kw})
 
 
-def run(eng: LLMEngine, seqs) -> tuple[list, int]:
-    """Step to the end; each sequence's logprobs (from latest_logprobs, aligned with its new tokens) and
-    how many events carried two tokens."""
-    got, pairs = {s.seq_id: [] for s in seqs}, 0
+def run(eng: LLMEngine, reqs) -> tuple[list, int, list]:
+    """Step to the end (``reqs`` added already); each request's logprobs (aligned with its new tokens), how
+    many outputs carried two tokens, and each request's tokens."""
+    got, toks, pairs = {r.request_id: [] for r in reqs}, {r.request_id: [] for r in reqs}, 0
+    asks = {r.request_id: r.params.logprobs is not None for r in reqs}
     while eng.has_work:
-        for s, new in eng.step():
-            lps = latest_logprobs(eng, s)
-            if not new or s.params.logprobs is None:
+        for out in eng.step():
+            new, lps = list(out.token_ids), out.logprobs
+            toks[out.request_id] += new
+            if not new or not asks[out.request_id]:
                 assert not new or lps is None
                 continue
             assert lps is not None and len(lps) == len(new) and [e.token_id for e in lps] == new
-            got[s.seq_id] += lps
+            got[out.request_id] += lps
             pairs += len(new) == 2
-    return [got[s.seq_id] for s in seqs], pairs
+    return [got[r.request_id] for r in reqs], pairs, [toks[r.request_id] for r in reqs]
+
+
+def added(eng: LLMEngine, prompts, params) -> list:
+    """Requests for ``prompts`` (``params``: one for all, or one each), added to ``eng``."""
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    reqs = [request(p, sp) for p, sp in zip(prompts, each)]
+    for r in reqs:
+        eng.add(r)
+    return reqs
 
 
 def test_token_logprobs_by_hand():
@@ -64,7 +77,7 @@ def test_token_logprobs_by_hand():
 
 def test_logprobs_are_log_softmax_of_the_reference_logits_on_the_loops_events(qdir, tok, prompts):
     """Sampled (temperature 0.8, top_p 0.9: the logprobs are still the raw ones), through the engine loop:
-    each TokenEvent carries one TokenLogprobs per token, equal to log_softmax of the fake-quant model's
+    each EngineOutput carries one TokenLogprobs per token, equal to log_softmax of the fake-quant model's
     logits at that position; the top 5 sorted, the reference's top 5."""
     from pipeline.quant.fakequant import load_fakequant_model
 
@@ -73,7 +86,7 @@ def test_logprobs_are_log_softmax_of_the_reference_logits_on_the_loops_events(qd
     try:
         sinks = [queue.Queue() for _ in prompts]
         for p, q in zip(prompts, sinks):
-            loop.submit(p, params, q.put)
+            loop.submit(request(p, params), q.put)
         events = []
         for q in sinks:
             evs = [q.get(timeout=60)]
@@ -84,7 +97,7 @@ def test_logprobs_are_log_softmax_of_the_reference_logits_on_the_loops_events(qd
         loop.stop()
     fq = load_fakequant_model(qdir)
     for prompt, evs in zip(prompts, events):
-        assert all(isinstance(e, TokenEvent) for e in evs)
+        assert all(isinstance(e, EngineOutput) for e in evs)
         assert all((e.logprobs is None) == (not e.token_ids) for e in evs)
         out = [t for e in evs for t in e.token_ids]
         lps = [x for e in evs for x in (e.logprobs or ())]
@@ -108,13 +121,11 @@ def test_logprobs_are_log_softmax_of_the_reference_logits_on_the_loops_events(qd
 def test_mtp_gives_each_of_two_tokens_its_own_logprobs(qdir, tok, prompts):
     params = SamplingParams(max_new_tokens=16, logprobs=3)
     plain = engine(qdir, tok, nz=True)
-    seqs = [plain.add_request(p, params) for p in prompts]
-    want, _ = run(plain, seqs)
+    want, _, want_tokens = run(plain, added(plain, prompts, params))
     mtp = engine(qdir, tok, nz=True, mtp=True)
-    mseqs = [mtp.add_request(p, params) for p in prompts]
-    got, pairs = run(mtp, mseqs)
-    assert mtp.stats.accepted > 0 and pairs > 0                     # drafts accepted: two tokens a step
-    assert [s.output for s in mseqs] == [s.output for s in seqs]
+    got, pairs, tokens = run(mtp, added(mtp, prompts, params))
+    assert mtp.stats().mtp_accepted > 0 and pairs > 0               # drafts accepted: two tokens a step
+    assert tokens == want_tokens
     for g, w in zip(got, want):
         assert [x.token_id for x in g] == [x.token_id for x in w]
         assert max(abs(a.logprob - b.logprob) for a, b in zip(g, w)) <= MTP_TOL
@@ -133,11 +144,11 @@ def test_no_logprobs_asked_none_computed(qdir, tok, prompts, monkeypatch):
     eng = engine(qdir, tok)
     eng.generate(prompts, SamplingParams(max_new_tokens=6))
     assert calls == [] and eng.step_logprobs is LLMEngine.step_logprobs == {}
-    asking = eng.add_request(prompts[0], SamplingParams(max_new_tokens=6, logprobs=0, ignore_eos=True))
-    other = eng.add_request(prompts[1], SamplingParams(max_new_tokens=6))
-    got, _ = run(eng, [asking, other])
-    assert calls == [1] * len(asking.output)          # one batch a step, of the one row that asks
-    assert len(got[0]) == len(asking.output) and got[1] == [] and all(x.top == () for x in got[0])
+    reqs = added(eng, prompts[:2], [SamplingParams(max_new_tokens=6, logprobs=0, ignore_eos=True),
+                                    SamplingParams(max_new_tokens=6)])
+    got, _, tokens = run(eng, reqs)
+    assert calls == [1] * len(tokens[0])              # one batch a step, of the one row that asks
+    assert len(got[0]) == len(tokens[0]) and got[1] == [] and all(x.top == () for x in got[0])
 
 
 @pytest.mark.parametrize("kw", [{}, {"nz": True}], ids=["nd", "nz"])
@@ -148,22 +159,24 @@ def test_seeded_sampling_is_the_same_disaggregated(qdir, tok, prompts, kw):
     params = [SamplingParams(max_new_tokens=16, temperature=0.8, seed=11 + i, logprobs=2, min_tokens=3)
               for i in range(len(prompts))]
     one = engine(qdir, tok, **kw)
-    seqs = [one.add_request(p, sp) for p, sp in zip(prompts, params)]
-    want_lps, _ = run(one, seqs)
-    want = [s.output for s in seqs]
+    want_lps, _, want = run(one, added(one, prompts, params))
     pre, dec = engine(qdir, tok, **kw), engine(qdir, tok, **kw)
-    handoffs = [pre.prefill(p, sp) for p, sp in zip(prompts, params)]
+    reqs = [request(p, sp) for p, sp in zip(prompts, params)]
+    handoffs = [pre.prefill(r) for r in reqs]
     assert pre.allocator.num_free == 64 and all(h.generator_device == "cpu" for h in handoffs)
     for h, w in zip(handoffs, want_lps):
         assert h.first_token == w[0].token_id
         assert h.first_logprobs[0].logprob == pytest.approx(w[0].logprob, abs=MTP_TOL)
-    decoded = [dec.add_prefilled(h, sp) for h, sp in zip(handoffs, params)]
-    run(dec, decoded)
-    assert [s.output for s in decoded] == want
+    for r, h in zip(reqs, handoffs):
+        dec.add_prefilled(r, h)
+    _, _, decoded = run(dec, reqs)
+    assert [[h.first_token] + d for h, d in zip(handoffs, decoded)] == want
     assert dec.allocator.num_free == 64
-    restarted = [dec.add_prefilled(dataclasses.replace(h, generator_state=None), sp)
-                 for h, sp in zip(handoffs, params)]
-    run(dec, restarted)
-    assert [s.output for s in restarted] != want
+    again = [request(r.prompt_ids, r.params) for r in reqs]
+    for r, h in zip(again, handoffs):
+        dec.add_prefilled(r, dataclasses.replace(h, generator_state=None))
+    _, _, restarted = run(dec, again)
+    assert [[h.first_token] + d for h, d in zip(handoffs, restarted)] != want
     with pytest.raises(ValueError, match="state is for a cuda generator but this engine samples on cpu"):
-        dec.add_prefilled(dataclasses.replace(handoffs[0], generator_device="cuda:0"), params[0])
+        dec.add_prefilled(request(prompts[0], params[0]),
+                          dataclasses.replace(handoffs[0], generator_device="cuda:0"))

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pipeline.engine.attention.paged import paged_prefill_attention
-from pipeline.engine.core.engine import EngineConfig, make_runner
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.core.engine import make_runner
 from pipeline.engine.worker.loader import load_quantized
 from pipeline.engine.attention.mha_prefill import mha_prefill_attention
 from pipeline.engine.worker.runner import Span

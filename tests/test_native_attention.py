@@ -18,7 +18,7 @@ from pipeline.engine.attention.batched import DecodeBatch, batched_decode_attent
 from pipeline.engine.core.engine import LLMEngine
 from pipeline.engine.worker import kernels as dispatch
 from pipeline.engine.cache.paged_cache import PagedLatentCache
-from pipeline.engine.core.sampling import SamplingParams
+from pipeline.engine.protocol import SamplingParams
 
 SCALE = 0.1352338
 # Native vs torch: the same float32 arithmetic summed in another order (tiles of 32 tokens, 16-lane dot

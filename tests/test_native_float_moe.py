@@ -26,7 +26,7 @@ from pipeline.engine.native.cpu_float_ffn import FFN_C_ROWS, NativeFloatMLP, Nat
 from pipeline.engine.core.engine import LLMEngine
 from pipeline.engine.worker import kernels as dispatch
 from pipeline.engine.worker.loader import load_model
-from pipeline.engine.core.sampling import SamplingParams
+from pipeline.engine.protocol import SamplingParams
 from pipeline.model.ffn import MLP, MoE, combine_experts
 
 FFN_RTOL = 1e-5                     # of max |ref|

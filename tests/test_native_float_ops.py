@@ -19,7 +19,7 @@ from pipeline.engine.core.engine import LLMEngine
 from pipeline.engine.worker import kernels as dispatch
 from pipeline.engine.layers.native_swap import use_native_float_ops
 from pipeline.engine.worker.loader import load_model, load_quantized
-from pipeline.engine.core.sampling import SamplingParams
+from pipeline.engine.protocol import SamplingParams
 from pipeline.model.ffn import Router
 from pipeline.model.norm import RMSNorm
 

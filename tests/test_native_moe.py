@@ -19,7 +19,7 @@ from pipeline.engine.core.engine import LLMEngine
 from pipeline.engine.worker.loader import load_quantized
 from pipeline.engine.layers.moe import Int8MoE
 from pipeline.engine.layers.qlinear import EXACT, FAST, quantize_per_token
-from pipeline.engine.core.sampling import SamplingParams
+from pipeline.engine.protocol import SamplingParams
 from pipeline.model.ffn import combine_experts
 
 pytestmark = [pytest.mark.skipif(cpu_linear.library() is None, reason="no C compiler: the torch path only"),

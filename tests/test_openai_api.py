@@ -8,10 +8,11 @@ import json
 
 import pytest
 
+from pipeline.engine.core.detokenizer import Detokenizer
 from pipeline.serving import openai_api as api
 from pipeline.serving import openai_responses as resp
 from pipeline.assets import EMBEDDED_MODEL_DIR
-from pipeline.engine.core.sampling import SamplingParams
+from pipeline.engine.protocol import SamplingParams
 from pipeline.text.tokenizer import Tokenizer
 
 MODEL = "dsv3-tiny-pydoc-w8a8-fa3"
@@ -251,7 +252,7 @@ def test_chunks_and_sse(tok):
 # ----- incremental detokenization -----------------------------------------------------------------------
 
 def pieces(tok, ids, stop=(), step=1):
-    d = resp.IncrementalDetokenizer(tok, stop)
+    d = Detokenizer(tok, stop)
     out = [d.add(ids[i:i + step]) for i in range(0, len(ids), step)]
     out.append(d.finish())
     return d, out
@@ -265,7 +266,7 @@ def test_detokenizer_pieces_add_up(tok):
         assert "".join(out) == tok.decode(ids) == d.text
         assert not any("\ufffd" in p for p in out)
     # byte-level BPE splits the emoji over several tokens: some step sends nothing while it is incomplete
-    d = resp.IncrementalDetokenizer(tok)
+    d = Detokenizer(tok)
     sent = [d.add([t]) for t in ids]
     assert "" in sent
 
@@ -277,7 +278,7 @@ def test_detokenizer_holds_back_stop_prefix_and_cuts(tok):
     assert not any("gam" in p for p in out)
     d, out = pieces(tok, ids, stop=("gamma x",))  # never completed: the held tail is sent at the end
     assert "".join(out) == "alpha beta gamma delta" and not d.stopped
-    d = resp.IncrementalDetokenizer(tok, ("a beta",))
+    d = Detokenizer(tok, ("a beta",))
     assert d.add(tok.encode("alph", add_bos=False)) == "alph"
     assert d.add(tok.encode("a", add_bos=False)) == ""  # 'a' may start 'a beta'
 

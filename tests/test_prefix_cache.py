@@ -18,8 +18,9 @@ import torch
 
 from pipeline.engine.cache.blocks import BlockAllocator, BlockTable, OutOfBlocks
 from pipeline.engine.cache.prefix_cache import ROOT, PrefixCachingAllocator, block_key, extend_keys
-from pipeline.engine.core.sampling import SamplingParams
+from pipeline.engine.protocol import SamplingParams
 from pipeline.engine.core.scheduler import FINISHED, RUNNING, Scheduler
+from engine_ref import drain, request, submit
 from test_scheduler import V, alone, next_token
 
 
@@ -291,9 +292,10 @@ def recorder(eng) -> list:
     return log
 
 
-def computed_prompt_tokens(log, seq) -> int:
-    return sum(min(p.start + p.n, len(seq.prompt)) - p.start for b in log for p in b.pieces
-               if p.seq is seq and p.start < len(seq.prompt))
+def computed_prompt_tokens(log, rid: str, n_prompt: int) -> int:
+    """Prompt tokens of request ``rid`` (``n_prompt`` of them) the logged batches computed."""
+    return sum(min(p.start + p.n, n_prompt) - p.start for b in log for p in b.pieces
+               if p.seq.request_id == rid and p.start < n_prompt)
 
 
 def run_one_by_one(eng, prompts, params=GREEDY, bs=16, mtp=False):
@@ -302,15 +304,14 @@ def run_one_by_one(eng, prompts, params=GREEDY, bs=16, mtp=False):
     log = recorder(eng)
     outs, hits, earlier = [], [], []
     for p in prompts:
-        seq = eng.add_request(p, params)
-        while eng.has_work:
-            eng.step()
+        rid = submit(eng, p, params)
+        out = drain(eng)[rid].tokens
         want = expected_hits(p, earlier, bs, mtp)
-        assert computed_prompt_tokens(log, seq) == len(p) - want, (len(outs), want)
-        outs.append(seq.output)
+        assert computed_prompt_tokens(log, rid, len(p)) == len(p) - want, (len(outs), want)
+        outs.append(out)
         hits.append(want)
-        earlier.append(seq.tokens)
-    st = eng.stats
+        earlier.append(p + out)
+    st = eng.stats()
     assert (st.prefix_cache_queries, st.prefix_cache_hits) == (sum(map(len, prompts)), sum(hits))
     assert st.prefix_cache_hit_rate == sum(hits) / sum(map(len, prompts))
     return outs, hits
@@ -330,11 +331,10 @@ def test_engine_shared_prefix_same_tokens_fewer_computed(qdir, tok, prompts, ref
     assert outs == reference and hits == [0, 80, 80, 80, 80]
     off = engine(qdir, tok, nz=nz, prefix_caching=False)
     log = recorder(off)
-    seqs = [off.add_request(p, GREEDY) for p in prompts]
-    while off.has_work:
-        off.step()
-    assert [computed_prompt_tokens(log, s) for s in seqs] == list(map(len, prompts))
-    assert (off.stats.prefix_cache_queries, off.stats.prefix_cache_hit_rate) == (0, 0.0)
+    rids = [submit(off, p, GREEDY) for p in prompts]
+    drain(off)
+    assert [computed_prompt_tokens(log, r, len(p)) for r, p in zip(rids, prompts)] == list(map(len, prompts))
+    assert (off.stats().prefix_cache_queries, off.stats().prefix_cache_hit_rate) == (0, 0.0)
 
 
 def test_engine_together_chunked_and_preempted(qdir, tok, prompts, reference):
@@ -345,15 +345,15 @@ def test_engine_together_chunked_and_preempted(qdir, tok, prompts, reference):
     5 preemptions against 142 and 12). Tokens unchanged, nothing leaks."""
     chunked = engine(qdir, tok, max_batched_tokens=7)
     assert chunked.generate(prompts, GREEDY) == reference
-    assert chunked.stats.prefix_cache_hits == 4 * 80
+    assert chunked.stats().prefix_cache_hits == 4 * 80
     small = engine(qdir, tok, num_blocks=10, max_batched_tokens=64)
     assert small.generate(prompts, GREEDY) == reference
-    st = small.stats
+    st = small.stats()
     assert st.preemptions > 0 and st.prefix_cache_recompute_hits > 0 and st.prefix_cache_hits > 0, st
     assert small.allocator.num_free == 10 and small.allocator.total_refs() == 0 and small.allocator.evictions > 0
     small_off = engine(qdir, tok, num_blocks=10, max_batched_tokens=64, prefix_caching=False)
     assert small_off.generate(prompts, GREEDY) == reference
-    assert st.steps < small_off.stats.steps and st.preemptions < small_off.stats.preemptions
+    assert st.steps < small_off.stats().steps and st.preemptions < small_off.stats().preemptions
 
 
 @pytest.mark.parametrize("nz", [False, True], ids=["nd", "nz"])
@@ -372,13 +372,14 @@ def test_engine_mtp_prefix_cache_exact(qdir, tok, prompts, reference, nz):
     outs, hits = run_one_by_one(on, prompts, params, bs=8, mtp=True)
     assert outs == want and hits == [0, 80, 80, 80, 88]
     assert expected_hits(prompts[1], [prompts[0]], 8, False) == 88     # without MTP it would be 11 blocks
-    assert (on.stats.drafts, on.stats.accepted) == (off.stats.drafts, off.stats.accepted) and on.stats.drafts > 0
+    on_st, off_st = on.stats(), off.stats()
+    assert (on_st.mtp_drafts, on_st.mtp_accepted) == (off_st.mtp_drafts, off_st.mtp_accepted) and on_st.mtp_drafts > 0
     fresh = engine(qdir, tok, **kw)
     fresh.generate([prompts[0]], params)
-    got = fresh.prefill(prompts[1], params)                # starts on the first prompt's 10 blocks
-    assert fresh.stats.prefix_cache_hits == 80
-    alone_ = off.prefill(prompts[1], params)
-    first = off.prefill(prompts[0], params)
+    got = fresh.prefill(request(prompts[1], params))       # starts on the first prompt's 10 blocks
+    assert fresh.stats().prefix_cache_hits == 80
+    alone_ = off.prefill(request(prompts[1], params))
+    first = off.prefill(request(prompts[0], params))
     assert (got.first_token, got.draft) == (alone_.first_token, alone_.draft)
     mtp_id, r = off.runner.mtp_id, len(prompts[1]) % 8     # the last block holds r of the prompt's tokens
 
@@ -401,20 +402,19 @@ def test_prefill_decode_handoff_with_prefix_cache(qdir, tok, prompts, reference,
     pre, dec = engine(qdir, tok, **kw), engine(qdir, tok, **kw)
     log = recorder(pre)
     handoffs = []
-    for p in prompts[:4]:
-        handoffs.append(pre.prefill(p, GREEDY))
+    reqs = [request(p, GREEDY) for p in prompts[:4]]
+    for r in reqs:
+        handoffs.append(pre.prefill(r))
     want = [0, 80, 80, 80]                         # 5 shared blocks (with MTP keyed by token 81: shared too)
-    assert pre.stats.prefix_cache_hits == sum(want) and pre.allocator.num_free == 64
+    assert pre.stats().prefix_cache_hits == sum(want) and pre.allocator.num_free == 64
     assert sum(b.num_tokens for b in log) == sum(map(len, prompts[:4])) - sum(want)
-    seqs = [dec.add_prefilled(h, GREEDY) for h in handoffs]
-    while dec.has_work:
-        dec.step()
-    assert [s.output for s in seqs] == reference[:4]
-    assert dec.stats.prefix_cache_queries == 0      # handed-over prompts are not looked up, only cached
-    again = dec.add_request(prompts[4], GREEDY)     # the first prompt again, straight to the decode engine
-    while dec.has_work:
-        dec.step()
-    assert again.output == reference[4] and dec.stats.prefix_cache_hits == 80
+    for r, h in zip(reqs, handoffs):
+        dec.add_prefilled(r, h)
+    got = drain(dec)
+    assert [[h.first_token] + got[r.request_id].tokens for r, h in zip(reqs, handoffs)] == reference[:4]
+    assert dec.stats().prefix_cache_queries == 0    # handed-over prompts are not looked up, only cached
+    again = submit(dec, prompts[4], GREEDY)         # the first prompt again, straight to the decode engine
+    assert drain(dec)[again].tokens == reference[4] and dec.stats().prefix_cache_hits == 80
     assert dec.allocator.num_free == 64 and dec.allocator.total_refs() == 0
 
 
@@ -430,7 +430,7 @@ def test_hit_rate_in_the_loop_snapshot_and_metrics(qdir, tok, prompts):
     try:
         for p in prompts[:2]:
             got = queue.Queue()
-            loop.submit(p, GREEDY, got.put)
+            loop.submit(request(p, GREEDY), got.put)
             while got.get(timeout=60).finish_reason is None:
                 pass
         deadline = time.time() + 10
@@ -443,7 +443,7 @@ def test_hit_rate_in_the_loop_snapshot_and_metrics(qdir, tok, prompts):
     assert expected_hits(prompts[1], [prompts[0]], 16, False) == 80   # 88 shared: 5 full blocks of 16
     assert (snap["prefix_cache_queries"], snap["prefix_cache_hits"]) == (queries, 80)
     assert snap["prefix_cache_hit_rate"] == 80 / queries and snap["prefix_cache_blocks"] >= 5
-    text = ServeMetrics().render(snap).decode()
+    text = ServeMetrics().render(snap)[0].decode()
     values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     assert float(values["dsquant_prefix_cache_hit_rate"]) == pytest.approx(80 / queries, rel=1e-12)
     assert float(values["dsquant_prefix_cache_queries_total"]) == queries

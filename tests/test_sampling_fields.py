@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pipeline.engine.core.engine import LLMEngine
-from pipeline.engine.core.sampling import SamplingParams, adjust_logits
+from pipeline.engine.protocol import SamplingParams
+from pipeline.engine.core.sampling import adjust_logits
 from pipeline.text.tokenizer import Tokenizer
 
 
@@ -49,7 +50,7 @@ def test_ignore_eos_and_min_tokens_in_the_engine(eng):
 def test_repetition_penalty_changes_greedy_output_as_the_reference_does(eng, embedded_quantized):
     """Greedy with a penalty: the engine's tokens are the argmax of the penalized logits, step by step,
     which the fake-quant model through the reference generator also computes."""
-    from pipeline.engine.reference import generate_ids
+    from pipeline.engine.core.reference import generate_ids
     from pipeline.quant.fakequant import load_fakequant_model
 
     engine, tok = eng

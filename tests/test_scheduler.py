@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.engine.cache.blocks import BlockAllocator
 from pipeline.engine.core.scheduler import FINISHED, Scheduler
-from pipeline.engine.core.sampling import SamplingParams
+from pipeline.engine.protocol import SamplingParams
 
 V = 97
 

@@ -21,8 +21,9 @@ openai = pytest.importorskip("openai")
 
 from serve_apps import deploy  # noqa: E402
 from engine_ref import replica_engine, torch_threads  # noqa: E402
-from pipeline.engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
-from pipeline.engine.core.sampling import SamplingParams  # noqa: E402
+from pipeline.engine.config import EngineConfig  # noqa: E402
+from pipeline.engine.core.engine import LLMEngine
+from pipeline.engine.protocol import SamplingParams  # noqa: E402
 
 MODEL = "tiny-w8a8"
 KEY = "sk-test-123"
@@ -415,26 +416,28 @@ def test_metrics_exposition(server):
 def test_engine_loop_streams_refuses_and_aborts(qdir, tok, reference):
     import queue
 
-    from actors.serve_app import EngineLoop
-    from pipeline.engine.core.engine_loop import TokenEvent
+    from engine_ref import request
+    from pipeline.engine.core.engine_loop import EngineLoop
+    from pipeline.engine.protocol import EngineOutput
 
     with torch_threads(1):
         loop = EngineLoop(LLMEngine.from_dir(qdir, tokenizer=tok, num_blocks=16, block_size=16))
         try:
             ok, bad, long = queue.Queue(), queue.Queue(), queue.Queue()
-            loop.submit(tok.encode(RAW), SamplingParams(max_new_tokens=5), ok.put)
-            loop.submit(list(range(10, 10 + 300)), SamplingParams(max_new_tokens=5), bad.put)
-            key = loop.submit(tok.encode(RAW), SamplingParams(max_new_tokens=200), long.put)
+            loop.submit(request(tok.encode(RAW), SamplingParams(max_new_tokens=5)), ok.put)
+            loop.submit(request(list(range(10, 10 + 300)), SamplingParams(max_new_tokens=5)), bad.put)
+            running = request(tok.encode(RAW), SamplingParams(max_new_tokens=200))
+            loop.submit(running, long.put)
             events = [ok.get(timeout=30)]
             while events[-1].finish_reason is None:
                 events.append(ok.get(timeout=30))
-            assert all(isinstance(e, TokenEvent) for e in events) and events[-1].finish_reason == "length"
+            assert all(isinstance(e, EngineOutput) for e in events) and events[-1].finish_reason == "length"
             assert [t for e in events for t in e.token_ids] == reference["raw_ids"][:5]
             err = bad.get(timeout=30)
             assert isinstance(err, ValueError) and str(err) == (
                 "the prompt has 300 tokens; this model takes at most 255 prompt tokens (256 in all)")
             assert long.get(timeout=30).finish_reason is None  # running now
-            loop.abort(key)
+            loop.abort(running.request_id)
             deadline = time.time() + 10
             while loop.snapshot["aborted"] != 1 and time.time() < deadline:
                 time.sleep(0.05)

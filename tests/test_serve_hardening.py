@@ -18,8 +18,11 @@ import pytest
 import torch
 
 from serve_apps import deploy  # noqa: E402
+from engine_ref import request
+from pipeline.engine.core.detokenizer import Detokenizer
 from pipeline.engine.core.engine import LLMEngine
-from pipeline.engine.core.sampling import SamplingParams, sample
+from pipeline.engine.protocol import SamplingParams
+from pipeline.engine.core.sampling import sample
 from pipeline.serving import openai_api as api
 from pipeline.serving import openai_responses as resp
 from pipeline.text.tokenizer import ASSISTANT, EOS, USER, Tokenizer
@@ -55,19 +58,21 @@ def test_sampling_is_safe_for_every_value_validation_accepts():
 def test_a_request_whose_sampling_fails_fails_alone(qdir, tok):
     import queue
 
-    from pipeline.engine.core.engine_loop import EngineLoop, TokenEvent
+    from engine_ref import request
+    from pipeline.engine.core.engine_loop import EngineLoop
+    from pipeline.engine.protocol import EngineOutput
 
     ref = LLMEngine.from_dir(qdir, tokenizer=tok, num_blocks=32).generate([tok.encode(RAW)],
                                                                           SamplingParams(max_new_tokens=6))[0]
     loop = EngineLoop(LLMEngine.from_dir(qdir, tokenizer=tok, num_blocks=32))
     try:
         ok, bad = queue.Queue(), queue.Queue()
-        loop.submit(tok.encode(RAW), SamplingParams(max_new_tokens=6), ok.put)
-        loop.submit(tok.encode(RAW), broken(max_new_tokens=6), bad.put)
+        loop.submit(request(tok.encode(RAW), SamplingParams(max_new_tokens=6)), ok.put)
+        loop.submit(request(tok.encode(RAW), broken(max_new_tokens=6)), bad.put)
         err = bad.get(timeout=30)
         assert type(err).__name__ == "RequestFailed" and str(err).startswith("sampling failed: TypeError")
         events = [ok.get(timeout=30)]
-        while isinstance(events[-1], TokenEvent) and events[-1].finish_reason is None:
+        while isinstance(events[-1], EngineOutput) and events[-1].finish_reason is None:
             events.append(ok.get(timeout=30))
         assert [t for e in events for t in e.token_ids] == ref and events[-1].finish_reason == "length"
         assert loop.alive and loop.snapshot["cache_blocks_free"] == 32
@@ -79,10 +84,11 @@ def test_a_failed_prefill_leaves_the_engine_clean(qdir, tok):
     eng = LLMEngine.from_dir(qdir, tokenizer=tok, num_blocks=32)
     prompt = tok.encode(RAW)
     with pytest.raises(RuntimeError, match="^prefill failed: sampling failed: TypeError"):
-        eng.prefill(prompt, broken())
+        eng.prefill(request(prompt, broken()))
     assert (eng.has_work, eng.allocator.num_free) == (False, 32)
-    kv = eng.prefill(prompt, SamplingParams(max_new_tokens=4))  # the next prompt is unaffected
-    fresh = LLMEngine.from_dir(qdir, tokenizer=tok, num_blocks=32).prefill(prompt, SamplingParams(max_new_tokens=4))
+    kv = eng.prefill(request(prompt, SamplingParams(max_new_tokens=4)))  # the next prompt is unaffected
+    fresh = LLMEngine.from_dir(qdir, tokenizer=tok, num_blocks=32).prefill(request(prompt,
+                                                                                   SamplingParams(max_new_tokens=4)))
     assert kv.first_token == fresh.first_token and eng.allocator.num_free == 32
 
 
@@ -118,7 +124,7 @@ def test_stop_matching_decodes_a_bounded_window_per_token(qdir, tok):
         [tok.encode(RAW)], SamplingParams(max_new_tokens=n))[0]
     stops = ["never appears \x00", "zz" * 100]
     counting = CountingTokenizer(tok)
-    detok = resp.IncrementalDetokenizer(counting, stops)
+    detok = Detokenizer(counting, stops)
     for t in ids:
         detok.add([t])
     assert detok.text == tok.decode(ids)
@@ -265,7 +271,7 @@ def server(ray_cluster, qdir):
     from ray import serve
 
     from actors.serve_app import DeploymentOptions, ServeConfig
-    from pipeline.engine.core.engine import EngineConfig
+    from pipeline.engine.config import EngineConfig
 
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")

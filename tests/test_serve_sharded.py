@@ -21,8 +21,9 @@ pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
 
 from serve_apps import deploy  # noqa: E402
-from pipeline.engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
-from pipeline.engine.core.sampling import SamplingParams  # noqa: E402
+from pipeline.engine.config import EngineConfig  # noqa: E402
+from pipeline.engine.core.engine import LLMEngine
+from pipeline.engine.protocol import SamplingParams  # noqa: E402
 from pipeline.text.tokenizer import Tokenizer  # noqa: E402
 
 ENGINE = {"num_blocks": 64, "block_size": 16, "max_num_seqs": 8, "max_batched_tokens": 256, "nz": True, "mtp": True}

@@ -19,11 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.engine.core.engine import EngineConfig, LLMEngine
+from engine_ref import drain, request, submit
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.core.engine import LLMEngine
 from pipeline.engine.worker.loader import load_quantized
 from pipeline.engine.layers.qlinear import Int8Linear
 from pipeline.engine.worker.runner import Span
-from pipeline.engine.core.sampling import SamplingParams
+from pipeline.engine.protocol import SamplingParams
 from pipeline.engine.sharding.shard_loader import held_parts, resident_bytes
 from pipeline.engine.sharding.shard_spec import COL, FULL, REPLICATED, linear_role, part, tensor_slice
 from pipeline.engine.sharding.sharded import RowParallel
@@ -223,17 +225,17 @@ def test_dp_attention_groups_each_give_the_single_rank_logits(ray_cluster, embed
         assert [len(g.scheduler.running) + len(g.scheduler.waiting) for g in eng.groups] == [0] * p.dp
         # the KV handoff of disaggregated serving, both ways, into / out of group 1 (group 0 kept busy)
         want = single.generate(prompts[:1], params)[0]
-        busy = eng.add_request(prompts[1], params)                       # lands in group 0
-        kv = eng.prefill(prompts[0], params)                             # prefilled in group 1
-        seq = single.add_prefilled(kv, params)
-        while single.has_work:
-            single.step()
-        assert seq.output == want and busy.seq_id % p.dp == 0
-        seq = eng.add_prefilled(single.prefill(prompts[0], params), params)   # decoded in group 1
-        assert seq.seq_id % p.dp == 1
-        while eng.has_work:
-            eng.step()
-        assert seq.output == want and busy.status == "finished"
+        busy = submit(eng, prompts[1], params)                           # lands in group 0
+        there = request(prompts[0], params)
+        kv = eng.prefill(there)                                          # prefilled in group 1
+        single.add_prefilled(there, kv)
+        assert [kv.first_token] + drain(single)[there.request_id].tokens == want and eng._group_of[busy] == 0
+        back = request(prompts[0], params)
+        kv = single.prefill(back)
+        eng.add_prefilled(back, kv)                                      # decoded in group 1
+        assert eng._group_of[back.request_id] == 1
+        got = drain(eng)
+        assert [kv.first_token] + got[back.request_id].tokens == want and got[busy].finish_reason is not None
         assert len({i["node"] for i in eng.runner.rank_info[1:]}) >= (2 if p.world == 4 else 1)   # two nodes
         whole, replicated = resident_bytes(single.loaded.model), _replicated_bytes(embedded_quantized)
         for info in eng.runner.rank_info:   # experts split over all ranks; attention over tp only

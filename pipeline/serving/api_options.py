@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from pipeline.engine.core.sampling import MAX_LOGPROBS, SEED_RANGE
+from pipeline.engine.protocol import MAX_LOGPROBS, SEED_RANGE
 from pipeline.serving.api_errors import invalid
 
 MAX_N = 16

@@ -35,20 +35,23 @@ completions ``prompt`` string is the model's raw input, as in vLLM: special-toke
 honoured (the caller could send the ids themselves anyway). A body must be a JSON object nested at most
 ``MAX_JSON_DEPTH`` deep, whose strings are valid Unicode (no lone surrogate): else 400, naming the field.
 
-The engine side answers each choice's request (:meth:`GenerateRequest.choice`) with
-``pipeline.engine.core.engine_loop.TokenEvent`` s; the ingress turns them into text, logprobs and responses
-with :mod:`pipeline.serving.choices` and :mod:`pipeline.serving.openai_responses`.
+A request's id is made here, once (:func:`request_id`, called by the ingress for each HTTP request):
+``cmpl-`` or ``chatcmpl-`` and the request's X-Request-ID (the client's, or the one Serve's HTTP proxy
+gave it). It is the response's ``id`` and the engine requests' (:meth:`GenerateRequest.engine_request`:
+each choice's ``EngineRequest``), whose ``EngineOutput`` s the ingress turns into text, logprobs and
+responses with :mod:`pipeline.serving.choices` and :mod:`pipeline.serving.openai_responses`.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Sequence
 
-from pipeline.engine.core.sampling import SEED_RANGE, SamplingParams
+from pipeline.engine.protocol import SEED_RANGE, EngineRequest, SamplingParams
 from pipeline.serving.api_errors import ApiError, invalid
 from pipeline.serving.api_options import OutputOptions, choice_seed, parse_output_options
 
@@ -58,6 +61,9 @@ MAX_STOP_STRINGS = 4                    # OpenAI's limit
 MAX_STOP_CHARS = 256                    # per stop string: bounds the matching work per token
 MAX_JSON_DEPTH = 32                     # an OpenAI body needs 5 levels; deeper is refused, not recursed into
 CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+# An X-Request-ID taken as the request's id (the rule of actors.serve_proxy, which cleans it in Serve's proxy)
+VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 _IGNORED = {"user"}                     # accepted, not used
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
@@ -89,12 +95,21 @@ class GenerateRequest:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
 
-    def choice(self, index: int) -> "GenerateRequest":
-        """The engine's request for choice ``index``: n 1, seed ``seed + index`` (api_options.choice_seed),
-        no echo text (the engine does not need it)."""
-        if self.n == 1 and self.echo is None:
-            return self
-        return replace(self, n=1, echo=None, params=replace(self.params, seed=choice_seed(self.params.seed, index)))
+    def engine_request(self, index: int) -> EngineRequest:
+        """The engine's request for choice ``index``: the request's id (``<id>-<index>`` when n > 1), its
+        prompt, its sampling parameters with seed ``seed + index`` (api_options.choice_seed)."""
+        if self.n == 1:
+            return EngineRequest(self.request_id, self.prompt_ids, self.params)
+        return EngineRequest(f"{self.request_id}-{index}", self.prompt_ids,
+                             replace(self.params, seed=choice_seed(self.params.seed, index)))
+
+
+def request_id(kind: str, given: Optional[str] = None) -> str:
+    """The id of one HTTP request (its response's ``id``, its engine requests', its log lines): ``cmpl-``
+    for a completion, ``chatcmpl-`` for a chat, then ``given`` (the request's X-Request-ID) when it is
+    1-128 of ``A-Za-z0-9._:-``, else a fresh random hex id."""
+    prefix = "cmpl" if kind == COMPLETION else "chatcmpl"
+    return f"{prefix}-{given if given and VALID_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex}"
 
 
 # ----- parsing -----------------------------------------------------------------------------------------
@@ -145,16 +160,19 @@ def _check_unicode(text: str, where: str) -> None:
                       name) from None
 
 
-def parse_completion(body: Mapping[str, Any], tokenizer, served_model: str, max_model_len: int) -> GenerateRequest:
+def parse_completion(body: Mapping[str, Any], tokenizer, served_model: str, max_model_len: int,
+                     rid: Optional[str] = None) -> GenerateRequest:
     """Validate a ``/v1/completions`` body (prompt: a string, a list of token ids, or a list of one of
-    either; encoded with bos, as the engine's own tests encode plain text)."""
+    either; encoded with bos, as the engine's own tests encode plain text). ``rid``: the request's id
+    (:func:`request_id`; a fresh one when None)."""
     _check_fields(body, _COMPLETION_FIELDS)
     model = _check_model(body, served_model)
     _refuse_unsupported(body)
     if body.get("suffix") not in (None, ""):
         raise invalid("suffix (insertion) is not supported by this server", "suffix")
     prompt_ids = _completion_prompt(body.get("prompt"), tokenizer)
-    req = _finish_parse(body, COMPLETION, model, prompt_ids, max_model_len, DEFAULT_COMPLETION_MAX_TOKENS)
+    req = _finish_parse(body, COMPLETION, model, prompt_ids, max_model_len, DEFAULT_COMPLETION_MAX_TOKENS,
+                        rid=rid or request_id(COMPLETION))
     if req.echo is not None:  # a text prompt as sent; token ids decoded as the model reads them (specials shown)
         raw = body["prompt"]
         if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
@@ -163,9 +181,10 @@ def parse_completion(body: Mapping[str, Any], tokenizer, served_model: str, max_
     return req
 
 
-def parse_chat(body: Mapping[str, Any], tokenizer, served_model: str, max_model_len: int) -> GenerateRequest:
+def parse_chat(body: Mapping[str, Any], tokenizer, served_model: str, max_model_len: int,
+               rid: Optional[str] = None) -> GenerateRequest:
     """Validate a ``/v1/chat/completions`` body; the messages go through the model's chat template with
-    the generation prompt (``<｜Assistant｜>``) added."""
+    the generation prompt (``<｜Assistant｜>``) added. ``rid``: as parse_completion's."""
     _check_fields(body, _CHAT_FIELDS)
     model = _check_model(body, served_model)
     _refuse_unsupported(body)
@@ -185,7 +204,8 @@ def parse_chat(body: Mapping[str, Any], tokenizer, served_model: str, max_model_
         param = "max_completion_tokens"
     else:
         param = "max_tokens"
-    return _finish_parse(body, CHAT, model, prompt_ids, max_model_len, None, max_tokens_param=param)
+    return _finish_parse(body, CHAT, model, prompt_ids, max_model_len, None, max_tokens_param=param,
+                         rid=rid or request_id(CHAT))
 
 
 def _check_fields(body: Mapping[str, Any], known: set) -> None:
@@ -317,7 +337,8 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def _finish_parse(body: Mapping[str, Any], kind: str, model: str, prompt_ids: Sequence[int], max_model_len: int,
-                  default_max_tokens: Optional[int], max_tokens_param: str = "max_tokens") -> GenerateRequest:
+                  default_max_tokens: Optional[int], max_tokens_param: str = "max_tokens",
+                  rid: str = "") -> GenerateRequest:
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise invalid(f"stream must be a boolean, got {stream!r}", "stream")
@@ -362,6 +383,5 @@ def _finish_parse(body: Mapping[str, Any], kind: str, model: str, prompt_ids: Se
     params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
                             top_k=0 if top_k in (None, -1) else top_k, top_p=top_p, seed=seed, stop=stop,
                             ignore_eos=ignore_eos, min_tokens=min_tokens, logprobs=out.logprobs, **penalties)
-    prefix = "cmpl" if kind == COMPLETION else "chatcmpl"
-    return GenerateRequest(kind, model, tuple(prompt_ids), params, bool(stream), out.include_usage,
-                           f"{prefix}-{uuid.uuid4().hex}", out.n, "" if out.echo else None, out.continuous_usage)
+    return GenerateRequest(kind, model, tuple(prompt_ids), params, bool(stream), out.include_usage, rid, out.n,
+                           "" if out.echo else None, out.continuous_usage)

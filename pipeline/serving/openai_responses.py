@@ -1,6 +1,4 @@
-"""OpenAI responses, pure: the text of a growing output sent only once stable
-(:class:`IncrementalDetokenizer`: a trailing replacement character, or a tail that may still become a stop
-string, is held back), the completion / chat.completion objects (one choice per ``index``, logprobs in the
+"""OpenAI responses, pure: the completion / chat.completion objects (one choice per ``index``, logprobs in the
 shapes of :mod:`pipeline.serving.logprobs`), streaming chunks as SSE lines (each names its choice's
 ``index``; with ``stream_options.include_usage`` every chunk has ``usage``: null, or with
 ``continuous_usage_stats`` the usage so far, and a last chunk without choices carries the total), usage
@@ -14,51 +12,9 @@ import json
 import time
 from typing import Any, Iterable, Mapping, Optional
 
-from pipeline.engine.core.sampling import StopText
 from pipeline.serving.openai_api import COMPLETION, GenerateRequest
 
 DONE_LINE = "data: [DONE]\n\n"
-
-
-# ----- incremental detokenization --------------------------------------------------------------------
-
-class IncrementalDetokenizer:
-    """Text of a growing list of token ids, sent only once stable: :class:`StopText` decodes it
-    incrementally and cuts it at the first stop string; what :meth:`add` returns also holds back a
-    trailing incomplete multi-byte character and any tail that could still grow into a stop string.
-    :meth:`finish` returns whatever was held back. The concatenation of all returned pieces equals
-    :attr:`text`, the full output cut at its first stop string (what ``LLMEngine.text`` returns). The
-    work per call is bounded by the new tokens and the stop strings' length, not by the output so far."""
-
-    def __init__(self, tokenizer, stop: Iterable[str] = ()):
-        self._text = StopText(tokenizer, stop)
-        self.sent = 0           # characters of the text returned so far
-
-    @property
-    def ids(self) -> list[int]:
-        return self._text.ids
-
-    @property
-    def stopped(self) -> bool:
-        return self._text.stopped
-
-    @property
-    def text(self) -> str:
-        self._text.finish()
-        return self._text.text
-
-    def add(self, token_ids: Iterable[int]) -> str:
-        self._text.add(list(token_ids))
-        return self._emit(len(self._text.text) - self._text.held_back())
-
-    def finish(self) -> str:
-        self._text.finish()
-        return self._emit(len(self._text.text))
-
-    def _emit(self, upto: int) -> str:
-        new = self._text.text[self.sent:upto] if upto > self.sent else ""
-        self.sent = max(self.sent, upto)
-        return new
 
 
 # ----- responses --------------------------------------------------------------------------------------

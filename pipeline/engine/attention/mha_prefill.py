@@ -57,7 +57,7 @@ def _declare(dll: ctypes.CDLL) -> None:
     dll.mha_prefill_paged.restype = i32
 
 
-_LIB = NativeLibrary(Path(__file__).with_name("csrc") / "mha_prefill_cpu.c", _declare, BASE_FLAGS,
+_LIB = NativeLibrary(Path(__file__).parents[1] / "native" / "csrc" / "mha_prefill_cpu.c", _declare, BASE_FLAGS,
                      what="native MHA prefill (torch ops give the same within float32 rounding)")
 
 

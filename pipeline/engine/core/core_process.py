@@ -3,11 +3,12 @@ HTTP and streaming, the engine steps in a child process that shares no interpret
 
 The child (``spawn``: no thread or lock of the parent's is inherited) builds the engine with a picklable
 ``factory()``, drives it with an :class:`~pipeline.engine.core.engine_loop.EngineLoop`, and after every step
-sends ONE message back: that step's events of every request (``(key, TokenEvent | exception)`` pairs) and
-the loop's snapshot. The parent's :class:`EngineCoreClient` has the EngineLoop's interface
-(``submit``, ``submit_prefilled``, ``abort``, ``stop``, ``alive``, ``error``, ``snapshot``), so the serving
-code does not care where the engine runs. Commands go down one pipe, events come up another; messages are
-plain pickles (protocol 5; a KV handoff's tensors are copied by value, no shared-memory handles).
+sends ONE message back (:class:`StepMessage`): that step's outputs of every request (an EngineOutput, or the
+exception that ended it) and the loop's snapshot. The parent's :class:`EngineCoreClient` has the EngineLoop's
+interface (``submit``, ``submit_prefilled``, ``abort``, ``stop``, ``alive``, ``error``, ``snapshot``), so the
+serving code does not care where the engine runs. Commands go down one pipe, messages come up another; both
+are the dataclasses below, pickled (protocol 5; a KV handoff's tensors are copied by value, no shared-memory
+handles), requests named by their request id on both sides.
 
 A child that dies (killed, out of memory) ends every open request with :class:`EngineDead` and the client
 reports itself dead (health checks fail; Serve replaces the replica). A parent that goes away closes the
@@ -16,17 +17,69 @@ command pipe, and the child stops at once.
 
 from __future__ import annotations
 
-import itertools
 import multiprocessing as mp
 import os
 import pickle
 import threading
 import traceback
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
 
-from pipeline.engine.core.engine_loop import EngineDead, Sink, TokenEvent, deliver, deliver_all
+from pipeline.engine.core.engine_loop import Sink, deliver, deliver_all
+from pipeline.engine.core.kv_handoff import KVHandoff
+from pipeline.engine.protocol import EngineDead, EngineOutput, EngineRequest
 
 START_TIMEOUT_S = 600.0      # building the engine (loading the checkpoint) may take this long
+
+
+# ----- parent -> child ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Submit:
+    request: EngineRequest
+
+
+@dataclass(frozen=True)
+class SubmitPrefilled:
+    request: EngineRequest
+    kv: KVHandoff
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+# ----- child -> parent ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Ready:
+    info: dict          # the pid and what ``info(engine)`` gave
+    snapshot: dict      # the loop's first snapshot: alive from the start
+
+
+@dataclass(frozen=True)
+class BuildFailed:
+    traceback: str
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What a request's sink gets: an output, or the exception that ends the request."""
+
+    request_id: str
+    item: Union[EngineOutput, BaseException]
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    deliveries: list[Delivery]
+    snapshot: dict
 
 
 def _send(conn, msg) -> None:
@@ -46,54 +99,45 @@ def _core_main(cmd_conn, evt_conn, factory: Callable[[], Any], info: Optional[Ca
         engine = factory()
         ready = {"pid": os.getpid(), **(info(engine) if info else {})}
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
-        _send(evt_conn, ("failed", traceback.format_exc()))
+        _send(evt_conn, BuildFailed(traceback.format_exc()))
         return
-    outbox: list = []
+    outbox: list[Delivery] = []
     lock = threading.Lock()
-    child_key: dict[int, int] = {}          # the parent's key -> the loop's
 
-    def sink_for(key: int) -> Sink:
-        def sink(ev) -> None:
+    def sink_for(request_id: str) -> Sink:
+        def sink(item) -> None:
             with lock:
-                outbox.append((key, ev))
-                if _terminal(ev):
-                    child_key.pop(key, None)
+                outbox.append(Delivery(request_id, item))
         return sink
 
     def flush(loop) -> None:                # on the loop's thread, after each step: one message
         with lock:
-            events = outbox[:]
+            deliveries = outbox[:]
             outbox.clear()
-        _send(evt_conn, ("step", events, loop.snapshot))
+        _send(evt_conn, StepMessage(deliveries, loop.snapshot))
 
     loop = EngineLoop(engine, after_step=flush)
-    _send(evt_conn, ("ready", ready, dict(loop.snapshot)))    # the loop's first snapshot: alive from the start
+    _send(evt_conn, Ready(ready, dict(loop.snapshot)))
     try:
         while True:
             try:
                 cmd = _recv(cmd_conn)
             except (EOFError, OSError):
                 return                      # the parent is gone
-            op = cmd[0]
-            with lock:                       # (a sink cannot see the key before it is recorded)
-                if op == "add":
-                    _, key, prompt_ids, params = cmd
-                    child_key[key] = loop.submit(prompt_ids, params, sink_for(key))
-                elif op == "prefilled":
-                    _, key, kv, params = cmd
-                    child_key[key] = loop.submit_prefilled(kv, params, sink_for(key))
-                elif op == "abort":
-                    ck = child_key.pop(cmd[1], None)
-                    if ck is not None:
-                        loop.abort(ck)
-            if op == "stop":
+            if isinstance(cmd, Submit):
+                loop.submit(cmd.request, sink_for(cmd.request.request_id))
+            elif isinstance(cmd, SubmitPrefilled):
+                loop.submit_prefilled(cmd.request, cmd.kv, sink_for(cmd.request.request_id))
+            elif isinstance(cmd, AbortRequest):
+                loop.abort(cmd.request_id)
+            elif isinstance(cmd, Stop):
                 return
     finally:
         loop.stop()
 
 
-def _terminal(ev) -> bool:
-    return isinstance(ev, BaseException) or (isinstance(ev, TokenEvent) and ev.finish_reason is not None)
+def _terminal(item) -> bool:
+    return isinstance(item, BaseException) or (isinstance(item, EngineOutput) and item.finished)
 
 
 class EngineCoreClient:
@@ -113,8 +157,7 @@ class EngineCoreClient:
         self.proc.start()
         cmd_r.close()
         evt_w.close()
-        self._keys = itertools.count()
-        self._sinks: dict[int, Sink] = {}
+        self._sinks: dict[str, Sink] = {}     # request_id -> sink, while the request is open
         self._sinks_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self.error: Optional[BaseException] = None
@@ -128,11 +171,11 @@ class EngineCoreClient:
             self.proc.join(5)
             raise RuntimeError(f"the engine core process exited while starting (exit code "
                                f"{self.proc.exitcode})") from None
-        if msg[0] == "failed":
+        if isinstance(msg, BuildFailed):
             self.proc.join(5)
-            raise RuntimeError(f"the engine core process could not build the engine:\n{msg[1]}")
-        self.ready: dict = msg[1]
-        self.snapshot = msg[2]     # until the first step's message: health checks answer from this one
+            raise RuntimeError(f"the engine core process could not build the engine:\n{msg.traceback}")
+        self.ready: dict = msg.info
+        self.snapshot = msg.snapshot    # until the first step's message: health checks answer from this one
         self._reader = threading.Thread(target=self._read, name="llm-engine-core-reader", daemon=True)
         self._reader.start()
 
@@ -144,40 +187,38 @@ class EngineCoreClient:
     def pid(self) -> int:
         return self.ready["pid"]
 
-    def _command(self, *cmd) -> None:
+    def _command(self, cmd) -> None:
         with self._send_lock:
             _send(self._cmd, cmd)
 
-    def _register(self, sink: Sink) -> int:
-        key = next(self._keys)
+    def _register(self, request_id: str, sink: Sink) -> bool:
         with self._sinks_lock:
             if self.error is not None:
                 deliver(sink, EngineDead(f"the engine core is not running: {self.error}"))
-                return key
-            self._sinks[key] = sink
-        return key
+                return False
+            if request_id in self._sinks:
+                deliver(sink, ValueError(f"request id {request_id!r} is already in this engine"))
+                return False
+            self._sinks[request_id] = sink
+        return True
 
-    def submit(self, prompt_ids, params, sink: Sink) -> int:
-        key = self._register(sink)
-        if key in self._sinks:
-            self._guarded(("add", key, list(prompt_ids), params))
-        return key
+    def submit(self, request: EngineRequest, sink: Sink) -> None:
+        if self._register(request.request_id, sink):
+            self._guarded(Submit(request))
 
-    def submit_prefilled(self, kv, params, sink: Sink) -> int:
-        key = self._register(sink)
-        if key in self._sinks:
-            self._guarded(("prefilled", key, kv, params))
-        return key
+    def submit_prefilled(self, request: EngineRequest, kv: KVHandoff, sink: Sink) -> None:
+        if self._register(request.request_id, sink):
+            self._guarded(SubmitPrefilled(request, kv))
 
-    def abort(self, key: int) -> None:
+    def abort(self, request_id: str) -> None:
         with self._sinks_lock:
-            open_ = self._sinks.pop(key, None) is not None
+            open_ = self._sinks.pop(request_id, None) is not None
         if open_ and self.error is None:
-            self._guarded(("abort", key))
+            self._guarded(AbortRequest(request_id))
 
-    def _guarded(self, cmd: tuple) -> None:
+    def _guarded(self, cmd) -> None:
         try:
-            self._command(*cmd)
+            self._command(cmd)
         except (OSError, ValueError, BrokenPipeError) as e:
             self._die(EngineDead(f"the engine core process is gone ({type(e).__name__}: {e})"))
 
@@ -187,18 +228,17 @@ class EngineCoreClient:
                 msg = _recv(self._evt)
             except (EOFError, OSError):
                 break
-            if msg[0] != "step":
+            if not isinstance(msg, StepMessage):
                 continue
-            _, events, snapshot = msg
-            self.snapshot = snapshot
+            snapshot = self.snapshot = msg.snapshot
             pairs = []
             with self._sinks_lock:
-                for key, ev in events:
-                    sink = self._sinks.get(key)
+                for d in msg.deliveries:
+                    sink = self._sinks.get(d.request_id)
                     if sink is not None:
-                        pairs.append((sink, ev))
-                        if _terminal(ev):
-                            del self._sinks[key]
+                        pairs.append((sink, d.item))
+                        if _terminal(d.item):
+                            del self._sinks[d.request_id]
             deliver_all(pairs)      # one wake-up per event loop for the whole step
             if not snapshot.get("alive", True):
                 self._die(EngineDead(f"the engine loop stopped in the engine core process (pid {self.pid})"))
@@ -221,7 +261,7 @@ class EngineCoreClient:
     def stop(self, timeout: float = 5.0) -> None:
         if self.proc.is_alive():
             try:
-                self._command("stop")
+                self._command(Stop())
             except (OSError, ValueError):
                 pass
             self.proc.join(timeout)

@@ -1,16 +1,25 @@
-"""The inference engine: a quantized directory run with int8 linears over a paged int8-latent cache, with
-continuous batching (pipeline.engine.core.scheduler) and sampling. The serving layer drives it step by step::
+"""The inference engine: a model (a quantized directory with int8 linears, or a float checkpoint) run over a
+paged latent cache, with continuous batching (:mod:`pipeline.engine.core.scheduler`) and sampling. Its
+interface is four calls::
 
-    eng = LLMEngine.from_dir("out/dsv3-tiny-pydoc-w8a8-fa3", num_blocks=256)
-    seq = eng.add_request(prompt_ids, SamplingParams(max_new_tokens=32))
+    eng = LLMEngine.from_dir("out/dsv3-tiny-pydoc-w8a8-fa3", tokenizer=tok, num_blocks=256)
+    eng.add(EngineRequest("r1", prompt_ids, SamplingParams(max_new_tokens=32)))
     while eng.has_work:
-        for seq, new_token in eng.step(): ...        # tokens as they come; seq.status == "finished" at the end
+        for out in eng.step(): ...        # EngineOutputs: new tokens per request, a finish reason at the end
+    eng.abort("r1");  eng.stats()
 
-or :meth:`LLMEngine.generate` for a list of prompts.
+(:meth:`LLMEngine.generate` runs a list of prompts to the end.) The scheduler decides what each step
+computes (plain ids and counts); the model runner (:mod:`pipeline.engine.worker.runner`) turns that into
+tensors and runs the model; the engine samples, applies the stop conditions and reports. Requests with
+stop strings are detokenized here, once (:mod:`pipeline.engine.core.detokenizer`): their text rides in
+``EngineOutput.text``. Prefill/decode disaggregation: :meth:`LLMEngine.prefill` and
+:meth:`LLMEngine.add_prefilled` (:mod:`pipeline.engine.core.kv_handoff`).
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -18,37 +27,23 @@ from typing import Optional, Sequence
 
 import torch
 
-from pipeline.engine.cache.blocks import BlockAllocator
-from pipeline.engine.worker.loader import LoadedModel, load_model
-from pipeline.engine.core import kv_handoff
-from pipeline.engine.core.kv_handoff import KVHandoff, latest_logprobs  # noqa: F401 (re-exported)
 from pipeline.engine import malloc_tuning
-from pipeline.engine.native.cpu_float import argmax_rows
+from pipeline.engine.cache.blocks import BlockAllocator
 from pipeline.engine.cache.prefix_cache import PrefixCachingAllocator
-from pipeline.engine.worker.runner import ModelRunner, Span
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.core import kv_handoff
+from pipeline.engine.core.detokenizer import Detokenizer
+from pipeline.engine.core.kv_handoff import KVHandoff
+from pipeline.engine.core.sampling import adjust_logits, generator_on, piece_logprobs, plain_greedy, sample
 from pipeline.engine.core.scheduler import FINISHED, RUNNING, Scheduler
 from pipeline.engine.core.scheduler import Sequence as Seq
-from pipeline.engine.core.sampling import (SamplingParams, StopText, TokenLogprobs, adjust_logits, cut_at_stop,
-                                      generator_on, piece_logprobs, plain_greedy, sample)
+from pipeline.engine.native.cpu_float import argmax_rows
+from pipeline.engine.protocol import (ABORT, ERROR, STOP, EngineOutput, EngineRequest, EngineStats, ReplicaBroken,
+                                      SamplingParams, StepFailed, TokenLogprobs)
+from pipeline.engine.worker.loader import LoadedModel, load_model
+from pipeline.engine.worker.runner import ModelRunner, Span
 
-
-@dataclass(frozen=True)
-class EngineConfig:
-    num_blocks: int = 256
-    block_size: int = 16
-    max_num_seqs: int = 16
-    max_batched_tokens: int = 256
-    max_model_len: Optional[int] = None     # default: what the cache holds, capped by the model's positions
-    nz: bool = False
-    device: str = "cpu"
-    cache_dtype: Optional[str] = None       # k_pe / non-FA3 latent storage; default the model's dtype
-    mtp: bool = False                       # speculative decoding with the MTP layer (one draft token)
-    fa3: bool = True                        # int8 latent cache on FA3 layers (False: the latent in bf16)
-    compile: bool = False                   # torch.compile the layers' work around attention (engine.regions)
-    prefix_caching: bool = True             # reuse cached full blocks across requests (engine.prefix_cache)
-    decode_graph: bool = True               # replay pure decode steps (engine.decode_graph; False: eager)
-
-
+log = logging.getLogger("dsquant.engine")
 STEP_TIMES_KEPT = 10_000
 
 
@@ -60,7 +55,9 @@ def make_runner(loaded: LoadedModel, config: EngineConfig, cls=ModelRunner, **kw
 
 
 @dataclass
-class EngineStats:
+class Counters:
+    """An engine's counters (the scheduler adds the prefix cache's to them)."""
+
     steps: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -72,11 +69,6 @@ class EngineStats:
     prefix_cache_recompute_hits: int = 0  # tokens a preempted sequence found there when recomputed
     step_seconds: deque = field(default_factory=lambda: deque(maxlen=STEP_TIMES_KEPT))  # the latest steps'
 
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """Prompt tokens found in the prefix cache / prompt tokens looked up (0 before any)."""
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
 
 @dataclass
 class StepWork:
@@ -84,7 +76,7 @@ class StepWork:
 
     t0: float
     batch: object
-    events: list
+    finished: list                  # sequences the scheduler ended (the cache cannot hold them)
     spans: list
     offsets: list
     rows: list
@@ -109,7 +101,8 @@ class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), tokenizer=None,
                  runner: Optional[ModelRunner] = None):
         """``runner``: a model runner already built for ``loaded`` and ``config`` (a sharded replica's rank
-        0, actors.rank_group); default one in this process."""
+        0, actors.rank_group); default one in this process. ``tokenizer``: for the stop strings (and the
+        eos id); without one, stop strings are not looked for."""
         cfg = loaded.config
         self.config, self.loaded, self.tokenizer = config, loaded, tokenizer
         if torch.device(config.device).type == "cpu":
@@ -117,14 +110,15 @@ class LLMEngine:
         cap = config.num_blocks * config.block_size
         max_len = min(config.max_model_len or cap, cfg.max_position_embeddings)
         self.allocator = (PrefixCachingAllocator if config.prefix_caching else BlockAllocator)(config.num_blocks)
-        self.stats = EngineStats()
+        self.counters = Counters()
         self.scheduler = Scheduler(self.allocator, config.block_size, max_len, config.max_num_seqs,
-                                   config.max_batched_tokens, mtp=config.mtp, stats=self.stats)
+                                   config.max_batched_tokens, mtp=config.mtp, stats=self.counters)
         self.runner = runner or make_runner(loaded, config)
-        self._stop_texts: dict[int, StopText] = {}      # seq_id -> its output's text, for stop strings
-        self.errors: dict[int, str] = {}                # seq_id -> why it failed (finish_reason "error")
+        self._requests: dict[str, Seq] = {}             # request_id -> its sequence, until it finishes
+        self._detok: dict[int, Detokenizer] = {}        # seq_id -> its output's text, for stop strings
+        self._errors: dict[int, str] = {}               # seq_id -> why it failed (finish_reason "error")
         self.eos_id = getattr(tokenizer, "eos_id", None) if tokenizer is not None else cfg.eos_token_id
-        self._layout = self._make_layout()
+        self._layout = kv_handoff.cache_layout(self)
 
     @classmethod
     def from_dir(cls, path: str, tokenizer=None, dtype=None, **config) -> "LLMEngine":
@@ -134,18 +128,90 @@ class LLMEngine:
         ec = EngineConfig(**config)
         return cls(load_model(path, dtype=dtype, device=ec.device), ec, tokenizer)
 
+    # ----- the interface: add, abort, step, stats ---------------------------------------------------------
+    def add(self, request: EngineRequest) -> None:
+        """Queue ``request``; ValueError (nothing queued) when the engine refuses it: a prompt that does not
+        fit the model or the cache, or an id already in the engine."""
+        self._admit(request, self.scheduler.add(request.prompt_ids, request.params, self.eos_id,
+                                                self._new_id(request)))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now (its client went away): its blocks are freed, no more output comes for it."""
+        seq = self._requests.get(request_id)
+        if seq is not None:
+            self.scheduler.abort(seq, ABORT)
+            self._forget(seq)
+
+    def step(self) -> list[EngineOutput]:
+        """One engine step: the outputs of every request that produced tokens (one, or two when an MTP draft
+        was accepted) or finished. StepFailed when the model or the sampling raised: the requests running
+        in the step are failed (its ``outputs``), the others stay queued.
+
+        In phases (a DP-attention replica runs them for all its groups in lockstep, dp_engine): ``begin``
+        (schedule: the spans and logit rows), the model, ``sampled`` (sample, update; the MTP work),
+        the MTP layer, ``end`` (stop strings, outputs, stats)."""
+        st = self.begin_step()
+        if not st.spans:
+            return self.end_step(st)
+        try:
+            logits, hidden = self.runner.forward(st.spans, st.rows)
+            draft = self.sampled(st, logits)
+            if draft is not None:
+                self.drafted(draft, self.runner.mtp_forward(draft.spans, hidden, draft.hidden_rows, draft.rows))
+        except ReplicaBroken:
+            raise
+        except Exception as e:
+            raise self.step_failed(e) from e
+        return self.end_step(st)
+
+    def stats(self) -> EngineStats:
+        c = self.counters
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            cache_blocks_total=self.config.num_blocks, cache_blocks_free=self.allocator.num_free,
+            prefix_cache_blocks=getattr(self.allocator, "num_cached", 0), steps=c.steps,
+            prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens, preemptions=c.preemptions,
+            mtp_drafts=c.drafts, mtp_accepted=c.accepted, prefix_cache_queries=c.prefix_cache_queries,
+            prefix_cache_hits=c.prefix_cache_hits, prefix_cache_recompute_hits=c.prefix_cache_recompute_hits)
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+    # ----- requests ---------------------------------------------------------------------------------------
+    def _new_id(self, request: EngineRequest) -> str:
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in this engine")
+        return request.request_id
+
+    def _admit(self, request: EngineRequest, seq: Seq) -> Seq:
+        self._requests[request.request_id] = seq
+        self.counters.prompt_tokens += len(seq.prompt)
+        if request.params.stop and self.tokenizer is not None:
+            self._detok[seq.seq_id] = Detokenizer(self.tokenizer, request.params.stop)
+        return seq
+
+    def _forget(self, seq: Seq) -> None:
+        """Drop the per-request state kept for a finished request."""
+        self._requests.pop(seq.request_id, None)
+        self._detok.pop(seq.seq_id, None)
+        self._errors.pop(seq.seq_id, None)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[int]]:
+        """Run the prompts to completion together; each one's generated token ids (eos excluded)."""
+        return generate(self, prompts, params)
 
     def warm_up(self, tokens: Optional[int] = None) -> int:
         """Run one prompt step's worth of tokens (``tokens``, default max_batched_tokens, over up to
         max_num_seqs sequences, as many as the free blocks and max_model_len allow) through the model and
         the MTP layer on blocks taken and given back: nothing is scheduled, sampled, cached or counted.
         The first big step pays one-time costs (fresh pages for its activations and the kernels' scratch,
-        first calls): measured in serving, the first 16 x 128-token step took 236 ms against ~70 for the
-        next ones. vLLM's engine runs such a step at start-up too (its profile run). Returns the tokens
-        run (0 when the engine is busy or has no room)."""
+        first calls), as vLLM's engine does at start-up (its profile run). Returns the tokens run (0 when
+        the engine is busy or has no room)."""
         if self.has_work:
             return 0
         work = self.warm_up_work(tokens)
@@ -177,59 +243,23 @@ class LLMEngine:
         spans = [Span([(7 * i + j) % vocab for j in range(per)], 0, blocks[i * nb:(i + 1) * nb]) for i in range(seqs)]
         return spans, [(i + 1) * per - 1 for i in range(seqs)], blocks
 
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Seq:
-        seq = self.scheduler.add(prompt_ids, params, self.eos_id)
-        self.stats.prompt_tokens += len(seq.prompt)
-        return seq
-
-    def abort(self, seq: Seq) -> None:
-        self.scheduler.abort(seq)
-        self._forget(seq)
-
-    def _forget(self, seq: Seq) -> None:
-        """Drop the per-sequence state kept for a finished sequence (its failure stays until popped)."""
-        self._stop_texts.pop(seq.seq_id, None)
-
-    def pop_error(self, seq: Seq) -> Optional[str]:
-        """Why a sequence finished with reason "error" (a failure of that request only), once."""
-        return self.errors.pop(seq.seq_id, None)
-
     # ----- prefill/decode disaggregation ----------------------------------------------------------
     def kv_layout(self) -> dict:
         """What a KV handoff between two engines must agree on (fixed once the engine is built)."""
         return self._layout
 
-    def _make_layout(self) -> dict:
-        return kv_handoff.cache_layout(self)
-
-    def prefill(self, prompt_ids: Sequence[int], params: SamplingParams, step=None, read=None) -> KVHandoff:
+    def prefill(self, request: EngineRequest, step=None, read=None) -> KVHandoff:
         """:func:`pipeline.engine.core.kv_handoff.prefill` on this engine."""
-        return kv_handoff.prefill(self, prompt_ids, params, step, read)
+        return kv_handoff.prefill(self, request, step, read)
 
-    def add_prefilled(self, kv: KVHandoff, params: SamplingParams, write=None) -> Seq:
+    def add_prefilled(self, request: EngineRequest, kv: KVHandoff, write=None) -> None:
         """:func:`pipeline.engine.core.kv_handoff.add_prefilled` on this engine."""
-        return kv_handoff.add_prefilled(self, kv, params, write)
+        kv_handoff.add_prefilled(self, request, kv, write)
 
-    def step(self) -> list[tuple[Seq, list[int]]]:
-        """One engine step; returns (sequence, its new tokens: one, two when an MTP draft was accepted,
-        or none when it just finished without one) for every sequence that produced a token or finished.
-
-        In phases (a DP-attention replica runs them for all its groups in lockstep, dp_engine): ``begin``
-        (schedule: the spans and logit rows), the model, ``sampled`` (sample, update; the MTP work),
-        the MTP layer, ``end`` (events, stop strings, stats)."""
-        st = self.begin_step()
-        if not st.spans:
-            return st.events
-        logits, hidden = self.runner.forward(st.spans, st.rows)
-        draft = self.sampled(st, logits)
-        if draft is not None:
-            self.drafted(draft, self.runner.mtp_forward(draft.spans, hidden, draft.hidden_rows, draft.rows))
-        return self.end_step(st)
-
+    # ----- a step, in phases ------------------------------------------------------------------------
     def begin_step(self) -> "StepWork":
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
-        events: list[tuple[Seq, list[int]]] = [(s, []) for s in batch.finished]
         spans = [Span(p.token_ids, p.start, p.seq.table.blocks) for p in batch.pieces]
         offsets = [0]
         for sp in spans:
@@ -238,13 +268,13 @@ class LLMEngine:
         for p, a, b in zip(batch.pieces, offsets, offsets[1:]):
             if p.samples:
                 rows += [b - 2, b - 1] if p.draft is not None else [b - 1]
-        return StepWork(t0, batch, events, spans, offsets, rows)
+        return StepWork(t0, batch, list(batch.finished), spans, offsets, rows)
 
     def sampled(self, st: "StepWork", logits: torch.Tensor) -> Optional["DraftWork"]:
         """Sample every sampling piece's tokens from ``logits`` (its rows), update the scheduler; returns
         the MTP layer's work for this step (None without MTP or with nothing to draft). The logprobs of
-        the sequences that ask for them go to :attr:`step_logprobs` (:func:`latest_logprobs`); with none
-        asking, nothing is computed."""
+        the sequences that ask for them go to :attr:`step_logprobs`; with none asking, nothing is
+        computed."""
         batch = st.batch
         sampled: dict[int, list[int]] = {}
         failed: list[Seq] = []
@@ -261,7 +291,8 @@ class LLMEngine:
                 sampled[p.seq.seq_id] = self._sample_piece(
                     p, logits[r:r + rows_of], best[r:r + rows_of] if p.seq.seq_id in plain else None)
             except Exception as e:  # noqa: BLE001 - one request's sampling failure fails that request only
-                self.errors[p.seq.seq_id] = f"sampling failed: {type(e).__name__}: {e}"
+                self._errors[p.seq.seq_id] = f"sampling failed: {type(e).__name__}: {e}"
+                log.warning("request %s: sampling failed: %s: %s", p.seq.request_id, type(e).__name__, e)
                 failed.append(p.seq)
             else:
                 if p.seq.params.logprobs is not None:
@@ -271,27 +302,56 @@ class LLMEngine:
         got = piece_logprobs(logits, asking, sampled) if asking else {}
         self.scheduler.update(batch, sampled)
         for seq in failed:
-            self.scheduler.finish(seq, "error")
+            self.scheduler.finish(seq, ERROR)
         if got or self.step_logprobs:  # only the tokens the sequence kept (not an eos that ended it)
             self.step_logprobs = {sid: lps[:len(seq.output) - st.before[sid]] for sid, (seq, lps) in got.items()}
         return self._draft_work(batch.pieces, st.offsets) if self.runner.mtp_id is not None else None
 
-    def end_step(self, st: "StepWork") -> list[tuple[Seq, list[int]]]:
-        events = st.events
+    def end_step(self, st: "StepWork") -> list[EngineOutput]:
+        """The step's outputs: the stop strings looked for in the new text, the counters updated (a step
+        that computed nothing only reports the sequences the scheduler ended)."""
+        outputs = [self._output(seq, ()) for seq in st.finished]
+        if not st.spans:
+            return outputs
         for p in st.batch.pieces:
             seq = p.seq
-            new = seq.output[st.before[seq.seq_id]:]
-            self.stats.generated_tokens += len(new)
-            if new:
-                self._check_stop(seq)
+            new = tuple(seq.output[st.before.get(seq.seq_id, len(seq.output)):])
+            self.counters.generated_tokens += len(new)
             if new or seq.status == FINISHED:
-                events.append((seq, new))
-            if seq.status == FINISHED:
-                self._forget(seq)
-        self.stats.steps += 1
-        self.stats.preemptions = self.scheduler.num_preemptions
-        self.stats.step_seconds.append(time.perf_counter() - st.t0)
-        return events
+                outputs.append(self._output(seq, new))
+        self.counters.steps += 1
+        self.counters.preemptions = self.scheduler.num_preemptions
+        self.counters.step_seconds.append(time.perf_counter() - st.t0)
+        return outputs
+
+    def _output(self, seq: Seq, new: tuple[int, ...]) -> EngineOutput:
+        """``seq``'s output for its ``new`` tokens: a request with stop strings gets the text they settle
+        (and is finished with STOP when a stop string appears in it); a finished one is forgotten."""
+        det, text = self._detok.get(seq.seq_id), None
+        if det is not None:
+            text = det.add(new) if new else ""
+            if det.stopped and seq.status != FINISHED:
+                self.scheduler.finish(seq, STOP)
+            if seq.status == FINISHED and not seq.hold:
+                text += det.finish()
+        done = seq.status == FINISHED
+        lps = self.step_logprobs.get(seq.seq_id) if new and seq.params.logprobs is not None else None
+        out = EngineOutput(seq.request_id, new, seq.finish_reason if done else None, tuple(lps) if lps else None,
+                           text, self._errors.get(seq.seq_id) if done else None)
+        if done and not seq.hold:
+            self._forget(seq)
+        return out
+
+    def step_failed(self, e: BaseException) -> StepFailed:
+        """After a step raised ``e``: the running requests are failed (their blocks freed), as StepFailed."""
+        why = f"an engine step failed: {type(e).__name__}: {e}"
+        log.warning("%s; failing the %d request(s) in it", why, len(self.scheduler.running))
+        outputs = []
+        for seq in list(self.scheduler.running):
+            self.scheduler.abort(seq, ERROR)
+            self._errors[seq.seq_id] = why
+            outputs.append(self._output(seq, ()))
+        return StepFailed(why, outputs)
 
     def _sample_piece(self, p, logits: torch.Tensor, best: Optional[list[int]] = None) -> list[int]:
         """The tokens a sampling piece yields: one, or with an MTP draft the verification and, when the
@@ -309,10 +369,10 @@ class LLMEngine:
         first = next_token(0)
         if p.draft is None:
             return [first]
-        self.stats.drafts += 1
+        self.counters.drafts += 1
         if first != p.draft:
             return [first]
-        self.stats.accepted += 1
+        self.counters.accepted += 1
         out.append(first)
         return [first, next_token(1)]
 
@@ -338,35 +398,23 @@ class LLMEngine:
         for seq, row in zip(work.drafting, logits.argmax(-1).tolist()):
             seq.draft = int(row)
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.stats.accepted / self.stats.drafts if self.stats.drafts else 0.0
 
-    def _check_stop(self, seq: Seq) -> None:
-        """Finish ``seq`` once its output holds a stop string; the output's text is decoded and searched
-        incrementally (StopText): constant work per new token, whatever the output's length."""
-        if not seq.params.stop or self.tokenizer is None or seq.status == FINISHED:
-            return
-        text = self._stop_texts.get(seq.seq_id)
-        if text is None:
-            text = self._stop_texts[seq.seq_id] = StopText(self.tokenizer, seq.params.stop)
-        text.add(seq.output[len(text.ids):])
-        if text.stopped:
-            self.scheduler.finish(seq, "stop")
+_generate_ids = itertools.count()
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[int]]:
-        """Run the prompts to completion together; each one's generated token ids (eos excluded)."""
-        seqs = [self.add_request(p, params) for p in prompts]
-        while self.has_work:
-            self.step()
-        errors = [(i, self.pop_error(s)) for i, s in enumerate(seqs) if s.finish_reason == "error"]
-        if errors:
-            raise RuntimeError(f"prompt {errors[0][0]} failed: {errors[0][1]}")
-        return [s.output for s in seqs]
 
-    def text(self, seq: Seq) -> str:
-        """The sequence's output text, cut at its first stop string."""
-        return cut_at_stop(self.tokenizer.decode(seq.output), seq.params.stop)[0]
+def generate(engine, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[int]]:
+    """Run the prompts through ``engine`` (its add and step) to completion together; each one's generated
+    token ids (eos excluded). RuntimeError naming the prompt when one fails."""
+    ids = [f"generate-{next(_generate_ids)}" for _ in prompts]
+    for rid, p in zip(ids, prompts):
+        engine.add(EngineRequest(rid, tuple(p), params))
+    out: dict[str, list[int]] = {rid: [] for rid in ids}
+    while engine.has_work:
+        for o in engine.step():
+            if o.finish_reason == ERROR:
+                raise RuntimeError(f"prompt {ids.index(o.request_id)} failed: {o.error}")
+            out[o.request_id] += o.token_ids
+    return [out[rid] for rid in ids]
 
 
 def greedy_agreement(a: Sequence[int], b: Sequence[int]) -> float:

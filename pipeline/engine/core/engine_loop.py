@@ -1,70 +1,77 @@
 """The engine's step loop on a thread of its own, fed through a command queue (used by the engine
-deployment): requests (new, or prefilled elsewhere and handed over), aborts, and per-request event sinks."""
+deployment): requests (new, or prefilled elsewhere and handed over), aborts, and per-request sinks that
+receive the request's :class:`~pipeline.engine.protocol.EngineOutput` s."""
 
-import itertools
+from __future__ import annotations
+
+import logging
 import queue
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 from pipeline.engine.cache.blocks import OutOfBlocks
-from pipeline.engine.sharding.dist_runner import ReplicaBroken
-from pipeline.engine.core.kv_handoff import latest_logprobs
+from pipeline.engine.core.kv_handoff import KVHandoff
+from pipeline.engine.protocol import (ABORT, ERROR, EngineDead, EngineOutput, EngineRequest, ReplicaBroken,
+                                      RequestFailed, StepFailed)
 from pipeline.engine.worker.kernels import chosen
 
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """What the engine side yields for a request: the tokens produced since the last event (possibly
-    none), and ``finish_reason`` ("stop", "length" or "abort") on the last event only. ``logprobs``: when
-    the request asks for them (SamplingParams.logprobs), one ``sampling.TokenLogprobs`` per token of
-    ``token_ids``, in order; else None."""
-
-    token_ids: tuple[int, ...] = ()
-    finish_reason: Optional[str] = None
-    logprobs: Optional[tuple] = None
-
-
-class PrefillFailed(RuntimeError):
-    """The prefill side could not prefill a request (unavailable, timed out, failed); that request only."""
-
-
-class EngineDead(RuntimeError):
-    """The engine's step loop stopped on an error; the message carries it."""
-
-
-class RequestFailed(RuntimeError):
-    """The engine failed this request (its sampling, or a step it was in); the others go on."""
-
-
+log = logging.getLogger("dsquant.engine")
 # A step that raises fails the requests in it; this many in a row means the engine itself is broken.
 MAX_FAILED_STEPS = 3
 
+Sink = Callable[[Union[EngineOutput, BaseException]], None]
 
-Sink = Callable[[Union[TokenEvent, BaseException]], None]
+
+# ----- the commands (from any thread, applied by the loop between steps) --------------------------------
+
+@dataclass(frozen=True)
+class Add:
+    request: EngineRequest
+    sink: Sink
+
+
+@dataclass(frozen=True)
+class AddPrefilled:
+    """A request another engine prefilled (its KVHandoff), decoded here."""
+
+    request: EngineRequest
+    kv: KVHandoff
+    sink: Sink
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Nothing to do: wakes the loop (to see that it must stop)."""
+
+
+Command = Union[Add, AddPrefilled, Abort, Wake]
 
 
 class EngineLoop:
-    """An LLMEngine driven by its own thread. :meth:`submit` and :meth:`abort` may be called from any
-    thread; they only enqueue commands, which the loop applies between steps, so the engine is touched by
-    one thread only. Each request's events go to its sink (called on the loop thread); a request the
-    engine refuses gets the ValueError instead, a request the engine fails (its sampling, or a step it
-    was in raised) gets :class:`RequestFailed` and the loop goes on; only after ``MAX_FAILED_STEPS``
-    failed steps in a row (or a failure outside a step) does every open request get :class:`EngineDead`
-    and the loop stop (health checks then fail, and Serve replaces the replica)."""
+    """An engine (LLMEngine or DPEngine: add, abort, step, stats) driven by its own thread. :meth:`submit`,
+    :meth:`submit_prefilled` and :meth:`abort` may be called from any thread; they only enqueue commands,
+    which the loop applies between steps, so the engine is touched by one thread only. Each request's
+    outputs go to its sink (called on the loop thread); a request the engine refuses gets the ValueError
+    instead, a request the engine fails (its sampling, or a step it was in raised) gets
+    :class:`RequestFailed` and the loop goes on; only after ``MAX_FAILED_STEPS`` failed steps in a row (or
+    a failure outside a step) does every open request get :class:`EngineDead` and the loop stop (health
+    checks then fail, and Serve replaces the replica)."""
 
     def __init__(self, engine, after_step: Optional[Callable[["EngineLoop"], None]] = None):
         """``after_step(loop)``: called on the loop's thread after every iteration (a step, or a wait with
-        nothing to do) once its events are delivered and the snapshot published, and once more when the
-        loop stops on an error (pipeline.engine.core.core_process sends each step's events in one message)."""
+        nothing to do) once its outputs are delivered and the snapshot published, and once more when the
+        loop stops on an error (pipeline.engine.core.core_process sends each step's outputs in one message)."""
         self.engine = engine
         self._after_step = after_step
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._keys = itertools.count()
-        self._sinks: dict[int, Sink] = {}
-        self._seqs: dict[int, Any] = {}       # key -> engine Sequence
-        self._key_of: dict[int, int] = {}     # seq_id -> key
-        self._prefilled: list[tuple] = []     # handed-over requests waiting for cache blocks
+        self._sinks: dict[str, Sink] = {}     # request_id -> sink, while the engine holds the request
+        self._prefilled: list[AddPrefilled] = []  # handed-over requests waiting for cache blocks
         self._stop = threading.Event()
         self.error: Optional[BaseException] = None
         self.aborted = 0
@@ -79,72 +86,74 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    def submit(self, prompt_ids, params, sink: Sink) -> int:
-        key = next(self._keys)
-        self._cmds.put(("add", key, list(prompt_ids), params, sink))
-        return key
+    def submit(self, request: EngineRequest, sink: Sink) -> None:
+        self._cmds.put(Add(request, sink))
 
-    def submit_prefilled(self, kv, params, sink: Sink) -> int:
-        """A request another engine prefilled (a KVHandoff): decoded here from the next step; it waits
-        (in order) while the cache has no room for its blocks."""
-        key = next(self._keys)
-        self._cmds.put(("prefilled", key, kv, params, sink))
-        return key
+    def submit_prefilled(self, request: EngineRequest, kv: KVHandoff, sink: Sink) -> None:
+        """A request another engine prefilled: decoded here from the next step; it waits (in order) while
+        the cache has no room for its blocks."""
+        self._cmds.put(AddPrefilled(request, kv, sink))
 
-    def abort(self, key: int) -> None:
-        self._cmds.put(("abort", key))
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(Abort(request_id))
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._cmds.put(("wake",))
+        self._cmds.put(Wake())
         self._thread.join(timeout)
 
     def _admit_prefilled(self) -> None:
         while self._prefilled:
-            key, kv, params, sink = self._prefilled[0]
+            cmd = self._prefilled[0]
+            rid = cmd.request.request_id
             try:
-                seq = self.engine.add_prefilled(kv, params)
+                self._open(cmd.request, cmd.sink)
+            except ValueError as e:
+                deliver(cmd.sink, e)
+                self._prefilled.pop(0)
+                continue
+            try:
+                self.engine.add_prefilled(cmd.request, cmd.kv)
             except OutOfBlocks as e:
+                del self._sinks[rid]
                 if self.engine.has_work:
                     return  # retried after the next step frees blocks
-                deliver(sink, ValueError(f"the prompt's cache blocks do not fit this engine's cache: {e}"))
+                deliver(cmd.sink, ValueError(f"the prompt's cache blocks do not fit this engine's cache: {e}"))
             except ValueError as e:
-                deliver(sink, e)
+                del self._sinks[rid]
+                deliver(cmd.sink, e)
             except Exception as e:  # noqa: BLE001 - a handoff the engine cannot take fails that request only
-                deliver(sink, RequestFailed(f"the engine could not take the prefilled request: "
-                                             f"{type(e).__name__}: {e}"))
-            else:
-                self._register(key, seq, sink)
+                del self._sinks[rid]
+                deliver(cmd.sink, RequestFailed(f"the engine could not take the prefilled request: "
+                                                f"{type(e).__name__}: {e}"))
             self._prefilled.pop(0)
 
-    def _register(self, key: int, seq, sink: Sink) -> None:
-        self._sinks[key], self._seqs[key], self._key_of[seq.seq_id] = sink, seq, key
+    def _open(self, request: EngineRequest, sink: Sink) -> None:
+        if request.request_id in self._sinks:
+            raise ValueError(f"request id {request.request_id!r} is already in this engine")
+        self._sinks[request.request_id] = sink
 
-    def _apply(self, cmd: tuple) -> None:
-        if cmd[0] == "prefilled":
-            _, key, kv, params, sink = cmd
-            self._prefilled.append((key, kv, params, sink))
-        elif cmd[0] == "add":
-            _, key, prompt_ids, params, sink = cmd
+    def _apply(self, cmd: Command) -> None:
+        if isinstance(cmd, AddPrefilled):
+            self._prefilled.append(cmd)
+        elif isinstance(cmd, Add):
+            rid = cmd.request.request_id
             try:
-                seq = self.engine.add_request(prompt_ids, params)
+                self._open(cmd.request, cmd.sink)
+                self.engine.add(cmd.request)
             except ValueError as e:
-                deliver(sink, e)
-                return
+                if self._sinks.get(rid) is cmd.sink:
+                    del self._sinks[rid]
+                deliver(cmd.sink, e)
             except Exception as e:  # noqa: BLE001 - a request the engine cannot take fails alone
-                deliver(sink, RequestFailed(f"the engine could not take the request: {type(e).__name__}: {e}"))
-                return
-            self._register(key, seq, sink)
-        elif cmd[0] == "abort":
-            self._prefilled = [p for p in self._prefilled if p[0] != cmd[1]]
-            seq = self._seqs.pop(cmd[1], None)
-            self._sinks.pop(cmd[1], None)
-            if seq is not None:
-                self._key_of.pop(seq.seq_id, None)
-                if seq.status != "finished":
-                    self.engine.abort(seq)
-                    self.aborted += 1
-                    self.finished["abort"] += 1
+                self._sinks.pop(rid, None)
+                deliver(cmd.sink, RequestFailed(f"the engine could not take the request: {type(e).__name__}: {e}"))
+        elif isinstance(cmd, Abort):
+            self._prefilled = [p for p in self._prefilled if p.request.request_id != cmd.request_id]
+            if self._sinks.pop(cmd.request_id, None) is not None:
+                self.engine.abort(cmd.request_id)
+                self.aborted += 1
+                self.finished[ABORT] += 1
 
     def _drain(self, block: bool) -> None:
         try:
@@ -170,6 +179,7 @@ class EngineLoop:
                     self._after_step(self)
         except BaseException as e:  # noqa: BLE001 - reported to every open request and to health checks
             self.error = e
+            log.error("the engine loop stopped: %s: %s", type(e).__name__, e)
             for sink in self._sinks.values():
                 deliver(sink, EngineDead(f"the engine loop stopped: {type(e).__name__}: {e}"))
             self._sinks.clear()
@@ -178,62 +188,39 @@ class EngineLoop:
                 self._after_step(self)
 
     def _step(self) -> None:
-        """One engine step, its events delivered. A step that raises fails the requests running in it."""
+        """One engine step, its outputs delivered. A step that raises fails the requests running in it."""
         try:
-            events = self.engine.step()
+            outputs = self.engine.step()
         except ReplicaBroken:
             raise                   # a rank of a sharded replica is gone: the loop stops, health fails
-        except Exception as e:  # noqa: BLE001 - fail the requests in this step, keep serving the rest
+        except StepFailed as e:
             self.failed_steps += 1
             if self.failed_steps >= MAX_FAILED_STEPS:
                 raise
-            self._fail_running(f"an engine step failed: {type(e).__name__}: {e}")
+            self._deliver(e.outputs)
             return
         self.failed_steps = 0
-        for seq, new in events:
-            key = self._key_of.get(seq.seq_id)
-            done = seq.status == "finished"
-            if key is None:
-                if done:
-                    self.engine.pop_error(seq)
-                continue
-            if done and seq.finish_reason == "error":
-                deliver(self._sinks[key], RequestFailed(self.engine.pop_error(seq) or "the request failed"))
-            else:
-                lps = latest_logprobs(self.engine, seq) if new and seq.params.logprobs is not None else None
-                deliver(self._sinks[key], TokenEvent(tuple(new), seq.finish_reason if done else None, lps))
-            if done:
-                self.finished[seq.finish_reason] = self.finished.get(seq.finish_reason, 0) + 1
-                del self._sinks[key], self._seqs[key], self._key_of[seq.seq_id]
+        self._deliver(outputs)
 
-    def _fail_running(self, why: str) -> None:
-        for seq in list(self.engine.scheduler.running):
-            self.engine.abort(seq)
-            key = self._key_of.pop(seq.seq_id, None)
-            if key is not None:
-                self._seqs.pop(key, None)
-                deliver(self._sinks.pop(key), RequestFailed(why))
-                self.finished["error"] = self.finished.get("error", 0) + 1
+    def _deliver(self, outputs: list[EngineOutput]) -> None:
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finish_reason == ERROR:
+                deliver(sink, RequestFailed(out.error or "the request failed"))
+            else:
+                deliver(sink, out)
+            if out.finished:
+                self.finished[out.finish_reason] = self.finished.get(out.finish_reason, 0) + 1
+                del self._sinks[out.request_id]
 
     def _publish(self) -> None:
-        eng = self.engine
-        free, total = eng.allocator.num_free, eng.config.num_blocks
-        self.snapshot = {
-            "running": len(eng.scheduler.running), "waiting": len(eng.scheduler.waiting),
-            "cache_blocks_total": total, "cache_blocks_free": free, "cache_blocks_used": total - free,
-            "steps": eng.stats.steps, "prompt_tokens": eng.stats.prompt_tokens,
-            "generated_tokens": eng.stats.generated_tokens, "preemptions": eng.stats.preemptions,
-            "mtp_drafts": eng.stats.drafts, "mtp_accepted": eng.stats.accepted,
-            "prefix_cache_queries": eng.stats.prefix_cache_queries, "prefix_cache_hits": eng.stats.prefix_cache_hits,
-            "prefix_cache_hit_rate": eng.stats.prefix_cache_hit_rate,
-            "prefix_cache_recompute_hits": eng.stats.prefix_cache_recompute_hits,
-            "prefix_cache_blocks": getattr(eng.allocator, "num_cached", 0),
-            "aborted": self.aborted, "finished": dict(self.finished), "alive": self.error is None,
-            "kernels": chosen(),
-        }
+        self.snapshot = {**self.engine.stats().to_dict(), "aborted": self.aborted, "finished": dict(self.finished),
+                         "alive": self.error is None, "kernels": chosen()}
 
 
-def deliver(sink: Sink, item) -> None:
+def deliver(sink: Sink, item: Any) -> None:
     """Give ``item`` to ``sink``; a sink whose consumer is gone (its event loop closed) is ignored."""
     try:
         sink(item)

@@ -7,13 +7,13 @@ call these functions). Both engines must share a cache layout (:func:`cache_layo
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
-from pipeline.engine.core.sampling import SamplingParams, TokenLogprobs, restored_generator
+from pipeline.engine.core.sampling import restored_generator
 from pipeline.engine.core.scheduler import FINISHED
-from pipeline.engine.core.scheduler import Sequence as Seq
+from pipeline.engine.protocol import ERROR, EngineRequest, TokenLogprobs
 
 
 @dataclass
@@ -22,8 +22,9 @@ class KVHandoff:
     sampled from it, and the cache blocks holding the prompt's KV in their stored form (int8 latent with
     fa_k on FA3 layers, NZ when the cache is NZ), per layer (the MTP layer's too when drafting), plus the
     MTP draft for the next token. ``layout`` must match the receiving engine's (checked).
-    ``first_logprobs``: the first token's logprobs when the request asks for them (pass them on in its
-    first TokenEvent). ``generator_state``: a seeded request's generator after sampling the first token
+    ``first_logprobs``: the first token's logprobs when the request asks for them, ``first_text``: the
+    text it settles when the engine detokenizes the request (stop strings), both for the request's first
+    EngineOutput. ``generator_state``: a seeded request's generator after sampling the first token
     (``torch.Generator.get_state()``, of a generator on ``generator_device``): the decode engine continues
     it, so a seeded sampled request draws the same tokens as in one engine."""
 
@@ -37,6 +38,7 @@ class KVHandoff:
     first_logprobs: Optional[tuple[TokenLogprobs, ...]] = None
     generator_state: Optional[torch.Tensor] = None
     generator_device: Optional[str] = None
+    first_text: Optional[str] = None
 
     @property
     def nbytes(self) -> int:
@@ -53,65 +55,72 @@ def cache_layout(engine) -> dict:
                            "fa_k": None if c.scale is None else float(c.scale)} for i, c in caches.items()}}
 
 
-def prefill(engine, prompt_ids: Sequence[int], params: SamplingParams, step=None, read=None) -> KVHandoff:
-    """Run the prompt through ``engine`` (an LLMEngine) (with whatever else is in flight), sample its first token, and hand off its
-    cache blocks; the sequence's blocks are freed here once copied out, with the first token's logprobs
-    (when asked) and a seeded generator's state. ``step`` / ``read``: how to step and read blocks
-    (default this engine's; a DP-attention group steps all groups, dp_engine)."""
+def prefill(engine, request: EngineRequest, step=None, read=None) -> KVHandoff:
+    """Run the request's prompt through ``engine`` (an LLMEngine) (with whatever else is in flight), sample
+    its first token, and hand off its cache blocks; the sequence's blocks are freed here once copied out,
+    with the first token's logprobs and text (when asked) and a seeded generator's state. ``step`` /
+    ``read``: how to step and read blocks (default this engine's; a DP-attention group steps all groups,
+    dp_engine)."""
     step, read = step or engine.step, read or engine.runner.read_blocks
-    seq = engine.add_request(prompt_ids, replace(params, max_new_tokens=1, min_tokens=min(params.min_tokens, 1)))
+    params = request.params
+    once = replace(request, params=replace(params, max_new_tokens=1, min_tokens=min(params.min_tokens, 1)))
+    engine.add(once)
+    seq = engine._requests[request.request_id]
     seq.hold = True
+    first_out = None
     try:
         while seq.status != FINISHED:
-            step()
-        if seq.finish_reason == "error":
-            raise RuntimeError(f"prefill failed: {engine.pop_error(seq)}")
+            for out in step():
+                if out.request_id == request.request_id:
+                    first_out = out
+        if seq.finish_reason == ERROR:
+            raise RuntimeError(f"prefill failed: {first_out.error if first_out else 'the request failed'}")
         engine.scheduler.register_final(seq)   # the prompt's blocks stay reusable here once freed
         first = seq.output[0] if seq.output else None
         n = len(seq.prompt)
         blocks = seq.table.blocks[: -(-n // engine.config.block_size)]
         data = read(blocks)
         reason = "stop" if first is None else ("length" if params.max_new_tokens <= 1 else None)
-        first_lp = latest_logprobs(engine, seq) if first is not None and params.logprobs is not None else None
+        first_lp = first_out.logprobs if first is not None and params.logprobs is not None else None
+        text = None if first_out is None else first_out.text
+        det = engine._detok.get(seq.seq_id)
+        if det is not None and reason is not None:      # it ends here: the held-back text too
+            text = (text or "") + det.finish()
         gen = seq.generator
         return KVHandoff(list(seq.prompt), first, reason, n, data, seq.draft, engine.kv_layout(), first_lp,
-                         None if gen is None else gen.get_state(), None if gen is None else str(gen.device))
+                         None if gen is None else gen.get_state(), None if gen is None else str(gen.device), text)
     finally:  # done or failed: this prompt leaves nothing behind in the engine
         seq.hold = False
         engine.scheduler.abort(seq)
         seq.table.release(engine.allocator)
+        engine._forget(seq)
 
 
-def add_prefilled(engine, kv: KVHandoff, params: SamplingParams, write=None) -> Seq:
+def add_prefilled(engine, request: EngineRequest, kv: KVHandoff, write=None) -> None:
     """Continue in ``engine`` a request another engine prefilled: its blocks are copied into this engine's
     cache and the sequence decodes from the next step. Raises ValueError when the layouts differ and OutOfBlocks
     when the cache cannot take the blocks now (or when a seeded generator's state is for another kind of
     device than this engine samples on). ``write``: how blocks are stored (default the runner's). A
-    seeded request's generator continues from the prefill's state (on this engine's device)."""
+    seeded request's generator continues from the prefill's state (on this engine's device); a request
+    with stop strings goes on detokenizing after the first token's text (which the prefill gave)."""
     mine = engine.kv_layout()
     if kv.layout != mine:
         diff = sorted(k for k in set(kv.layout) | set(mine) if kv.layout.get(k) != mine.get(k))
         raise ValueError(f"KV handoff: the prefill engine's cache layout differs in {diff}")
     if kv.first_token is None:
         raise ValueError(f"KV handoff: the request already finished at prefill ({kv.finish_reason})")
+    params = request.params
     generator = None
     if params.seed is not None and kv.generator_state is not None:  # go on drawing where prefill stopped
         generator = restored_generator(kv.generator_state, kv.generator_device, engine.config.device)
+    rid = engine._new_id(request)
     seq = engine.scheduler.add_running(kv.prompt + [kv.first_token], len(kv.prompt), kv.num_cached, params,
-                                       engine.eos_id)
+                                       engine.eos_id, rid)
     (write or engine.runner.write_blocks)(list(seq.table.blocks), kv.blocks)
     seq.draft = kv.draft if params.greedy else None
     if generator is not None:
         seq.generator = generator
-    engine.stats.prompt_tokens += len(kv.prompt)
-    return seq
-
-
-def latest_logprobs(engine, seq: Seq) -> Optional[tuple[TokenLogprobs, ...]]:
-    """The logprobs of the tokens ``seq`` got in the latest step of ``engine`` (an LLMEngine, or a DP
-    engine whose group ``seq_id % len(groups)`` holds it), one per token; None when it asks for none."""
-    groups = getattr(engine, "groups", None)
-    if groups:
-        engine = groups[seq.seq_id % len(groups)]
-    got = engine.step_logprobs.get(seq.seq_id)
-    return tuple(got) if got else None
+    engine._admit(request, seq)
+    det = engine._detok.get(seq.seq_id)
+    if det is not None:
+        det.add([kv.first_token])           # the same text the prefill engine settled (and sent) for it

@@ -46,14 +46,15 @@ import torch
 
 from pipeline.engine.cache.blocks import BlockAllocator, BlockTable
 from pipeline.engine.cache.prefix_cache import PrefixCacheStats, PrefixCachingAllocator, extend_keys
-from pipeline.engine.core.sampling import SamplingParams
+from pipeline.engine.protocol import SamplingParams
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
 @dataclass
 class Sequence:
-    """One request as the scheduler tracks it."""
+    """One request as the scheduler tracks it (``seq_id``: the scheduler's own handle; ``request_id``:
+    the request's, EngineRequest.request_id)."""
 
     seq_id: int
     prompt: list[int]
@@ -70,6 +71,7 @@ class Sequence:
     hold: bool = False                                  # keep the blocks when finished (a prefill to hand off)
     block_keys: list = field(default_factory=list)      # prefix-cache keys of its first full blocks
     num_registered: int = 0                             # its first blocks that are in the prefix cache
+    request_id: str = ""
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
@@ -148,7 +150,8 @@ class Scheduler:
         self._ids = itertools.count(first, stride)
 
     # ----- requests --------------------------------------------------------------------------------
-    def add(self, prompt: Iterable[int], params: SamplingParams, eos_id: Optional[int] = None) -> Sequence:
+    def add(self, prompt: Iterable[int], params: SamplingParams, eos_id: Optional[int] = None,
+            request_id: str = "") -> Sequence:
         prompt = list(prompt)
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -159,12 +162,12 @@ class Scheduler:
         if blocks > self.allocator.num_blocks:
             raise ValueError(f"the prompt needs {blocks} cache blocks of {self.block_size} tokens but the "
                              f"cache has {self.allocator.num_blocks} in all")
-        seq = Sequence(next(self._ids), prompt, params, eos_id, self.block_size)
+        seq = Sequence(next(self._ids), prompt, params, eos_id, self.block_size, request_id=request_id)
         self.waiting.append(seq)
         return seq
 
     def add_running(self, tokens: Iterable[int], num_prompt: int, num_cached: int, params: SamplingParams,
-                    eos_id: Optional[int] = None) -> Sequence:
+                    eos_id: Optional[int] = None, request_id: str = "") -> Sequence:
         """A sequence whose first ``num_cached`` tokens' KV another engine computed (prefill/decode
         disaggregation): blocks for them are allocated now (OutOfBlocks when the cache cannot take them:
         the caller retries later) and the sequence runs from the next step; the caller fills the blocks."""
@@ -173,7 +176,7 @@ class Scheduler:
             raise ValueError(f"add_running: {num_cached} cached of {len(tokens)} tokens ({num_prompt} prompt)")
         if len(tokens) >= self.max_model_len:
             raise ValueError(f"the sequence has {len(tokens)} tokens; this model takes at most {self.max_model_len}")
-        seq = Sequence(next(self._ids), tokens[:num_prompt], params, eos_id, self.block_size)
+        seq = Sequence(next(self._ids), tokens[:num_prompt], params, eos_id, self.block_size, request_id=request_id)
         seq.tokens = tokens
         seq.table.append_tokens(num_cached, self.allocator)
         seq.num_computed, seq.status = num_cached, RUNNING

@@ -3,8 +3,8 @@ serving").
 
 Rank 0 holds the engine (scheduler, sampling) and a :class:`ShardedRunner`: each call that runs the model
 (``forward``, ``mtp_forward``) or changes the cache (``write_blocks``) is first broadcast to every rank as
-one message, ``(op, args)`` with the step's spans (plain ids, positions, block ids), then run on rank 0's
-own shard. Every other rank runs :func:`follow`: it receives the message and makes the same call on its
+one message (:class:`Forward`, :class:`MtpForward`, ... below) with the step's spans (plain ids,
+positions, block ids), then run on rank 0's own shard. Every other rank runs :func:`follow`: it receives the message and makes the same call on its
 shard, so all ranks enter the same collectives in the same order; the logits and tokens are rank 0's.
 A rank keeps the hidden state of its last ``forward`` for the MTP call that follows it (only the rows
 are sent).
@@ -16,18 +16,63 @@ the replica unhealthy and it is replaced whole.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import torch
 
+from pipeline.engine.protocol import ReplicaBroken
 from pipeline.engine.sharding.comm import Comm
 from pipeline.engine.worker.runner import ModelRunner, Span
 
-STOP = "stop"
+
+# ----- rank 0's messages to the other ranks -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Forward:
+    spans: list
+    rows: list
 
 
-class ReplicaBroken(RuntimeError):
-    """A rank of the replica failed; the replica cannot run another step."""
+@dataclass(frozen=True)
+class MtpForward:
+    spans: list
+    hidden_rows: list           # rows of the hidden state the rank kept from its last Forward
+    rows: list
+
+
+@dataclass(frozen=True)
+class WriteBlocks:
+    blocks: list
+    data: Any
+
+
+@dataclass(frozen=True)
+class ForwardDP:
+    per_group: list             # per dp group: (spans, rows), or None
+
+
+@dataclass(frozen=True)
+class MtpDP:
+    per_group: list             # per dp group: (spans, hidden_rows, rows), or None
+
+
+@dataclass(frozen=True)
+class ReadBlocksDP:
+    group: int
+    blocks: list
+
+
+@dataclass(frozen=True)
+class WriteBlocksDP:
+    group: int
+    blocks: list
+    data: Any
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
 
 
 class ShardedRunner(ModelRunner):
@@ -40,11 +85,11 @@ class ShardedRunner(ModelRunner):
         self.broken: Optional[str] = None
         self.steps = 0
 
-    def _send(self, op: str, *args):
+    def _send(self, msg) -> None:
         if self.broken:
             raise ReplicaBroken(f"sharded replica unusable: {self.broken}")
         try:
-            self.comm.broadcast_object((op, args))
+            self.comm.broadcast_object(msg)
         except Exception as e:  # noqa: BLE001 - any collective failure breaks the whole replica
             self.broken = f"{type(e).__name__}: {e}"
             raise ReplicaBroken(f"sharded replica unusable: {self.broken}") from e
@@ -60,18 +105,18 @@ class ShardedRunner(ModelRunner):
 
     @torch.no_grad()
     def forward(self, spans: Sequence[Span], rows: Sequence[int]):
-        self._send("forward", list(spans), list(rows))
+        self._send(Forward(list(spans), list(rows)))
         self.steps += 1
         return self._run(super().forward, spans, rows)
 
     @torch.no_grad()
     def mtp_forward(self, spans: Sequence[Span], hidden: torch.Tensor, hidden_rows: Sequence[int],
                     rows: Sequence[int]) -> torch.Tensor:
-        self._send("mtp_forward", list(spans), list(hidden_rows), list(rows))
+        self._send(MtpForward(list(spans), list(hidden_rows), list(rows)))
         return self._run(super().mtp_forward, spans, hidden, hidden_rows, rows)
 
     def write_blocks(self, blocks, data) -> None:
-        self._send("write_blocks", list(blocks), data)
+        self._send(WriteBlocks(list(blocks), data))
         self._run(super().write_blocks, blocks, data)
 
     def close(self) -> None:
@@ -80,7 +125,7 @@ class ShardedRunner(ModelRunner):
             return
         try:
             if not self.broken:
-                self.comm.broadcast_object((STOP, ()))
+                self.comm.broadcast_object(Stop())
         except Exception:  # noqa: BLE001 - stopping a replica whose rank already died
             pass
         finally:
@@ -102,20 +147,20 @@ class DPRunner(ShardedRunner):
         raise TypeError("a DP-attention replica runs all its groups at once: use forward_dp (dp_engine)")
 
     def forward_dp(self, per_group: list) -> list:
-        self._send("forward_dp", per_group)
+        self._send(ForwardDP(per_group))
         self.steps += 1
         return self._run(dp_forward, self, self.comm, per_group)
 
     def mtp_dp(self, per_group: list) -> list:
-        self._send("mtp_dp", per_group)
+        self._send(MtpDP(per_group))
         return self._run(dp_mtp, self, self.comm, per_group)
 
     def read_blocks_dp(self, group: int, blocks) -> dict:
-        self._send("read_blocks_dp", group, list(blocks))
+        self._send(ReadBlocksDP(group, list(blocks)))
         return self._run(dp_read_blocks, self, self.comm, group, list(blocks))
 
     def write_blocks_dp(self, group: int, blocks, data) -> None:
-        self._send("write_blocks_dp", group, list(blocks), data)
+        self._send(WriteBlocksDP(group, list(blocks), data))
         self._run(dp_write_blocks, self, self.comm, group, list(blocks), data)
 
     def read_blocks(self, blocks):
@@ -176,30 +221,29 @@ def follow(runner: ModelRunner, comm: Comm) -> int:
     hidden, steps = None, 0
     with torch.no_grad():
         while True:
-            op, args = comm.broadcast_object()
-            if op == STOP:
+            msg = comm.broadcast_object()
+            if isinstance(msg, Stop):
                 comm.close()
                 return steps
             try:
-                if op == "forward":
-                    _, hidden = runner.forward(*args)
+                if isinstance(msg, Forward):
+                    _, hidden = runner.forward(msg.spans, msg.rows)
                     steps += 1
-                elif op == "mtp_forward":
-                    spans, hidden_rows, rows = args
-                    runner.mtp_forward(spans, hidden, hidden_rows, rows)
-                elif op == "write_blocks":
-                    runner.write_blocks(*args)
-                elif op == "forward_dp":
-                    dp_forward(runner, comm, *args)
+                elif isinstance(msg, MtpForward):
+                    runner.mtp_forward(msg.spans, hidden, msg.hidden_rows, msg.rows)
+                elif isinstance(msg, WriteBlocks):
+                    runner.write_blocks(msg.blocks, msg.data)
+                elif isinstance(msg, ForwardDP):
+                    dp_forward(runner, comm, msg.per_group)
                     steps += 1
-                elif op == "mtp_dp":
-                    dp_mtp(runner, comm, *args)
-                elif op == "read_blocks_dp":
-                    dp_read_blocks(runner, comm, *args)
-                elif op == "write_blocks_dp":
-                    dp_write_blocks(runner, comm, *args)
+                elif isinstance(msg, MtpDP):
+                    dp_mtp(runner, comm, msg.per_group)
+                elif isinstance(msg, ReadBlocksDP):
+                    dp_read_blocks(runner, comm, msg.group, msg.blocks)
+                elif isinstance(msg, WriteBlocksDP):
+                    dp_write_blocks(runner, comm, msg.group, msg.blocks, msg.data)
                 else:
-                    raise ValueError(f"unknown op {op!r} from rank 0")
+                    raise ValueError(f"unknown message {type(msg).__name__} from rank 0")
             except (ValueError, TypeError) as e:
                 if _is_comm_error(e):
                     raise

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from pipeline.model import DeepseekV3ForCausalLM, ModelCache
-from pipeline.engine.core.sampling import SamplingParams, adjust_logits, cut_at_stop, sample
+from pipeline.engine.protocol import SamplingParams
+from pipeline.engine.core.sampling import adjust_logits, sample
+from pipeline.engine.core.detokenizer import cut_at_stop
 
 
 @torch.inference_mode()
