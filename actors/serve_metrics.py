@@ -83,8 +83,9 @@ class _EngineCollector:
                 if f"prefix_cache_{k}" in s:
                     yield family(f"dsquant_prefix_cache_{k}", doc, value=float(s[f"prefix_cache_{k}"]))
         if s.get("kernels"):
-            info = GaugeMetricFamily("dsquant_engine_kernels", "1 per device: which kernels the engine runs there "
-                                     "(triton on CUDA, torch elsewhere)", labels=["device", "backend"])
-            for device, name in sorted(s["kernels"].items()):
-                info.add_metric([device, name], 1.0)
+            labels = sorted(s["kernels"])
+            info = GaugeMetricFamily("dsquant_engine_kernels", "1: the kernels the engine was built with (its device, "
+                                     "backend, and the int8 linears', float ops' and decode attention's)",
+                                     labels=labels)
+            info.add_metric([str(s["kernels"][k]) for k in labels], 1.0)
             yield info

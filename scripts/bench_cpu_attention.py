@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from pipeline.cbuild import cpu_description  # noqa: E402
 from pipeline.engine.native import cpu_attention  # noqa: E402
 from pipeline.engine.attention.batched import DecodeBatch, batched_decode_attention  # noqa: E402
-from pipeline.engine.worker import kernels as dispatch  # noqa: E402
+from pipeline.engine import config as engine_config  # noqa: E402
 from pipeline.engine.cache.paged_cache import PagedLatentCache  # noqa: E402
 
 H, C, D_R, BLOCK = 4, 512, 64, 16
@@ -101,10 +101,10 @@ def write_points(args) -> list[dict]:
             slots = torch.randperm(2048 * BLOCK, generator=g)[:n]
             caches = {}
             for kernels in ("torch", "native"):
-                os.environ[dispatch.ENV] = kernels
+                os.environ[engine_config.ENV] = kernels
                 caches[kernels] = PagedLatentCache(2048, BLOCK, C, D_R, fa_k=FA_K, nz=nz)
                 caches[kernels].write_slots(slots, c, pe)
-            os.environ.pop(dispatch.ENV)
+            os.environ.pop(engine_config.ENV)
             same = all(torch.equal(getattr(caches["torch"], a), getattr(caches["native"], a)) for a in ("c", "pe"))
             t = interleaved({k: (lambda cc=cc: cc.write_slots(slots, c, pe)) for k, cc in caches.items()},
                             args.repeat * 10)

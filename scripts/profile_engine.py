@@ -16,14 +16,14 @@ times are exclusive (a region's own time, less the regions it calls), so the col
   schedule    Scheduler.schedule (which sequences, how many tokens, cache blocks)
   prepare     what the step and the runner do around the model: spans, positions, rows, bookkeeping
   embed/norm/rope/einsum   the model's float work outside the regions below (the runner's own code)
-  cache write PagedLatentCache.write / write_slots (quantize the latents, store them)
-  attention   paged decode / prefill attention over the cache
+  cache write the attention backend's write (quantize the latents, store them)
+  attention   the attention backend's decode / prefill over the cache (attention.backends)
   moe         MoE.forward's own work: routing, the per-expert loop, gathering and combining (a float
               model's: NativeFloatMoE, routed and shared experts in one C call)
   linears     every int8 (W8A8, W8A8_DYNAMIC) and float linear (a float model's dense MLP: NativeFloatMLP)
   sampling    LLMEngine.sampled: the next token(s) of every piece (one argmax for the plain greedy
               ones), the scheduler's update
-  stop/detok  stop-string checks
+  stop/detok  the engine's detokenization of requests with stop strings
 
 Decode steps (every piece one token) and steps holding prefill are reported apart; per-step medians are
 in milliseconds. Writes JSON to --out (default benchmarks/engine_profile.json).
@@ -83,8 +83,8 @@ class Profiler:
 def instrument(prof: Profiler) -> None:
     import torch
 
-    from pipeline.engine.core import engine, scheduler
     from pipeline.engine.cache import paged_cache
+    from pipeline.engine.core import engine, scheduler
     from pipeline.engine.layers import qlinear
     from pipeline.engine.worker import runner
     from pipeline.model import ffn
@@ -94,17 +94,12 @@ def instrument(prof: Profiler) -> None:
     prof.wrap(runner.ModelRunner, "forward", "model other")
     prof.wrap(runner.ModelRunner, "mtp_forward", "model other")
     prof.wrap(paged_cache.PagedLatentCache, "write", "cache write")
-    if hasattr(paged_cache.PagedLatentCache, "write_slots"):       # one write per layer and step
-        prof.wrap(paged_cache.PagedLatentCache, "write_slots", "cache write")
-    for name in ("paged_decode_attention", "batched_decode_attention",   # the per-sequence path before
-                 "native_decode_attention", "paged_prefill_attention", "mha_prefill_attention"):
-        if hasattr(runner, name):                                        # (the C kernel, the prefill forms)
-            prof.wrap(runner, name, "attention")
-    from pipeline.engine.attention import mha_prefill                           # the C prefill chunk (native kernels)
+    from pipeline.engine.attention import backends                       # the attention backends' calls
 
-    for name in ("native_prefill_attention", "native_prefill_chunks"):   # a chunk / all of a layer's chunks
-        if hasattr(mha_prefill, name):
-            prof.wrap(mha_prefill, name, "attention")
+    for cls in (backends.TorchAttention, backends.NativeAttention, backends.TritonAttention):
+        for name, region in (("write", "cache write"), ("decode", "attention"), ("prefill", "attention")):
+            if name in vars(cls):
+                prof.wrap(cls, name, region)
     prof.wrap(ffn.MoE, "forward", "moe")
     from pipeline.engine.native import cpu_float_ffn                         # a float model's MLP and MoE in C
 
@@ -120,7 +115,10 @@ def instrument(prof: Profiler) -> None:
     for cls in (qlinear.W8A8StaticLinear, qlinear.W8A8DynamicLinear, torch.nn.Linear, cpu_float.NativeHeadLinear):
         prof.wrap(cls, "forward", "linears")
     prof.wrap(engine.LLMEngine, "sampled", "sampling")
-    prof.wrap(engine.LLMEngine, "_check_stop", "stop/detok")
+    from pipeline.engine.core import detokenizer
+
+    prof.wrap(detokenizer.Detokenizer, "add", "stop/detok")
+    prof.wrap(detokenizer.Detokenizer, "finish", "stop/detok")
 
 
 def prompts(n: int, length: int) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""EngineConfig.compile: the layers' work around attention through torch.compile (pipeline/engine/layers/regions.py)
+"""EngineConfig.compile: the layers' work around attention through torch.compile (pipeline/engine/layers/decoder.py)
 against the eager reference on the embedded quantized model: logits within a stated tolerance at every
 step shape (prefill chunk, a decode batch, one token), and the same greedy tokens under batching."""
 
@@ -39,7 +39,7 @@ def engines(embedded_quantized):
 
 def test_compiled_logits_are_eager_within_tolerance(engines):
     tok, eager, compiled = engines
-    assert compiled.runner.regions.compiled and not eager.runner.regions.compiled
+    assert compiled.runner.ops.compiled and not eager.runner.ops.compiled
     ids = [tok.encode(p) for p in PROMPTS]
     tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(ids))]   # the same blocks in both caches
     outs = {}

@@ -6,8 +6,9 @@ state, the generated tokens and the whole cache after the run. The prompts are r
 crosses block boundaries, and rows join and leave (9 prompts of different lengths, one prompt alone).
 
 Also: which steps are replayed (pure decode steps only), when the runner stays eager (compiled regions,
-a module of an unknown type, DSQUANT_DECODE_GRAPH=0), the kernel switches (a flipped one makes the
-graphs again, calling what the eager path now calls), a C error names the op, the profiler's timer."""
+a module of an unknown type, DSQUANT_DECODE_GRAPH=0 when the engine is built), a model built with the
+float C ops off (its graph calls the torch modules as the eager path does), a C error names the op, the
+profiler's timer."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pipeline.assets import EMBEDDED_MODEL_DIR
 from pipeline.engine.worker import decode_graph
 from pipeline.engine.attention.batched import DecodeBatch
 from pipeline.engine.worker.decode_graph import DecodeGraph, GraphError
-from pipeline.engine.config import EngineConfig
+from pipeline.engine.config import GRAPH_ENV, EngineConfig
 from pipeline.engine.core.engine import LLMEngine
 from pipeline.engine.worker.loader import load_model
 from pipeline.engine.protocol import SamplingParams
@@ -118,30 +119,34 @@ def test_when_the_runner_stays_eager(models, monkeypatch):
     eng.generate(_prompts(2), SamplingParams(max_new_tokens=4))
     assert eng.runner._graph_why and not eng.runner._graphs
 
-    monkeypatch.setenv(decode_graph.SWITCH, "0")
+    monkeypatch.setenv(GRAPH_ENV, "0")                   # read when the engine is built, recorded in its config
     eng = LLMEngine(models["float"], EngineConfig(num_blocks=64))
+    assert eng.config.decode_graph is False
+    monkeypatch.delenv(GRAPH_ENV)
     eng.generate(_prompts(2), SamplingParams(max_new_tokens=4))
     assert not eng.runner._graphs
-    monkeypatch.delenv(decode_graph.SWITCH)
+    eng = LLMEngine(models["float"], EngineConfig(num_blocks=64))
     eng.generate(_prompts(2), SamplingParams(max_new_tokens=4))
     assert sorted(eng.runner._graphs) == [2]
 
 
-def test_a_flipped_kernel_switch_makes_the_graphs_again(models, monkeypatch):
-    """DSQUANT_NATIVE_FLOAT=0 sends the float norms / linears / FFNs to torch in the eager path: the graph
-    made after the flip calls those modules as eager does (``unbound``), still bit for bit."""
+def test_a_model_built_with_the_float_ops_off(models, monkeypatch):
+    """DSQUANT_NATIVE_FLOAT=0 when the model is loaded keeps its float norms / linears / FFNs torch's (the
+    kernels, chosen then, say so): its graph calls those modules as eager does (``unbound``), still bit
+    for bit. The switch flipped later changes nothing in a model already built."""
     prompts = _prompts(4)
     _, _, eng = _run(models["float"], prompts)
-    before = dict(eng.runner._graphs)
-    assert before and all(not g.unbound for g in before.values())
+    assert eng.runner._graphs and all(not g.unbound for g in eng.runner._graphs.values())
     monkeypatch.setenv("DSQUANT_NATIVE_FLOAT", "0")
-    eager = _run(models["float"], prompts, decode_graph=False)
-    replayed = _run(models["float"], prompts)
+    torch_float = load_model(str(EMBEDDED_MODEL_DIR))
+    assert not torch_float.kernels.float_ops and models["float"].kernels.float_ops
+    eager = _run(torch_float, prompts, decode_graph=False)
+    replayed = _run(torch_float, prompts)
     _same_run(eager, replayed)
     graphs = replayed[2].runner._graphs
-    assert graphs and all({"RMSNorm", "NativeFloatMoE"} <= set(g.unbound) for g in graphs.values())
-    eng.generate(prompts[:2], SamplingParams(max_new_tokens=4))
-    assert all(g not in before.values() for g in eng.runner._graphs.values())
+    assert graphs and all({"RMSNorm", "MoE"} <= set(g.unbound) for g in graphs.values())
+    again = _run(models["float"], prompts)
+    assert all(not g.unbound for g in again[2].runner._graphs.values())
 
 
 def test_a_kernel_error_names_the_op_and_the_profiler_sees_each_region(models):

@@ -15,7 +15,8 @@ import pytest
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.core.engine import LLMEngine
 from pipeline.engine.core.engine_loop import EngineLoop
-from pipeline.engine.worker import kernels as dispatch
+from pipeline.engine import config as engine_config
+from pipeline.engine.protocol import SamplingParams
 from pipeline.engine.worker.loader import load_quantized
 
 SCRIPT = """
@@ -37,15 +38,17 @@ def test_cpu_kernels_are_chosen_and_said(embedded_quantized, monkeypatch, native
     env_before = os.environ.get("DSQUANT_KERNELS")
     assert env_before in (None, "", "auto", "torch")
     monkeypatch.setenv("DSQUANT_NATIVE", native_env)
-    want = "native" if native_env == "1" and dispatch.native_available() and env_before != "torch" else "torch"
+    want = "native" if native_env == "1" and engine_config.native_available() and env_before != "torch" else "torch"
     eng = LLMEngine(load_quantized(embedded_quantized), EngineConfig(num_blocks=16))
-    assert eng.runner.kernels == want
+    assert eng.runner.kernels == eng.config.kernels.backend == want      # chosen once, recorded in the config
+    monkeypatch.setenv("DSQUANT_NATIVE", "1" if native_env == "0" else "0")   # a later flip changes nothing
     loop = EngineLoop(eng)
     try:
         loop._publish()
-        assert loop.snapshot["kernels"].get("cpu") == want
+        assert loop.snapshot["kernels"]["device"] == "cpu" and loop.snapshot["kernels"]["backend"] == want
     finally:
         loop.stop(timeout=5)
+    assert eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2)) and eng.runner.kernels == want
 
 
 @pytest.mark.slow

@@ -12,11 +12,11 @@ import torch
 
 from pipeline.cbuild import NativeLibrary
 from pipeline.engine.native import cpu_attention
-from pipeline.engine.worker import runner as runner_mod
+from pipeline.engine.attention import backends
 from pipeline.engine.attention.paged import paged_decode_attention
 from pipeline.engine.attention.batched import DecodeBatch, batched_decode_attention
 from pipeline.engine.core.engine import LLMEngine
-from pipeline.engine.worker import kernels as dispatch
+from pipeline.engine import config as engine_config
 from pipeline.engine.cache.paged_cache import PagedLatentCache
 from pipeline.engine.protocol import SamplingParams
 
@@ -27,7 +27,7 @@ RTOL = 1e-5        # of max |ref|
 ATOL = 1e-6
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-needs_native = pytest.mark.skipif(not dispatch.native_available() or cpu_attention.library() is None,
+needs_native = pytest.mark.skipif(not engine_config.native_available() or cpu_attention.library() is None,
                                   reason=f"no native kernels here: {cpu_attention.status()}")
 
 
@@ -179,18 +179,16 @@ def _write_both(monkeypatch, nz, int8, dtype, bs, in_dtype, n=23, C=72, R=24, se
     slots = torch.randperm(10 * bs, generator=g)[:n]
     caches = []
     for kernels in ("torch", "native"):
-        monkeypatch.setenv(dispatch.ENV, kernels)
         cache = PagedLatentCache(10, bs, C, R, dtype=dtype, fa_k=fa_k, nz=nz)
         cache.c.fill_(7)                        # stale bytes: an NZ row's padding columns must become zero
         cache.pe.fill_(7)
-        if kernels == "native":
-            assert cpu_attention.write_slots(cache, slots, c, pe)   # the C kernel itself
-        else:
-            cache.write_slots(slots, c, pe)
-        cache.write_slots(slots[-3:], c[3:6], pe[3:6])        # overwrite a few (the dispatch)
-        assert cache._native_write == (kernels == "native")
+        for rows in (slice(None), slice(3, 6)):  # then overwrite a few
+            s = slots if rows == slice(None) else slots[-3:]
+            if kernels == "native":
+                assert cpu_attention.write_slots(cache, s, c[rows], pe[rows])   # the C kernel itself
+            else:
+                cache.write_slots(s, c[rows], pe[rows])
         caches.append(cache)
-    monkeypatch.delenv(dispatch.ENV)
     return caches
 
 
@@ -210,23 +208,21 @@ def test_cache_write_is_bit_identical(monkeypatch, nz, int8, dtype, bs, in_dtype
 
 
 def test_torch_fallbacks(monkeypatch):
-    """DSQUANT_KERNELS=torch: the cache writes with torch ops; DSQUANT_NATIVE=0: no library, backend torch."""
-    monkeypatch.setenv(dispatch.ENV, "torch")
-    cache = PagedLatentCache(4, 16, 64, 16, fa_k=0.1)
-    cache.write_slots(torch.tensor([3]), torch.ones(1, 64), torch.ones(1, 16))
-    assert cache._native_write is False and dispatch.backend("cpu") == dispatch.TORCH
-    monkeypatch.delenv(dispatch.ENV)
+    """DSQUANT_KERNELS=torch: an engine built then writes and attends with torch ops; DSQUANT_NATIVE=0: no
+    library, backend torch."""
+    monkeypatch.setenv(engine_config.ENV, "torch")
+    k = engine_config.resolve("cpu")
+    assert (k.backend, k.attention, k.cache_write, k.linears, k.float_ops) == ("torch", False, False, False, False)
+    monkeypatch.delenv(engine_config.ENV)
     monkeypatch.setenv("DSQUANT_NATIVE", "0")
     cpu_attention.reset()
     try:
         assert cpu_attention.library() is None and cpu_attention.write_library() is None
-        assert "DSQUANT_NATIVE=0" in cpu_attention.status() and dispatch.backend("cpu") == dispatch.TORCH
+        assert "DSQUANT_NATIVE=0" in cpu_attention.status() and engine_config.backend("cpu") == engine_config.TORCH
+        assert not engine_config.resolve("cpu").cache_write
         cache = PagedLatentCache(4, 16, 64, 16, fa_k=0.1, nz=True)
         cache.write_slots(torch.tensor([3]), torch.ones(1, 64), torch.ones(1, 16))
         assert cache.c[0, :, 3].float().sum() == 64 * 10
-        with pytest.raises(RuntimeError, match="unavailable"):
-            cpu_attention.decode_attention(torch.zeros(1, 4, 64), torch.zeros(1, 4, 16), cache,
-                                           DecodeBatch.build([[0]], [3], 16, 4), SCALE)
     finally:
         monkeypatch.delenv("DSQUANT_NATIVE")
         cpu_attention.reset()
@@ -238,18 +234,19 @@ QUESTIONS = ["What's deep learning?", "Explain list comprehensions.", "What is a
 def _generate(qdir, tok, monkeypatch, kernels, nz, decode_graph=False):
     """Greedy tokens of the embedded model with ``kernels``, and how many decode calls took each path (of
     the eager steps: a replayed decode step, ``decode_graph``, binds the C call once)."""
-    monkeypatch.setenv(dispatch.ENV, kernels)
+    monkeypatch.setenv(engine_config.ENV, kernels)
     # the engine serves with the C call only where its loops are vectorized (AVX-512); here it runs the C
     # call whatever this machine's build, so that its tokens are checked on every CPU
-    monkeypatch.setattr(runner_mod.cpu_attention, "serving_library", runner_mod.cpu_attention.library)
+    monkeypatch.setattr(cpu_attention, "serving_library", cpu_attention.library)
     calls = {"torch": 0, "native": 0}
-    for name, key in (("batched_decode_attention", "torch"), ("native_decode_attention", "native")):
-        real = getattr(runner_mod, name)
+    for mod, name, key in ((backends, "batched_decode_attention", "torch"),
+                           (cpu_attention, "decode_attention", "native")):
+        real = getattr(mod, name)
 
         def counted(*a, _real=real, _key=key, **kw):
             calls[_key] += 1
             return _real(*a, **kw)
-        monkeypatch.setattr(runner_mod, name, counted)
+        monkeypatch.setattr(mod, name, counted)
     eng = LLMEngine.from_dir(qdir, tokenizer=tok, num_blocks=64, block_size=16, nz=nz, decode_graph=decode_graph)
     assert eng.runner.kernels == kernels
     prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]

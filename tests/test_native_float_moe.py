@@ -24,7 +24,7 @@ from pipeline.cbuild import EXACT_FLAGS, NativeLibrary
 from pipeline.engine.native import cpu_float, cpu_float_ffn
 from pipeline.engine.native.cpu_float_ffn import FFN_C_ROWS, NativeFloatMLP, NativeFloatMoE
 from pipeline.engine.core.engine import LLMEngine
-from pipeline.engine.worker import kernels as dispatch
+from pipeline.engine import config as engine_config
 from pipeline.engine.worker.loader import load_model
 from pipeline.engine.protocol import SamplingParams
 from pipeline.model.ffn import MLP, MoE, combine_experts
@@ -32,7 +32,7 @@ from pipeline.model.ffn import MLP, MoE, combine_experts
 FFN_RTOL = 1e-5                     # of max |ref|
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
-              pytest.mark.skipif(not dispatch.native_available() or cpu_float_ffn.library() is None,
+              pytest.mark.skipif(not engine_config.native_available() or cpu_float_ffn.library() is None,
                                  reason=f"no native kernels here: {cpu_float_ffn.status()}")]
 
 
@@ -51,7 +51,7 @@ def real():
     from pipeline.text.tokenizer import Tokenizer
 
     mp = pytest.MonkeyPatch()
-    mp.setenv(dispatch.ENV, "torch")
+    mp.setenv(engine_config.ENV, "torch")
     model = load_model(EMBEDDED_MODEL_DIR).model
     mp.undo()
     tok = Tokenizer.from_dir(EMBEDDED_MODEL_DIR)
@@ -137,15 +137,13 @@ def test_a_tokens_output_does_not_depend_on_the_other_tokens(real):
         assert torch.equal(cpu_float_ffn._run(nat.packed(), flat[perm], weights[perm], idx[perm])[0], full[perm])
 
 
-def test_fallbacks_run_the_torch_modules(real, monkeypatch):
+def test_fallbacks_run_the_torch_modules(real):
+    """A dense MLP above FFN_C_ROWS rows, and autograd, run the torch modules' formula."""
     moe, x = real["model.layers.1.mlp"]
     mlp = real["model.layers.0.mlp"][0]
     nat, nmlp = NativeFloatMoE(moe), NativeFloatMLP(mlp)
     xs = x[:6][None]
     with torch.no_grad():
-        monkeypatch.setenv(cpu_float_ffn.SWITCH, "0")                   # the switch, read on every call
-        assert torch.equal(nat(xs), moe(xs)) and torch.equal(nmlp(xs), mlp(xs))
-        monkeypatch.delenv(cpu_float_ffn.SWITCH)
         big = x[:1].expand(FFN_C_ROWS + 1, 256)                            # a dense MLP above FFN_C_ROWS rows
         assert torch.equal(nmlp(big), mlp(big))
     xg = xs.clone().requires_grad_(True)                                  # autograd: the torch formula

@@ -16,7 +16,7 @@ from pipeline.engine.native import cpu_float
 from pipeline.engine.native.cpu_float import LINEAR_C_ROWS, NativeHeadLinear, NativeLinear, NativeRMSNorm, NativeRouter
 from pipeline.engine.native.cpu_float_ffn import NativeFloatMLP, NativeFloatMoE
 from pipeline.engine.core.engine import LLMEngine
-from pipeline.engine.worker import kernels as dispatch
+from pipeline.engine import config as engine_config
 from pipeline.engine.layers.native_swap import use_native_float_ops
 from pipeline.engine.worker.loader import load_model, load_quantized
 from pipeline.engine.protocol import SamplingParams
@@ -37,7 +37,7 @@ BF16_ULP, BF16_FLIPS = 2.0 ** -7, 0.01
 ROUTER_ATOL = 4e-6
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-needs_native = pytest.mark.skipif(not dispatch.native_available() or cpu_float.library() is None,
+needs_native = pytest.mark.skipif(not engine_config.native_available() or cpu_float.library() is None,
                                   reason=f"no native kernels here: {cpu_float.status()}")
 
 
@@ -306,7 +306,7 @@ def real(qdir):
     from pipeline.text.tokenizer import Tokenizer
 
     mp = pytest.MonkeyPatch()
-    mp.setenv(dispatch.ENV, "torch")
+    mp.setenv(engine_config.ENV, "torch")
     model = load_quantized(qdir).model
     mp.undo()
     tok = Tokenizer.from_dir(EMBEDDED_MODEL_DIR)
@@ -354,7 +354,7 @@ def test_the_loader_swaps_them_where_native(qdir, monkeypatch):
     MTP layer's; its MoE stays torch); the float model: also its MoEs and dense MLP."""
     from pipeline.model.ffn import MoE
 
-    monkeypatch.setenv(dispatch.ENV, "native")
+    monkeypatch.setenv(engine_config.ENV, "native")
     model = load_quantized(qdir).model
     kinds = _kinds(model)
     # 2 heads, 3 kv_b_proj, the MTP layer's 5 attention linears, eh_proj, 16 x 3 expert and 3 shared linears
@@ -369,13 +369,13 @@ def test_the_loader_swaps_them_where_native(qdir, monkeypatch):
     f32 = load_model(EMBEDDED_MODEL_DIR).model                         # load_float: the float model
     # 5 attention linears x 4 layers, eh_proj, 2 heads; layers 1, 2, 3 MoE; layer 0's MLP
     assert _kinds(f32) == {**kinds, "linear": 23, "moe": 3, "mlp": 1}
-    monkeypatch.setenv(dispatch.ENV, "torch")
+    monkeypatch.setenv(engine_config.ENV, "torch")
     ref = load_model(EMBEDDED_MODEL_DIR).model.state_dict()            # the torch modules' state dict
     got = f32.state_dict()
     assert list(got) == list(ref) and all(torch.equal(got[n], ref[n]) and got[n].dtype == ref[n].dtype for n in ref)
     assert all(isinstance(f32.get_submodule(n[:-len(".weight")]), nn.Linear)
                for n, w in f32.named_parameters() if w.dim() == 2 and "embed_tokens" not in n and ".gate." not in n)
-    monkeypatch.setenv(dispatch.ENV, "native")
+    monkeypatch.setenv(engine_config.ENV, "native")
     bf = load_model(EMBEDDED_MODEL_DIR, dtype="bfloat16").model        # bf16: linears, MoE, MLP stay torch
     assert type(bf.lm_head) is nn.Linear and _kinds(bf) == {**NONE, "rms_norm": kinds["rms_norm"], "router": 3}
 
@@ -383,9 +383,9 @@ def test_the_loader_swaps_them_where_native(qdir, monkeypatch):
 def test_torch_fallbacks(qdir, monkeypatch):
     """DSQUANT_KERNELS=torch: nothing swapped; DSQUANT_NATIVE_FLOAT=0: no library, nothing swapped, the
     other native kernels stay; an input the C code does not take runs the torch formula."""
-    monkeypatch.setenv(dispatch.ENV, "torch")
+    monkeypatch.setenv(engine_config.ENV, "torch")
     assert _kinds(load_quantized(qdir).model) == NONE
-    monkeypatch.delenv(dispatch.ENV)
+    monkeypatch.delenv(engine_config.ENV)
     monkeypatch.setenv(cpu_float.SWITCH, "0")
     cpu_float.reset()
     try:
@@ -393,7 +393,7 @@ def test_torch_fallbacks(qdir, monkeypatch):
         model = load_quantized(qdir).model
         assert _kinds(model) == NONE
         assert set(use_native_float_ops(model).values()) == {0}
-        assert dispatch.backend("cpu") == dispatch.NATIVE                # the other C kernels stay on
+        assert engine_config.backend("cpu") == engine_config.NATIVE                # the other C kernels stay on
     finally:
         monkeypatch.delenv(cpu_float.SWITCH)
         cpu_float.reset()

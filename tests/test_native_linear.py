@@ -140,15 +140,14 @@ def test_large_batches_and_the_switches_use_the_torch_path(monkeypatch):
     mod.kernel = NATIVE
     assert torch.equal(mod(x), y) and mod.last_kernel == NATIVE
     for var, value in (("DSQUANT_KERNELS", "torch"), ("DSQUANT_NATIVE", "0"), ("DSQUANT_NATIVE_LINEAR", "0")):
-        with monkeypatch.context() as mp:
+        with monkeypatch.context() as mp:                # the switches are read when a module is built
             mp.setenv(var, value)
-            assert not cpu_linear.enabled(torch.device("cpu"))
-            mod.kernel = "auto"
-            assert torch.equal(mod(x[:2]), y[:2]) and mod.last_kernel == INT_MM, var
-            mod.kernel = NATIVE
-            with pytest.raises(Int8LinearError, match="lin: kernel 'native' cannot run"):
-                mod(x[:2])
-    assert cpu_linear.enabled(torch.device("cpu"))
+            off = make("dynamic", 64, 64, EXACT, True, torch.Generator().manual_seed(3))
+        assert not off.native and mod.native, var
+        assert torch.equal(off(x[:2]), y[:2]) and off.last_kernel == INT_MM, var
+        off.kernel = NATIVE
+        with pytest.raises(Int8LinearError, match="lin: kernel 'native' cannot run .* off when it was built"):
+            off(x[:2])
     assert cpu_linear.max_rows(256, 768) == 64 and cpu_linear.max_rows(7168, 1536) == 8    # wide: fewer rows
     mod.kernel = NATIVE
     with pytest.raises(Int8LinearError, match="lin: kernel 'native' cannot run on cpu for torch.float16"):

@@ -18,7 +18,7 @@ from pipeline.engine.native import cpu_linear, cpu_moe
 from pipeline.engine.core.engine import LLMEngine
 from pipeline.engine.worker.loader import load_quantized
 from pipeline.engine.layers.moe import Int8MoE
-from pipeline.engine.layers.qlinear import EXACT, FAST, quantize_per_token
+from pipeline.engine.layers.qlinear import EXACT, FAST, Int8Linear, quantize_per_token
 from pipeline.engine.protocol import SamplingParams
 from pipeline.model.ffn import combine_experts
 
@@ -44,11 +44,19 @@ def torch_routed(moe: Int8MoE, flat: torch.Tensor, weights: torch.Tensor, idx: t
                            lambda e, t: moe.experts[e].forward_quantized(x_q[t], s_tok[t], flat.dtype))
 
 
-def run(moe, x, monkeypatch, env: str):
-    with monkeypatch.context() as mp:
-        mp.setenv("DSQUANT_KERNELS", env)
+def run(moe, x, native: bool):
+    """``moe(x)`` and its load with its C kernels on or off (the MoE's and its linears': what the engine's
+    kernels set when the model is built)."""
+    mods = [moe] + [m for m in moe.modules() if isinstance(m, Int8Linear)]
+    saved = [m.native for m in mods]
+    for m in mods:
+        m.native = native
+    try:
         with torch.no_grad():
             return moe(x), moe.last_load
+    finally:
+        for m, s in zip(mods, saved):
+            m.native = s
 
 
 @pytest.mark.parametrize("epilogue", [EXACT, FAST])
@@ -62,7 +70,7 @@ def test_the_models_moe_layers(models, epilogue, monkeypatch):
         for rows in (1, 5, 64, 130, 520):      # 520: ~130 slots an expert (the AMX tiles)
             for dtype in (torch.float32, torch.bfloat16):
                 x = torch.randn(1, rows, model.config.hidden_size, generator=g).to(dtype)
-                (a, la), (b, lb) = run(moe, x, monkeypatch, "torch"), run(moe, x, monkeypatch, "")
+                (a, la), (b, lb) = run(moe, x, False), run(moe, x, True)
                 assert "_native_experts" in moe.__dict__
                 assert a.dtype == b.dtype == dtype and a.shape == b.shape and torch.equal(a, b), (rows, dtype)
                 assert torch.equal(la, lb) and int(lb.sum()) == rows * moe.gate.top_k
@@ -99,11 +107,11 @@ def test_load_state_dict_repacks(qdir, monkeypatch):
     model = load_quantized(qdir).model
     a, b = moe_layers(model)
     x = torch.randn(1, 4, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
-    run(a, x, monkeypatch, "")
+    run(a, x, True)
     assert "_native_experts" in a.__dict__
     a.load_state_dict(b.state_dict())                    # layer 1 now holds layer 2's weights (and router)
     assert "_native_experts" not in a.__dict__
-    assert torch.equal(run(a, x, monkeypatch, "")[0], run(b, x, monkeypatch, "torch")[0])
+    assert torch.equal(run(a, x, True)[0], run(b, x, False)[0])
 
 
 def test_engine_greedy_tokens_are_the_same(qdir, tok, monkeypatch):
@@ -117,7 +125,6 @@ def test_engine_greedy_tokens_are_the_same(qdir, tok, monkeypatch):
 
     native = generate()
     with monkeypatch.context() as mp:
-        mp.setenv("DSQUANT_NATIVE_LINEAR", "0")
-        assert not cpu_linear.enabled(torch.device("cpu"))
+        mp.setenv("DSQUANT_NATIVE_LINEAR", "0")            # read when the engine is built
         reference = generate()
     assert native == reference and all(len(t) > 0 for t in native)

@@ -253,6 +253,24 @@ def test_stop_string_cuts_the_text(server, reference):
     assert "".join(ch.choices[0].text for ch in streamed) == want
 
 
+def test_one_request_id_from_the_header_to_the_response_and_the_metrics(server, reference):
+    """The request's X-Request-ID is its id: the response's ``id`` (``cmpl-`` before it), the response's
+    X-Request-ID header, and the exemplar of its latency samples in the OpenMetrics exposition."""
+    text, _, _ = reference["raw"]
+    body = json.dumps({"model": MODEL, "prompt": RAW, "max_tokens": MAX_TOKENS, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{server}/v1/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json", "X-Request-ID": "rid-test-7"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        got, header = json.loads(r.read()), r.headers.get("X-Request-ID")
+    assert (got["id"], got["choices"][0]["text"], header) == ("cmpl-rid-test-7", text, "rid-test-7")
+    req = urllib.request.Request(f"{server}/metrics", headers={"Accept": "application/openmetrics-text"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        exposition = r.read().decode()
+        assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+    assert 'request_id="cmpl-' in exposition                        # the latest requests' exemplars
+    assert 'dsquant_engine_kernels{' in exposition and 'backend="' in exposition
+
+
 def test_eight_concurrent_requests_all_complete_with_the_greedy_answer(server, reference):
     text, n, _ = reference["chat"]
 

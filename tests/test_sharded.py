@@ -23,6 +23,7 @@ from engine_ref import drain, request, submit
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.core.engine import LLMEngine
 from pipeline.engine.worker.loader import load_quantized
+from pipeline.engine.layers.moe import Int8MoE
 from pipeline.engine.layers.qlinear import Int8Linear
 from pipeline.engine.worker.runner import Span
 from pipeline.engine.protocol import SamplingParams
@@ -108,6 +109,21 @@ def _env(**values):
                 os.environ[k] = v
 
 
+@contextmanager
+def _torch_linears(model):
+    """The int8 linears and MoEs of ``model`` on their torch path inside the block (their C kernels, chosen
+    when the model was built, off), as they were after it."""
+    mods = [m for m in model.modules() if isinstance(m, (Int8Linear, Int8MoE))]
+    saved = [m.native for m in mods]
+    for m in mods:
+        m.native = False
+    try:
+        yield
+    finally:
+        for m, s in zip(mods, saved):
+            m.native = s
+
+
 def _one_rank(path: str, cfg: EngineConfig, tok=None) -> LLMEngine:
     """The one-rank reference with the torch lm_head / RMSNorm / router modules the ranks' shard loader
     builds (the loader swaps C ones in on a CPU: within float32 rounding, not bit for bit)."""
@@ -170,7 +186,7 @@ def test_exact_combine_is_bit_identical_to_one_rank(ray_cluster, embedded_quanti
         p = ParallelConfig(**layout)
         ids = tok.encode_chat([{"role": "user", "content": QUESTIONS[0]}])
         seen_single, seen_rank0 = _capture(single.loaded.model), _capture(eng.loaded.model)
-        with _env(DSQUANT_NATIVE_LINEAR="0"):   # every expert linear of the reference runs (and is seen)
+        with _torch_linears(single.loaded.model):   # every expert linear of the reference runs (and is seen)
             want = _prefill_then_decode(single.runner, ids)      # on the torch path: the same bits
         got = _prefill_then_decode(eng.runner, ids)
         for w, g in zip(want, got):

@@ -25,7 +25,7 @@ pytest.importorskip("triton")
 
 from pipeline.config import DeepseekV3Config                                         # noqa: E402
 from pipeline.engine.attention.paged import paged_decode_attention                          # noqa: E402
-from pipeline.engine.worker import kernels as dispatch                                          # noqa: E402
+from pipeline.engine import config as engine_config                                          # noqa: E402
 from pipeline.engine.triton.int8_gemm import (int8_gemm_dynamic, int8_gemm_quantized,  # noqa: E402
                                                int8_gemm_static, int8_linear, int8_matmul_acc)
 from pipeline.engine.triton.mla_decode import (block_table_tensor, paged_mla_decode,  # noqa: E402
@@ -356,51 +356,50 @@ def test_route_tiles():
 
 
 # ----- dispatch --------------------------------------------------------------------------------------------
-def test_dispatch(monkeypatch, caplog):
-    monkeypatch.delenv(dispatch.ENV, raising=False)
-    monkeypatch.setattr(dispatch, "_chosen", {})
-    caplog.set_level("INFO", logger="dsquant.kernels")
-    native = dispatch.native_available()       # a C compiler here: the CPU's C kernels by default
-    assert dispatch.backend("cpu") == ("native" if native else "torch")
-    assert dispatch.backend("cpu") == ("native" if native else "torch")
-    assert [r.getMessage() for r in caplog.records] == (
-        ["kernels on cpu: native (CPU device, C compiler found)"] if native else
-        ["kernels on cpu: torch (no C compiler (or DSQUANT_NATIVE=0))"])
+def test_dispatch(monkeypatch):
+    monkeypatch.delenv(engine_config.ENV, raising=False)
+    native = engine_config.native_available()       # a C compiler here: the CPU's C kernels by default
+    assert engine_config.choose("cpu") == (("native", "CPU device, C compiler found") if native else
+                                           ("torch", "no C compiler (or DSQUANT_NATIVE=0)"))
+    k = engine_config.resolve("cpu")
+    assert (k.device, k.backend) == ("cpu", "native" if native else "torch")
+    assert k.describe().startswith("native (CPU device, C compiler found): C " if native else "torch (no C compiler")
     monkeypatch.setenv("DSQUANT_NATIVE", "0")
-    assert dispatch.backend("cpu") == "torch"
+    assert engine_config.backend("cpu") == "torch"
     with pytest.raises(RuntimeError, match="need a CPU device and a C compiler"):
-        monkeypatch.setenv(dispatch.ENV, "native")
-        dispatch.backend("cpu")
+        monkeypatch.setenv(engine_config.ENV, "native")
+        engine_config.backend("cpu")
     monkeypatch.delenv("DSQUANT_NATIVE")
     with pytest.raises(RuntimeError, match="need a CPU device and a C compiler"):
-        dispatch.backend("cuda")
-    monkeypatch.delenv(dispatch.ENV)
+        engine_config.backend("cuda")
+    monkeypatch.delenv(engine_config.ENV)
     if torch.cuda.is_available():
-        assert dispatch.backend("cuda") == "triton"
-    monkeypatch.setenv(dispatch.ENV, "torch")
-    assert dispatch.backend("cuda:0") == "torch"
-    monkeypatch.setenv(dispatch.ENV, "triton")
+        assert engine_config.backend("cuda") == "triton"
+    monkeypatch.setenv(engine_config.ENV, "torch")
+    assert engine_config.backend("cuda:0") == "torch"
+    monkeypatch.setenv(engine_config.ENV, "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert dispatch.backend("cpu") == "triton"
-    assert dispatch.chosen() == {"cpu": "triton", "cuda:0": "torch"} | (
-        {"cuda": "triton"} if torch.cuda.is_available() else {})
+    assert engine_config.backend("cpu") == "triton"
+    k = engine_config.resolve("cpu")
+    assert k.labels() == {"device": "cpu", "backend": "triton", "linears": "triton", "float_ops": "triton",
+                          "attention": "triton"}
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="need CUDA, or TRITON_INTERPRET=1"):
-        dispatch.backend("cpu")
-    monkeypatch.setattr(dispatch, "triton_available", lambda: False)
+        engine_config.backend("cpu")
+    monkeypatch.setattr(engine_config, "triton_available", lambda: False)
     with pytest.raises(RuntimeError, match="triton is not installed"):
-        dispatch.backend("cuda")
-    monkeypatch.setenv(dispatch.ENV, "cuda")
+        engine_config.backend("cuda")
+    monkeypatch.setenv(engine_config.ENV, "cuda")
     with pytest.raises(ValueError, match="expected 'torch', 'triton', 'native' or 'auto'"):
-        dispatch.backend("cpu")
+        engine_config.backend("cpu")
 
 
 def test_package_imports_no_triton():
     """The engine can import the package and the dispatcher without triton (nothing imported eagerly)."""
     import subprocess
     import sys
-    code = ("import sys; import pipeline.engine.triton, pipeline.engine.worker.kernels as d; "
-            "d.backend('cpu'); print('triton' in sys.modules)")
+    code = ("import sys; import pipeline.engine.triton, pipeline.engine.config as c; "
+            "c.resolve('cpu'); print('triton' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={k: v for k, v in os.environ.items() if k != "DSQUANT_KERNELS"})
     assert out.stdout.strip() == "False", out.stderr

@@ -144,10 +144,16 @@ class NativeLibrary:
 
     def library(self) -> Optional[ctypes.CDLL]:
         """The compiled library, or None (the reason in :meth:`status`); built once per process. The switch
-        variables are read on every call, so turning one off later (a test, a user) takes effect."""
-        if self._off():
-            return None
-        built = self._state.get("lib", self)      # built (or failed) already: no lock on the hot path
+        variables are read on every call: this is where a caller decides whether to use the library (the
+        engine, once, when it is built; the weight phase per tensor); a caller that decided calls
+        :meth:`loaded`."""
+        return None if self._off() else self.loaded()
+
+    def loaded(self) -> Optional[ctypes.CDLL]:
+        """The library for a caller that chose to use it when it was built (an engine's module, after its
+        kernels were resolved with :meth:`library`): built once, its switches not read again (no
+        environment lookup per call); None when it cannot be built."""
+        built = self._state.get("lib", self)
         if built is not self:
             return built  # type: ignore[return-value]
         with self._lock:

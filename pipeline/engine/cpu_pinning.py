@@ -1,8 +1,7 @@
 """Pinning an engine core process to CPUs of its own (as vLLM's CPU build binds its engine core's OpenMP
 threads): the step loop then keeps its caches and is not migrated between cores by the HTTP, streaming
-and Serve processes beside it. Measured on the 2-core VM at 16 clients (`vllm bench serve`, W8A8):
-1685-1728 -> 1861 output tok/s, median TPOT 7.2-7.5 -> 6.2 ms. Only the engine is pinned; everything
-else keeps every CPU.
+and Serve processes beside it (more output tokens/s and a lower TPOT under `vllm bench serve` at many
+clients). Only the engine is pinned; everything else keeps every CPU.
 
 ``spec`` (``ServeConfig.engine_cpus``, ``jobs.serve --engine-cpus``):
 

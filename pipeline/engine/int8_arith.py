@@ -98,8 +98,8 @@ def _bits_to_float32(deq: Tensor) -> Tensor:
 # ----- the exact integer product -------------------------------------------------------------------
 def select_kernel(device: DeviceLike, n: int, k: int) -> str:
     """The kernel a linear with weight [n, k] uses on ``device``: ``int_mm`` when k % 8 == 0, n % 8 == 0
-    and k <= INT_MM_MAX_K (on CUDA and on the CPU: torch 2.13's CPU ``_int_mm`` measured 1.5-9x faster
-    than ``fp32_chunked`` here, from 1 to 256 rows); otherwise ``float64`` on CUDA and ``fp32_chunked``
+    and k <= INT_MM_MAX_K (on CUDA and on the CPU, where torch 2.13's ``_int_mm`` beats ``fp32_chunked`` at
+    every row count: benchmarks/cpu_linear.json); otherwise ``float64`` on CUDA and ``fp32_chunked``
     elsewhere."""
     if k % 8 == 0 and n % 8 == 0 and 0 < k <= INT_MM_MAX_K:
         return INT_MM

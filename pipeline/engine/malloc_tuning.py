@@ -2,8 +2,8 @@
 
 An engine step allocates and frees activations of megabytes per layer (a 2048-token prefill: ~6 MB per
 [2048, 768] float32 tensor). glibc serves such blocks with mmap, or trims them off the heap's top, so
-the next step faults the same pages in again, zero-filled by the kernel: measured on the embedded model,
-a 2048-token prefill step took ~10% longer than with the settings below. vLLM's CPU build preloads
+the next step faults the same pages in again, zero-filled by the kernel: a large prefill step takes
+measurably longer than with the settings below. vLLM's CPU build preloads
 tcmalloc for the same reason (its docs); here glibc's own knobs, set once per process:
 
   M_MMAP_THRESHOLD  32 MiB (glibc's ceiling): smaller blocks come from the heap

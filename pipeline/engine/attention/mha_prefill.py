@@ -14,12 +14,12 @@ path (``attention.paged_prefill_attention``) stays as the reference mode (``Mode
 With the ``native`` kernels on the CPU a chunk takes one C call instead (csrc/mha_prefill_cpu.c, given
 the layer's :func:`native_weights`): the decompression product on the AMX tiles (bf16 inputs, float32
 sums: exact products, as the cached latent's values are bf16 values) or FMA loops, the causal attention
-over only the visible keys, without torch's per-op costs and its slow exp of the masked -inf scores
-(a 128-token chunk of the embedded model: 0.74 ms in torch ops). It agrees with the torch form within
+over only the visible keys, without torch's per-op costs and its slow exp of the masked -inf scores. It
+agrees with the torch form within
 float32 rounding, and a chunk's result never depends on the other chunks of the step. The runner makes
 one such call per layer for all of a step's chunks (:func:`native_prefill_chunks`), the cache blocks read
-in C (csrc/cache_rows.h, the decode kernel's reader) instead of copied to float32 by torch per chunk: a
-2048-token prompt step's attention 16.7 -> 12.9 ms."""
+in C (csrc/cache_rows.h, the decode kernel's reader) instead of copied to float32 by torch per chunk
+(figures: benchmarks/engine_profile*.json, docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ from pipeline.model.mla import causal_mask
 #: Up to this many scores (heads x queries x keys, float32) a chunk attends with its scores held whole:
 #: one scaled matmul, the causal mask, softmax, one matmul (16 MiB; the embedded model's 128-token prompt
 #: holds 65 K). Above it torch's flash CPU kernel tiles them (v zero-padded to the keys' width, which that
-#: kernel needs). Measured at 128 tokens (4 heads, one thread): 0.45 ms against flash's 0.63 and the math
-#: fallback's 0.58 (which the mismatched v width used to get).
+#: kernel needs): held whole, a prompt's scores are one GEMM each way, faster than flash's tiles and than
+#: the math fallback torch takes for a v narrower than the keys.
 WHOLE_SCORES_MAX = 1 << 22
 
 
@@ -66,10 +66,9 @@ def library() -> Optional[ctypes.CDLL]:
 
 
 def serving_library() -> Optional[ctypes.CDLL]:
-    """The library where the engine should serve with it: built with its AVX-512 or AVX2 + FMA loops (a
-    W8A8 2048-token prompt step's attention 62 -> 40 ms against torch's ops on an AVX2 EPYC). Built with
-    neither its loops are plain C (the tests still check them), ~20x slower than torch's ops there
-    (benchmarks/engine_profile_avx2.json), so the engine keeps torch."""
+    """The library where the engine should serve with it: built with its AVX-512 or AVX2 + FMA loops
+    (faster than torch's ops). Built with neither its loops are plain C (the tests still check them),
+    slower than torch's ops, so the engine keeps torch (benchmarks/engine_profile*.json)."""
     dll = _LIB.library()
     return dll if dll is not None and dll.mha_prefill_vectorized() else None
 
@@ -90,7 +89,7 @@ def native_prefill_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: Pa
     ``amx=False``: the FMA loops even where bf16 dot products could run (the AMX tiles, or AVX512-BF16's
     vdpbf16ps without AMX; tests compare the two). RuntimeError
     when the library is not available."""
-    lib = _LIB.library()
+    lib = _LIB.loaded()
     if lib is None:
         raise RuntimeError(f"native MHA prefill unavailable: {_LIB.status()}")
     S, H, d_n = q_nope.shape
@@ -122,7 +121,7 @@ def native_prefill_chunks(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: Paged
     (float32, contiguous). The same values as :func:`native_prefill_attention` chunk by chunk (the same
     rows, exactly converted, through the same C code). RuntimeError without the library; ValueError for
     bad shapes or blocks."""
-    lib = _LIB.library()
+    lib = _LIB.loaded()
     if lib is None:
         raise RuntimeError(f"native MHA prefill unavailable: {_LIB.status()}")
     from pipeline.engine.native.cpu_attention import _dtype, _strides

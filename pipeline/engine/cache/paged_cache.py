@@ -187,23 +187,12 @@ class PagedLatentCache:
         """Store the latents of one step's tokens, whatever sequences they belong to, in one go: token i
         goes to flat slot ``slots[i]`` = block * block_size + offset (int64 [S], distinct, not checked
         here: the runner builds them from block tables the scheduler handed out). Same values as
-        :meth:`write` (the latent quantized with ``quantize_latent`` on an FA3 layer). On a CPU whose
-        kernel backend is ``native`` one C call per store does it (pipeline.engine.native.cpu_attention: the same
-        bytes); else, and as the reference, the torch code below."""
+        :meth:`write` (the latent quantized with ``quantize_latent`` on an FA3 layer); the torch code, the
+        reference of the C write (pipeline.engine.native.cpu_attention.write_slots: the same bytes)."""
         n = c.shape[0]
         if c.shape != (n, self.C) or k_pe.shape != (n, self.d_r) or slots.shape != (n,):
             raise ValueError(f"write_slots: c [S, {self.C}], k_pe [S, {self.d_r}] and slots [S] expected, got "
                              f"{tuple(c.shape)}, {tuple(k_pe.shape)}, {tuple(slots.shape)}")
-        native = getattr(self, "_native_write", None)      # decided on the first write: the C kernel
-        if native is None:                                # (same bytes) where the CPU backend is native
-            from pipeline.engine.worker.kernels import NATIVE, backend
-
-            native = self._native_write = self.c.device.type == "cpu" and backend(self.c.device) == NATIVE
-        if native:
-            from pipeline.engine.native import cpu_attention
-
-            if cpu_attention.write_slots(self, slots, c, k_pe):
-                return
         cq = (_to_int8(c, self.scale) if self.is_int8 else c.to(self.dtype)).to(self.c.device)
         pe = k_pe.to(dtype=self.dtype, device=self.pe.device)
         bs = self.block_size

@@ -104,7 +104,11 @@ class LLMEngine:
         0, actors.rank_group); default one in this process. ``tokenizer``: for the stop strings (and the
         eos id); without one, stop strings are not looked for."""
         cfg = loaded.config
+        config = config.resolved(loaded.kernels)    # the kernels and modes, chosen once: recorded here
         self.config, self.loaded, self.tokenizer = config, loaded, tokenizer
+        if runner is None:
+            log.info("engine on %s: kernels %s; decode graph %s", config.device, config.kernels.describe(),
+                     "on" if config.decode_graph else "off")
         if torch.device(config.device).type == "cpu":
             malloc_tuning.tune()        # steps reuse freed activations' pages (malloc_tuning)
         cap = config.num_blocks * config.block_size
@@ -126,7 +130,7 @@ class LLMEngine:
         the directory holds); ``dtype``: the float compute dtype (default: the loader's); ``config``:
         EngineConfig's fields."""
         ec = EngineConfig(**config)
-        return cls(load_model(path, dtype=dtype, device=ec.device), ec, tokenizer)
+        return cls(load_model(path, dtype=dtype, device=ec.device, kernels=ec.kernels), ec, tokenizer)
 
     # ----- the interface: add, abort, step, stats ---------------------------------------------------------
     def add(self, request: EngineRequest) -> None:
@@ -281,7 +285,7 @@ class LLMEngine:
         asking: list[tuple[Seq, int]] = []     # (sequence, its first logit row) of those that want logprobs
         # every plain greedy row's token from ONE argmax over all rows (the same ids as row by row)
         plain = {p.seq.seq_id for p in batch.pieces if p.samples and plain_greedy(p.seq)}
-        best = argmax_rows(logits) if plain else None
+        best = argmax_rows(logits, self.config.kernels.float_ops) if plain else None
         r = 0
         for p in batch.pieces:
             if not p.samples:

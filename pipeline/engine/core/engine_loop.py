@@ -14,7 +14,6 @@ from pipeline.engine.cache.blocks import OutOfBlocks
 from pipeline.engine.core.kv_handoff import KVHandoff
 from pipeline.engine.protocol import (ABORT, ERROR, EngineDead, EngineOutput, EngineRequest, ReplicaBroken,
                                       RequestFailed, StepFailed)
-from pipeline.engine.worker.kernels import chosen
 
 log = logging.getLogger("dsquant.engine")
 # A step that raises fails the requests in it; this many in a row means the engine itself is broken.
@@ -217,7 +216,7 @@ class EngineLoop:
 
     def _publish(self) -> None:
         self.snapshot = {**self.engine.stats().to_dict(), "aborted": self.aborted, "finished": dict(self.finished),
-                         "alive": self.error is None, "kernels": chosen()}
+                         "alive": self.error is None, "kernels": self.engine.config.kernels.labels()}
 
 
 def deliver(sink: Sink, item: Any) -> None:

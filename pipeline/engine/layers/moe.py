@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.engine.native import cpu_moe
-from pipeline.engine.worker.kernels import TRITON, backend
+from pipeline.engine.config import TRITON, backend
 from pipeline.engine.layers.qlinear import W8A8DynamicLinear, quantize_per_token
 from pipeline.model.ffn import MLP, MoE, combine_experts
 
@@ -78,6 +78,9 @@ class Int8MoE(nn.Module):
         self.experts = nn.ModuleList(Int8Expert(e) for e in moe.experts)
         self.shared_experts = Int8Expert(moe.shared_experts) if moe.shared_experts is not None else None
         self.last_load: Optional[torch.Tensor] = None
+        # the kernels, chosen when built (the engine's; alone: the environment's now)
+        self.native = all(m.native for m in self.modules() if isinstance(m, W8A8DynamicLinear))
+        self.backend = backend(self.gate.weight.device)
         self.register_load_state_dict_post_hook(cpu_moe.drop_pack)    # the C path's packed experts
 
     def _apply(self, fn, recurse=True):
@@ -94,7 +97,7 @@ class Int8MoE(nn.Module):
             if self.shared_experts is not None:
                 out = out + cpu_moe.shared_forward(self.shared_experts, flat)
             return out.view(shape)
-        if backend(x.device) == TRITON:                 # the fused grouped int8 GEMM (kernels.moe_gemm)
+        if self.backend == TRITON:                      # the fused grouped int8 GEMM (triton.moe_gemm)
             from pipeline.engine.triton.moe_gemm import StackedExperts, int8_moe_forward
 
             if getattr(self, "_stacked", None) is None:

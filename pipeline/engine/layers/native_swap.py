@@ -1,4 +1,5 @@
-"""Swapping the engine's float C modules into a model in place (:func:`use_native_float_ops`): the
+"""A model's kernels, chosen when it is built (:func:`use_kernels`: the engine's, pipeline.engine.config), and
+swapping the engine's float C modules into a model in place (:func:`use_native_float_ops`): the
 modules of :mod:`pipeline.engine.native.cpu_float` (linears, RMSNorm, router) and of
 :mod:`pipeline.engine.native.cpu_float_ffn` (a float model's MoE and dense MLPs), each where it takes the module's
 weights; a module that does not fit stays torch."""
@@ -11,12 +12,29 @@ from typing import Optional
 import torch
 from torch import nn
 
+from pipeline.engine.config import Kernels
 from pipeline.engine.native import cpu_float_ffn
 from pipeline.engine.native.cpu_float import _DT, _LIB, NativeLinear, NativeRMSNorm, NativeRouter
 from pipeline.model.ffn import MLP, MoE, Router
 from pipeline.model.norm import RMSNorm
 
 log = logging.getLogger("dsquant.kernels")
+
+
+def use_kernels(model: nn.Module, kernels: Kernels) -> None:
+    """Give ``model`` ``kernels``: its int8 linears and int8 MoEs run their C kernels or not as
+    ``kernels.linears`` says (a triton backend's MoE its fused kernel), and the float C modules are
+    swapped in where ``kernels.float_ops``."""
+    from pipeline.engine.layers.moe import Int8MoE
+    from pipeline.engine.layers.qlinear import Int8Linear
+
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            m.native = kernels.linears
+        elif isinstance(m, Int8MoE):
+            m.native, m.backend = kernels.linears, kernels.backend
+    if kernels.float_ops:
+        use_native_float_ops(model)
 
 
 def _is_head(name: str) -> bool:

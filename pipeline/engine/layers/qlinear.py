@@ -33,12 +33,14 @@ which says why each is exact; a module's ``kernel`` forces one, ``last_kernel`` 
 
 - ``native``: the whole forward (quantize, int32 product, epilogue) in one C call on the CPU
   (:mod:`pipeline.engine.native.cpu_linear`), bit-identical to the torch path in both epilogues. ``auto`` takes
-  it where :func:`cpu_linear.enabled` (the kernels backend is ``native`` and the library built) for
+  it where the module's ``native`` is on (chosen when it is built: the engine's kernels, or for a module
+  built alone :func:`native_default`: the kernels backend ``native`` and the library built) for
   float32 / bf16 input (int8 rows for ``apply_quantized`` and ``_acc``) of any size when torch runs one
-  intra-op thread (``_int_mm`` then has no second core: the C kernel measured faster up to 2048 rows),
+  intra-op thread (``_int_mm`` then has no second core: the C kernel is faster up to 2048 rows),
   else of at most ``cpu_linear.max_rows(k, n)`` rows (64, fewer for wide weights); larger batches keep
   ``select_kernel``'s. ``kernel="native"`` forces it (an error where it cannot run);
-  ``DSQUANT_KERNELS=torch``, ``DSQUANT_NATIVE=0`` or ``DSQUANT_NATIVE_LINEAR=0`` turn it off. The C
+  ``DSQUANT_KERNELS=torch``, ``DSQUANT_NATIVE=0`` or ``DSQUANT_NATIVE_LINEAR=0`` when it is built turn it
+  off. The C
   kernel keeps a packed copy of the weight, dropped on ``load_state_dict``, buffer assignment and
   ``.to()`` (cpu_linear's docstring).
 
@@ -48,11 +50,13 @@ is checked once, when the module is built (:func:`build_int8_linear`).
 
 from __future__ import annotations
 
+import os
 from typing import Mapping, Optional
 
 import torch
 from torch import Tensor, nn
 
+from pipeline.engine import config
 from pipeline.engine.native import cpu_linear
 from pipeline.engine.int8_arith import (FP32_CHUNKED, INT_MM, KERNELS, QMAX, QMIN, SCALE_DTYPES, DeviceLike,
                                        Int8LinearError, _bits_to_float32, _int_mm_int32, decode_deq_scale,
@@ -68,6 +72,21 @@ FAST_EPILOGUE_ULPS = 4                            # fast vs exact, float32 outpu
 
 
 # ----- the modules ---------------------------------------------------------------------------------
+_defaults: dict[tuple, bool] = {}
+
+
+def native_default(device) -> bool:
+    """Whether the C kernel may serve a module built on ``device`` outside an engine: the kernels resolved
+    from the environment now (pipeline.engine.config; once per device and switch values)."""
+    dev = torch.device(device)
+    key = (dev.type,) + tuple(os.environ.get(v) for v in (config.ENV, "DSQUANT_NATIVE", "DSQUANT_NATIVE_LINEAR"))
+    hit = _defaults.get(key)
+    if hit is None:
+        hit = _defaults[key] = dev.type == "cpu" and config.backend(dev) == config.NATIVE \
+            and cpu_linear.library() is not None
+    return hit
+
+
 class Int8Linear(nn.Module):
     """Common part: the int8 weight, the kernel choice and the exact product. ``kernel``: "auto" (see
     :func:`select_kernel`) or one of KERNELS; ``last_kernel``: the kernel of the last forward;
@@ -76,7 +95,7 @@ class Int8Linear(nn.Module):
     kind = ""
 
     def __init__(self, name: str, weight: Tensor, bias: Optional[Tensor] = None, kernel: str = AUTO,
-                 epilogue: str = EXACT):
+                 epilogue: str = EXACT, native: Optional[bool] = None):
         super().__init__()
         if epilogue not in EPILOGUES:
             raise Int8LinearError(f"{name}: unknown epilogue {epilogue!r} (known: {', '.join(EPILOGUES)})")
@@ -88,6 +107,7 @@ class Int8Linear(nn.Module):
         if kernel not in (AUTO, NATIVE) + KERNELS:
             raise Int8LinearError(f"{name}: unknown kernel {kernel!r} (known: auto, {', '.join(KERNELS)}, native)")
         self.kernel = kernel
+        self.native = native_default(weight.device) if native is None else bool(native)  # may C serve it
         self.last_kernel: Optional[str] = None
         self._native_rows = cpu_linear.max_rows(self.in_features, self.out_features)   # auto, several threads
         self.register_load_state_dict_post_hook(cpu_linear.drop)     # the C kernel's packed copy is stale
@@ -122,10 +142,11 @@ class Int8Linear(nn.Module):
         if kernel != AUTO and kernel != NATIVE:
             return False
         ok = isinstance(x, Tensor) and x.dim() > 0 and x.shape[-1] == self.in_features <= cpu_linear.MAX_K
-        if not (ok and x.dtype in dtypes and cpu_linear.enabled(x.device)):
+        if not (ok and x.dtype in dtypes and self.native and x.device.type == "cpu"):
             if kernel == NATIVE and ok:
                 raise Int8LinearError(f"{self.name}: kernel 'native' cannot run on {x.device} for {x.dtype} "
-                                      f"input ({cpu_linear.status()}; it takes {', '.join(map(str, dtypes))})")
+                                      f"input ({cpu_linear.status() if self.native else 'the C kernels were off when it was built'}; "
+                                      f"it takes {', '.join(map(str, dtypes))})")
             return False
         if kernel == AUTO and x.numel() > self._native_rows * self.in_features and torch.get_num_threads() > 1:
             return False

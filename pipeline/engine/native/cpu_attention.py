@@ -72,9 +72,9 @@ def library() -> Optional[ctypes.CDLL]:
 
 def serving_library() -> Optional[ctypes.CDLL]:
     """The decode attention library where the engine should serve with it: built with its AVX-512 or its
-    AVX2 + FMA loops (a 16-row W8A8 decode step's attention 7.3 -> 2.0 ms against torch's ops on an AVX2
-    EPYC, benchmarks/engine_profile_avx2.json). Built for a CPU with neither its loops are plain C (the
-    tests still check them), 2x slower than torch's ops there, so the engine keeps torch."""
+    AVX2 + FMA loops (several times faster than torch's ops: benchmarks/engine_profile*.json). Built for a
+    CPU with neither its loops are plain C (the tests still check them), slower than torch's ops, so the
+    engine keeps torch."""
     dll = _ATTENTION.library()
     return dll if dll is not None and dll.mla_decode_vectorized() else None
 
@@ -122,7 +122,7 @@ def decode_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, cache, batch, soft
     [H, C, d_v] (float32, as ModelRunner keeps them) the absorption is folded into the same call: the first
     argument is then ``q_nope`` [B, H, d_n] (q_abs = q_nope @ W_UK per head, computed in C) and the result
     ``o`` = o_lat @ W_UV^T [B, H, d_v]. RuntimeError when the library is not available."""
-    lib = _ATTENTION.library()
+    lib = _ATTENTION.loaded()
     if lib is None:
         raise RuntimeError(f"native decode attention unavailable: {_ATTENTION.status()}")
     B, H, width = q_abs.shape
@@ -184,7 +184,7 @@ def bind_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, cache, softmax_scale: 
     :func:`decode_attention` with the absorbed weights into ``out`` [B, H, d_v], for the tensors' current
     storage: a call passes ``(table pointer, table width, lengths pointer)`` between the two (a step's
     DecodeBatch); None where the engine would not serve decode attention with C on these tensors."""
-    lib = serving_library()
+    lib = _ATTENTION.loaded()               # (the engine chose the C decode when it was built)
     B, H, d_n = q_nope.shape
     ok = (lib is not None and all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
                                   for t in (q_nope, q_pe, w_uk, w_uv_t, out))
@@ -215,7 +215,7 @@ def write_slots(cache, slots: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor)
     (nothing written) when the library is not available or the tensors are not CPU ones of kernel
     dtypes. Dtype casts other than the int8 quantization (a float latent or k_pe in another dtype than
     the cache's) are done by torch first, so the stored bytes are torch's."""
-    lib = _WRITE.library()
+    lib = _WRITE.loaded()
     if not _write_takes(lib, cache, slots, c, k_pe):
         return False
     if not cache.is_int8:
@@ -238,7 +238,7 @@ def bind_write(cache, slots: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor) 
     storage (contiguous ``slots`` int64 [S], ``c`` [S, C], ``k_pe`` [S, d_r]): torch's casts into buffers
     of the cache's dtypes where write_slots casts (functions returning None), then the C calls; None where
     write_slots would not call C."""
-    lib = _WRITE.library()
+    lib = _WRITE.loaded()
     if not _write_takes(lib, cache, slots, c, k_pe) \
             or not (slots.is_contiguous() and c.is_contiguous() and k_pe.is_contiguous()):
         return None

@@ -51,11 +51,9 @@ SWITCH = "DSQUANT_NATIVE_FLOAT"             # 0: none of these swaps (the other 
 _DT = {torch.bfloat16: 1, torch.float32: 3}   # csrc/dtypes.h
 _ERRORS = {1: "out of memory", 2: "bad sizes"}
 #: The linears: above LINEAR_C_ROWS rows F.linear over the
-#: float32 weight (the same products; MKL's blocked GEMM). Measured on the embedded model's shapes (one
-#: torch thread, load 1.2-2.3; C / MKL us): 576 x 256 at 16 rows 53 / 69, 128: 387 / 478, 256: 794 / 964,
-#: 512: 1512 / 1866, 1024: 5211 / 4493; lm_head 4096 x 256 at 256 rows 5372 / 6583; 256 x 768 at 256
-#: rows 1025 / 1276: the C kernel is no slower up to 512 rows, ~16% slower at 1024 (the FMA chains; the AMX
-#: tiles are 2-2.5x faster than those at every size from 4 rows). 2048 is a served
+#: float32 weight (the same products; MKL's blocked GEMM). On the embedded model's shapes the C kernel is
+#: no slower than MKL up to 512 rows and a little slower at 1024 (the FMA chains; the AMX tiles are faster
+#: than those at every size from 4 rows): benchmarks/cpu_float.json. 2048 is a served
 #: engine's max_batched_tokens (actors.serve_config.DEFAULT_ENGINE; the engine's own default is 256), so
 #: every step's rows take the C path (a row's result then never depends on the step it was computed in:
 #: prefill and decode, prefix-cache hits and recomputed entries agree), at that cost for big prefills.
@@ -166,7 +164,7 @@ class NativeLinear(nn.Linear):
         else:
             x, m, ldx = _rows(x)
         bits = self.packed() if m <= LINEAR_C_ROWS else None
-        lib = _LIB.library() if bits is not None else None
+        lib = _LIB.loaded() if bits is not None else None
         if lib is None:
             return F.linear(x, w)
         out = torch.empty(x.shape[:-1] + (self.out_features,), dtype=torch.float32)
@@ -186,7 +184,7 @@ class NativeLinear(nn.Linear):
             return None
         x2, m, ldx = _rows(x)
         bits = self.packed() if m <= LINEAR_C_ROWS and x2 is x else None
-        lib = _LIB.library() if bits is not None else None
+        lib = _LIB.loaded() if bits is not None else None
         if lib is None or out.dtype != torch.float32 or not out.is_contiguous() \
                 or out.shape != x.shape[:-1] + (self.out_features,):
             return None
@@ -204,7 +202,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``pipeline.model.rope.apply_rope`` in one C call, the same bits: x [..., S, (heads,) d] float32 or bf16
     (any strides that give evenly spaced rows and heads, e.g. the q_pe part of q), cos / sin [..., S, d/2]
     float32 of x's leading shape; anything else goes to apply_rope."""
-    lib = _LIB.library()
+    lib = _LIB.loaded()
     if not _rope_takes(lib, x, cos, sin) or _autograd(x) or torch.compiler.is_compiling():
         return apply_rope(x, cos, sin)
     heads, d = x.shape[-2] if x.dim() == cos.dim() + 1 else 1, x.shape[-1]
@@ -236,7 +234,7 @@ def bind_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.
     """(C function, arguments, tensors to hold) computing rope(x, cos, sin) into ``out`` (contiguous, x's
     shape and dtype) for the tensors' current storage; None where :func:`rope` would not call C (or would
     copy x first)."""
-    lib = _LIB.library()
+    lib = _LIB.loaded()
     if not _rope_takes(lib, x, cos, sin) or not (cos.is_contiguous() and sin.is_contiguous() and out.is_contiguous()) \
             or out.shape != x.shape or out.dtype != x.dtype:
         return None
@@ -247,11 +245,11 @@ def bind_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.
     return lib.rope, _rope_args(x, xs, cos, sin, out), ()
 
 
-def argmax_rows(x: torch.Tensor) -> list[int]:
+def argmax_rows(x: torch.Tensor, native: bool = True) -> list[int]:
     """``x.argmax(-1).tolist()`` of float32 rows x [R, V] (the greedy rows' logits) in one C call: the first
-    index of each row's maximum, a NaN counting as the maximum (torch's argmax); anything else, or
-    without the library, torch's argmax itself."""
-    lib = _LIB.library()
+    index of each row's maximum, a NaN counting as the maximum (torch's argmax); anything else, without
+    the library, or not ``native`` (the engine's float ops are torch's), torch's argmax itself."""
+    lib = _LIB.loaded() if native else None
     if lib is None or x.dtype != torch.float32 or x.dim() != 2 or not x.is_cpu or x.shape[1] < 1 \
             or x.stride(1) != 1 or torch.compiler.is_compiling():
         return x.argmax(-1).tolist()
@@ -275,7 +273,7 @@ class NativeRMSNorm(RMSNorm):
             and x.dim() > 0 and x.shape[-1] == w.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lib, w = _LIB.library(), self.weight
+        lib, w = _LIB.loaded(), self.weight
         if not self._takes(lib, x) or _autograd(x, w):
             return super().forward(x)
         out_dtype = torch.promote_types(x.dtype, w.dtype)
@@ -295,7 +293,7 @@ class NativeRMSNorm(RMSNorm):
         """(C function, arguments, the weight held) computing forward(x) into ``out`` (contiguous, x's
         shape, the promoted dtype) for the tensors' current storage; None where forward would not call C
         on x as it is (pipeline.engine.worker.decode_graph)."""
-        lib, w = _LIB.library(), self.weight
+        lib, w = _LIB.loaded(), self.weight
         if not self._takes(lib, x) or not out.is_contiguous() or out.shape != x.shape \
                 or out.dtype != torch.promote_types(x.dtype, w.dtype):
             return None
@@ -330,7 +328,7 @@ class NativeRouter(Router):
             and x.dim() == 2 and x.shape[1] == w.shape[1]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        lib, w, b = _LIB.library(), self.weight, self.e_score_correction_bias
+        lib, w, b = _LIB.loaded(), self.weight, self.e_score_correction_bias
         if not self._takes(lib, x) or _autograd(x, w):
             return super().forward(x)
         n = x.shape[0]
@@ -351,7 +349,7 @@ class NativeRouter(Router):
         """(a function returning the C call's status, no arguments, tensors to hold) routing ``x`` [N, hidden]
         into ``weights`` float32 / ``idx`` int64 [N, top_k] (contiguous) as forward does; None where forward
         would not call C."""
-        lib, w, b = _LIB.library(), self.weight, self.e_score_correction_bias
+        lib, w, b = _LIB.loaded(), self.weight, self.e_score_correction_bias
         if not self._takes(lib, x) or weights.shape != (x.shape[0], self.top_k) or idx.shape != weights.shape or weights.dtype != torch.float32 or idx.dtype != torch.int64 \
                 or not (weights.is_contiguous() and idx.is_contiguous()):
             return None

@@ -44,10 +44,9 @@ CSRC = Path(__file__).with_name("csrc")
 SWITCH = "DSQUANT_NATIVE_FLOAT"             # the float ops' switch (cpu_float.SWITCH)
 _ERRORS = {1: "out of memory", 2: "bad sizes"}
 #: Above this many rows a dense MLP runs MLP.forward (MKL's GEMMs); the MoE has no such limit (its torch
-#: path is a Python loop over experts: slower at every size measured). Measured (the embedded model, one
-#: torch thread, load ~1.8; C / torch us): the dense MLP (768 wide) at 1 row 44 / 111, 16: 249 / 347,
-#: 128: 1761 / 2051, 256: 3862 / 3709; a MoE layer at 1 row 84 / 430, 16: 295 / 2143, 256: 3699 / 7010.
-#: 2048 = a served engine's max_batched_tokens (cpu_float.LINEAR_C_ROWS: the same reasoning).
+#: path is a Python loop over experts: slower at every size measured); the dense MLP's C call is faster
+#: than MKL's GEMMs at decode and prefill-chunk sizes and about even from a few hundred rows
+#: (benchmarks/cpu_float.json). 2048 = a served engine's max_batched_tokens (cpu_float.LINEAR_C_ROWS: the same reasoning).
 FFN_C_ROWS = 2048
 
 
@@ -160,7 +159,7 @@ def _run(pk: PackedFFN, flat: torch.Tensor, weights: Optional[torch.Tensor] = No
                              f"{None if weights is None else list(weights.shape)} do not fit {N} tokens")
         idx, weights = idx.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous()
         load = torch.empty(pk.E, dtype=torch.int64)
-    rc = _LIB.library().float_ffn(*_ffn_args(pk, flat, out, weights, idx, load))
+    rc = _LIB.loaded().float_ffn(*_ffn_args(pk, flat, out, weights, idx, load))
     if rc == 3:
         raise ValueError(f"MoE: router expert ids outside [0, {pk.E}) (min {int(idx.min())}, max {int(idx.max())})")
     if rc:
@@ -185,7 +184,7 @@ def bind(module, x: torch.Tensor, out: torch.Tensor, weights: Optional[torch.Ten
     moe = isinstance(module, NativeFloatMoE)
     if not isinstance(module, (NativeFloatMoE, NativeFloatMLP)) or x.dtype != torch.float32 or not x.is_cpu \
             or not x.is_contiguous() or not out.is_contiguous() or out.shape != x.shape or out.dtype != torch.float32 \
-            or _LIB.library() is None:
+            or _LIB.loaded() is None:
         return None
     pk = module.packed()
     if pk is None or x.shape[-1] != pk.H or (not moe and x.numel() > FFN_C_ROWS * pk.H):
@@ -198,14 +197,14 @@ def bind(module, x: torch.Tensor, out: torch.Tensor, weights: Optional[torch.Ten
                 or not (idx.is_contiguous() and weights.is_contiguous()):
             return None
     flat = x.view(-1, pk.H)
-    return _LIB.library().float_ffn, _ffn_args(pk, flat, out, weights, idx, load), (pk,)
+    return _LIB.loaded().float_ffn, _ffn_args(pk, flat, out, weights, idx, load), (pk,)
 
 
 def _c_input(x: torch.Tensor, params) -> bool:
     """float32 CPU input, no autograd to record, not being traced, the library on."""
     return x.dtype == torch.float32 and x.is_cpu and not torch.compiler.is_compiling() \
         and not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params()))) \
-        and _LIB.library() is not None
+        and _LIB.loaded() is not None
 
 
 class NativeFloatMoE(_Packs, MoE):

@@ -13,16 +13,16 @@ the scales), on first use, and again after ``load_state_dict``, a buffer assigne
 (the module drops its copy: :func:`drop`) or an in-place change of the weight (its version is compared on
 each call); an in-place edit of a scale tensor outside ``load_state_dict`` needs :func:`drop`. The packed
 copy holds the weight a second time (int8, n rounded up to 64 columns). A call then costs a shape/dtype
-check, one output allocation and the ctypes call: ~6 us of Python with everything in cache, ~15-20 us
-inside an engine step (cold caches), against ~12 torch ops (~40-100 us) on the torch path.
+check, one output allocation and the ctypes call, against ~12 torch ops on the torch path.
 
 The int32 product runs on AVX-512 VNNI (4-row register tiles), or, for calls of 32 rows or more on a CPU
 with AMX that the kernel lets use it, on the AMX tiles (tdpbusd, the same u8 x s8 sums: the same int32
-bits); the quantization and the epilogue run 16 lanes at a time with the scalar code's operations. At
-2048 rows (a served prefill step) that made a call 1.5-3x faster (benchmarks/cpu_linear.json).
+bits); the quantization and the epilogue run 16 lanes at a time with the scalar code's operations
+(benchmarks/cpu_linear.json).
 
-Which path runs is :func:`enabled` (the kernels backend is ``native`` on this device, the library built,
-``DSQUANT_NATIVE_LINEAR`` not ``0``) and, for ``kernel="auto"``, the batch. The C kernel is single-threaded.
+Which path runs is the module's ``native`` (chosen when it is built: the kernels backend ``native``, the
+library built, ``DSQUANT_NATIVE_LINEAR`` not ``0``: pipeline.engine.config) and, for ``kernel="auto"``,
+the batch. The C kernel is single-threaded.
 With one torch thread (the engine profile's and a one-core engine's setting) it beat the torch path at
 every size measured (1 to 2048 rows, benchmarks/cpu_linear.json: ~4x at decode sizes, 1.03-2.1x from
 512 rows), so it takes every batch. With two threads ``_int_mm`` (oneDNN) catches up once a call holds
@@ -33,7 +33,6 @@ still 1.39x), so it takes at most :func:`max_rows` rows: 64, fewer for wide weig
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -75,17 +74,16 @@ def _declare(dll: ctypes.CDLL) -> None:
 
 _LIB = NativeLibrary(SOURCE, _declare, EXACT_FLAGS, switch="DSQUANT_NATIVE_LINEAR",
                      what="native int8 linear kernel (torch ops give the same bits)")
-_enabled: dict[tuple, bool] = {}
 
 
 def library() -> Optional[ctypes.CDLL]:
-    """The compiled kernels, or None (the reason in :func:`status`)."""
+    """The compiled kernels, or None (the reason in :func:`status`); reads the switches (a decision point)."""
     return _LIB.library()
 
 
 def status() -> str:
     """``native (<path>, vnni=..., amx=...)`` or ``torch ops (<why>)``, for logs and benchmark records."""
-    lib = library()
+    lib = _LIB.library()
     if lib is None:
         return _LIB.status()
     return f"{_LIB.status()[:-1]}, vnni={bool(lib.native_has_vnni())}, amx={bool(lib.native_has_amx())})"
@@ -96,40 +94,13 @@ def max_rows(k: int, n: int) -> int:
     return max(MIN_ROWS, min(MAX_ROWS, MAX_MACS // max(1, k * n)))
 
 
-def _switches() -> tuple:
-    """The values of the switch variables: os.environ's own dict when it has one (CPython's, kept in step
-    with os.environ and putenv by os.environ itself; 10x cheaper than two os.environ.get), else .get."""
-    raw = getattr(os.environ, "_data", None)
-    if isinstance(raw, dict) and _RAW_KEYS is not None:
-        return tuple(raw.get(k) for k in _RAW_KEYS)
-    return tuple(os.environ.get(k) for k in _SWITCHES)
-
-
-#: DSQUANT_NATIVE_LINEAR=0 turns off these kernels only (the other native kernels stay on).
-_SWITCHES = ("DSQUANT_KERNELS", "DSQUANT_NATIVE", "DSQUANT_NATIVE_LINEAR")
-try:
-    _RAW_KEYS: Optional[tuple] = tuple(os.environ.encodekey(v) for v in _SWITCHES)  # type: ignore[attr-defined]
-except AttributeError:
-    _RAW_KEYS = None
-
-
-def enabled(device: torch.device) -> bool:
-    """Whether the C kernels run for work on ``device``: the kernels backend is ``native`` there and the
-    library loaded, and ``DSQUANT_NATIVE_LINEAR`` is not ``0``. Cached per device type and value of the
-    switch variables (read on every call: tests and users flip them)."""
-    key = (device.type, _switches())
-    hit = _enabled.get(key)
-    if hit is None:
-        from pipeline.engine.worker.kernels import NATIVE, backend
-
-        # library() is None while DSQUANT_NATIVE(_LINEAR)=0: the library's own switch (its status says so)
-        hit = _enabled[key] = device.type == "cpu" and backend(device) == NATIVE and library() is not None
-    return hit
+def loaded() -> Optional[ctypes.CDLL]:
+    """The library for a module that chose it when it was built (no switch read)."""
+    return _LIB.loaded()
 
 
 def reset() -> None:
-    """Forget the loaded library and the cached choices (tests that flip the switch variables)."""
-    _enabled.clear()
+    """Forget the loaded library (tests that flip the switch variables)."""
     _LIB.reset()
 
 
@@ -139,7 +110,7 @@ def padded(n: int, k: int) -> tuple[int, int]:
 
 def pack_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 [n, k] -> (packed int8 [np * kp], 128 * row sums int32 [np]) in the C kernel's layout."""
-    lib = library()
+    lib = _LIB.loaded()
     if lib is None:
         raise RuntimeError(f"pack_weight: {status()}")
     w = w.contiguous()
@@ -217,7 +188,7 @@ def forward(mod, x: torch.Tensor) -> torch.Tensor:
         m, ldx = x2.shape[0], x2.stride(0)
     y = torch.empty(x.shape[:-1] + (mod.out_features,), dtype=x.dtype)
     if m:
-        _check(library().int8_linear(pk.ref, x2.data_ptr(), m, ldx, DTYPES[x.dtype], y.data_ptr()), mod.name)
+        _check(_LIB.loaded().int8_linear(pk.ref, x2.data_ptr(), m, ldx, DTYPES[x.dtype], y.data_ptr()), mod.name)
     return y
 
 
@@ -229,7 +200,7 @@ def bind(mod, x: torch.Tensor, out: torch.Tensor) -> Optional[tuple]:
             or out.shape != x.shape[:-1] + (mod.out_features,) or not mod._native(x):
         return None
     pk, k = packed(mod), mod.in_features
-    return library().int8_linear, (pk.ref, x.data_ptr(), x.numel() // k, k, DTYPES[x.dtype], out.data_ptr()), (pk,)
+    return _LIB.loaded().int8_linear, (pk.ref, x.data_ptr(), x.numel() // k, k, DTYPES[x.dtype], out.data_ptr()), (pk,)
 
 
 def apply_quantized(mod, x_q: torch.Tensor, s_tok: Optional[torch.Tensor]) -> torch.Tensor:
@@ -246,5 +217,5 @@ def apply_quantized(mod, x_q: torch.Tensor, s_tok: Optional[torch.Tensor]) -> to
             raise ValueError(f"{mod.name}: s_tok must be float32 [{m}, 1], got {s_tok.dtype} {list(s_tok.shape)}")
         y, s_ptr = torch.empty(m, mod.out_features, dtype=torch.float32), s_tok.data_ptr()
     if m:
-        _check(library().int8_linear_q(pk.ref, x_q.data_ptr(), s_ptr, m, y.data_ptr()), mod.name)
+        _check(_LIB.loaded().int8_linear_q(pk.ref, x_q.data_ptr(), s_ptr, m, y.data_ptr()), mod.name)
     return y

@@ -36,7 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.engine.native import cpu_linear
-from pipeline.engine.layers.qlinear import AUTO, NATIVE, W8A8DynamicLinear
+from pipeline.format.description import W8A8_DYNAMIC
+
+#: The Int8Linear kernels (layers.qlinear's) that let the C path serve a linear.
+C_KERNELS = ("auto", "native")
 
 p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
@@ -79,9 +82,9 @@ def supported(moe) -> bool:
     if not ex:
         return False
     I, H = ex[0].inter, ex[0].gate_up.in_features
-    return all(isinstance(e.down_proj, W8A8DynamicLinear) and e.inter == I and e.gate_up.in_features == H
-               and tuple(e.down_proj.weight.shape) == (H, I) and e.gate_up.kernel in (AUTO, NATIVE)
-               and e.down_proj.kernel in (AUTO, NATIVE) for e in ex) and max(H, I) <= cpu_linear.MAX_K
+    return all(getattr(e.down_proj, "kind", None) == W8A8_DYNAMIC and e.inter == I and e.gate_up.in_features == H
+               and tuple(e.down_proj.weight.shape) == (H, I) and e.gate_up.kernel in C_KERNELS
+               and e.down_proj.kernel in C_KERNELS for e in ex) and max(H, I) <= cpu_linear.MAX_K
 
 
 def packed(moe) -> PackedExperts:
@@ -101,7 +104,7 @@ def routed(moe, flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) ->
     """The routed experts' weighted sum for tokens ``flat`` [N, H] (float32 / bf16) routed to ``idx``
     [N, top_k] with ``weights`` [N, top_k]: (float32 [N, H], tokens per expert int64 [E]) -- what
     ``combine_experts`` returns for Int8MoE's experts."""
-    pk, lib = packed(moe), cpu_linear.library()
+    pk, lib = packed(moe), cpu_linear.loaded()
     dt = cpu_linear.DTYPES[flat.dtype]
     N, top_k = idx.shape
     if flat.shape != (N, pk.H):
@@ -131,7 +134,7 @@ def bind_routed(moe, flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tenso
     SiLU between them on buffers made here. None where routed would not run on these tensors."""
     if not can_run(moe, flat) or flat.dtype != torch.float32 or flat.dim() != 2 or not flat.is_contiguous():
         return None
-    pk, lib = packed(moe), cpu_linear.library()
+    pk, lib = packed(moe), cpu_linear.loaded()
     N, top_k = idx.shape
     if flat.shape != (N, pk.H) or weights.shape != idx.shape or weights.dtype != torch.float32 \
             or idx.dtype != torch.int64 or out.shape != (N, pk.H) or out.dtype != torch.float32 \
@@ -160,9 +163,9 @@ def shared_forward(expert, flat: torch.Tensor) -> torch.Tensor:
 
 
 def can_run(moe, x: torch.Tensor) -> bool:
-    """The C path for this call: float32 / bf16 CPU input, the kernels enabled, a supported MoE (checked
-    once per module)."""
-    if x.dtype not in cpu_linear.DTYPES or not cpu_linear.enabled(x.device):
+    """The C path for this call: float32 / bf16 CPU input, the module's C kernels on (``moe.native``,
+    chosen when it was built), a supported MoE (checked once per module)."""
+    if x.dtype not in cpu_linear.DTYPES or not moe.native or x.device.type != "cpu":
         return False
     ok: Optional[bool] = moe.__dict__.get("_native_ok")
     if ok is None:

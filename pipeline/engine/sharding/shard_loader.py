@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pipeline import layout
+from pipeline.engine.config import resolve
 from pipeline.engine.sharding.comm import Comm
 from pipeline.engine.worker.loader import LoadedModel
 from pipeline.engine.layers.moe import Int8Expert, is_int8_mlp
@@ -82,7 +83,9 @@ def load_sharded(path: str, comm: Comm, dtype: torch.dtype = torch.float32, devi
     if missing:
         raise ValueError(f"{path}: rank {rank}: tensors missing for {missing[:5]}")
     fa_k = {i: float(s.float().reshape(())) for i, s in fa_scales(tensors).items()}
-    return LoadedModel(model.eval(), cfg, dict(types), fa_k, path)
+    # the kernels of this device (the int8 linears take them when built; the float modules stay torch's,
+    # as every rank must compute the router identically: sharded.py)
+    return LoadedModel(model.eval(), cfg, dict(types), fa_k, path, resolve(device))
 
 
 def _expert(mlp: nn.Module) -> nn.Module:

@@ -217,12 +217,14 @@ def int8_linear(module, x: torch.Tensor, deq_scale: Optional[torch.Tensor] = Non
     through these kernels: the module's FAST epilogue bit for bit (a dynamic linear's bias added in float32,
     as the module adds it); the caller casts to x.dtype. ``deq_scale``: the module's decoded float32
     deq_scale, if the caller caches it (else decoded here from its stored form)."""
-    from pipeline.engine.layers.qlinear import W8A8DynamicLinear, W8A8StaticLinear, _bits_to_float32
+    from pipeline.engine.int8_arith import _bits_to_float32
+    from pipeline.format.description import W8A8, W8A8_DYNAMIC
 
-    if isinstance(module, W8A8StaticLinear):
+    kind = getattr(module, "kind", None)
+    if kind == W8A8:
         deq = _bits_to_float32(module.deq_scale) if deq_scale is None else deq_scale
         return int8_gemm_static(x, module.weight, module.input_scale, module.input_offset, module.quant_bias, deq)
-    if isinstance(module, W8A8DynamicLinear):
+    if kind == W8A8_DYNAMIC:
         y = int8_gemm_dynamic(x, module.weight, module.weight_scale)
         return y if module.bias is None else y + module.bias.float()
     raise TypeError(f"int8_linear: expected a W8A8StaticLinear or W8A8DynamicLinear, got {type(module).__name__}")

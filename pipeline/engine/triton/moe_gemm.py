@@ -218,7 +218,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     N, H, E, I = _check(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
     rk = round_kind(dtype or x.dtype, "fused_moe")
     if x_q is None:
-        from pipeline.engine.layers.qlinear import quantize_per_token
+        from pipeline.engine.int8_arith import quantize_per_token
         x_q, s_tok = quantize_per_token(x)
     x_q, s_tok = x_q.contiguous(), s_tok.reshape(N).float().contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
@@ -274,7 +274,7 @@ def int8_moe_forward(moe, stacked: StackedExperts, x: torch.Tensor) -> torch.Ten
     """``Int8MoE.forward`` through the kernels: router, one per-token quantization, ``fused_moe`` for the
     routed experts, the shared expert through torch as Int8MoE does, ``moe.last_load`` set. Output in
     x.dtype, shape of x."""
-    from pipeline.engine.layers.qlinear import quantize_per_token
+    from pipeline.engine.int8_arith import quantize_per_token
 
     shape, dtype = x.shape, x.dtype
     flat = x.reshape(-1, shape[-1])

@@ -22,6 +22,7 @@ its cache holds the latent in the model's dtype (bf16 for the embedded model), n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -29,7 +30,9 @@ from torch import nn
 from pipeline import layout
 from pipeline.config import DeepseekV3Config
 from pipeline.model import DeepseekV3ForCausalLM, build_model
+from pipeline.engine.config import Kernels, resolve
 from pipeline.engine.layers.moe import fuse_moe_layers
+from pipeline.engine.layers.native_swap import use_kernels
 from pipeline.engine.layers.qlinear import EXACT, build_from_checkpoint, by_linear
 from pipeline.format.description import DESCRIPTION_NAME, FLOAT, QUANT_KINDS
 from pipeline.format.reader import fa_scales, read_quantized
@@ -38,14 +41,10 @@ from pipeline.io.checkpoint import read_model_config
 
 QUANTIZED, FLOAT_CHECKPOINT = "quantized", "float"
 QUANT_WEIGHT_PREFIX = "quant_model_weight"     # msModelSlim's weight files (quant_model_weight_w8a8*.safetensors)
-#: The compute dtype of a float checkpoint on the CPU when none is asked for. Measured on the embedded
-#: model (2-core AVX512-BF16 machine, one torch thread, 128-token prompts, NZ cache; medians of 6
-#: alternating rounds): float32 / bfloat16 ms per decode step 8.1 / 10.1 at 1 sequence, 17.8 / 21.0 at 8,
-#: 24.1 / 27.0 at 16, prefill of 128 tokens 32 / 40 ms (a second run: 7.2 / 10.0, 14.4 / 20.4,
-#: 22.5 / 27.4, 32 / 44 ms; the machine was shared, load 3-7, hence two runs). A bf16 GEMM alone is
-#: faster from ~8 rows up, but a step is mostly small ones (an expert sees a few rows): profiled at 8
-#: sequences its GEMMs average 46 us in bf16 against 39 in float32, and bf16 adds twice the copies
-#: (casts around the float32 attention and router). So float32 (the bf16 weights widened exactly, the
+#: The compute dtype of a float checkpoint on the CPU when none is asked for: float32, faster than bf16 at
+#: every batch the engine was profiled at (1 to 16 sequences, decode and prefill). A bf16 GEMM alone wins
+#: from some rows up, but a step is mostly small ones (an expert sees a few rows), and bf16 adds the casts
+#: around the float32 attention and router. So float32 (the bf16 weights widened exactly, the
 #: float model's own CPU default, pipeline.model.loading); ``dtype="bfloat16"`` computes in the model's
 #: dtype. On CUDA the default is the checkpoint's torch_dtype.
 FLOAT_CPU_DTYPE = torch.float32
@@ -59,6 +58,7 @@ class LoadedModel:
     types: dict[str, str]
     fa_k: dict[int, float]          # layer id -> the latent's int8 scale (FA3 layers only)
     path: str
+    kernels: Kernels = Kernels()    # the kernels its modules run (pipeline.engine.config.resolve)
 
     @property
     def quantized_linears(self) -> int:
@@ -66,8 +66,10 @@ class LoadedModel:
 
 
 def load_quantized(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                   with_mtp: bool = True, epilogue: str = EXACT, fuse_moe: bool = True) -> LoadedModel:
-    """Validate ``path`` with the checker (refusing what it rejects, with its report) and build the model."""
+                   with_mtp: bool = True, epilogue: str = EXACT, fuse_moe: bool = True,
+                   kernels: Optional[Kernels] = None) -> LoadedModel:
+    """Validate ``path`` with the checker (refusing what it rejects, with its report) and build the model
+    to run ``kernels`` (default: resolved for ``device`` now)."""
     cfg, types, tensors = read_quantized(path)
     quant = {n[: -len(".weight")] for n, t in types.items() if n.endswith(".weight") and t in QUANT_KINDS}
     floats = {n: tensors[n] for n in layout.checkpoint_shapes(cfg)
@@ -94,19 +96,10 @@ def load_quantized(path: str, dtype: torch.dtype = torch.float32, device: str = 
         raise ValueError(f"{path}: tensors missing for {missing[:5]}")
     if fuse_moe:
         fuse_moe_layers(model)
-    _native_float_ops(model, device)
+    kernels = kernels or resolve(device)
+    use_kernels(model, kernels)
     fa_k = {i: float(s.float().reshape(())) for i, s in fa_scales(tensors).items()}
-    return LoadedModel(model.eval(), cfg, dict(types), fa_k, path)
-
-
-def _native_float_ops(model: nn.Module, device) -> None:
-    """Where the kernels backend is ``native``: the C lm_head / RMSNorm / router (engine.cpu_float)."""
-    from pipeline.engine.worker.kernels import NATIVE, backend
-
-    if backend(device) == NATIVE:
-        from pipeline.engine.layers.native_swap import use_native_float_ops
-
-        use_native_float_ops(model)
+    return LoadedModel(model.eval(), cfg, dict(types), fa_k, path, kernels)
 
 
 def dir_kind(path: str) -> str:
@@ -140,7 +133,8 @@ def resolve_float_dtype(dtype, cfg: DeepseekV3Config, device: str) -> torch.dtyp
     return DTYPES[dtype]
 
 
-def load_float(path: str, dtype=None, device: str = "cpu", with_mtp: bool = True) -> LoadedModel:
+def load_float(path: str, dtype=None, device: str = "cpu", with_mtp: bool = True,
+               kernels: Optional[Kernels] = None) -> LoadedModel:
     """A float HF-layout DeepSeek-V3 checkpoint as the engine runs it: the float model (pipeline.model)
     with every tensor checked against the config (pipeline.io.checkpoint.CheckpointReader: a missing,
     unexpected or misshapen tensor, a pickle, NaN/Inf all raise naming the file), FP8 weights dequantized
@@ -154,17 +148,20 @@ def load_float(path: str, dtype=None, device: str = "cpu", with_mtp: bool = True
     dt = resolve_float_dtype(dtype, cfg, device)
     model = load_float_model(path, dtype=dt, device=device, with_mtp=with_mtp and bool(cfg.mtp_layer_ids))
     types = {n: FLOAT for n, _ in [*model.named_parameters(), *model.named_buffers()]}
-    _native_float_ops(model, device)
-    return LoadedModel(model.eval(), model.config, types, {}, path)
+    kernels = kernels or resolve(device)
+    use_kernels(model, kernels)
+    return LoadedModel(model.eval(), model.config, types, {}, path, kernels)
 
 
-def load_model(path: str, dtype=None, device: str = "cpu", with_mtp: bool = True, **quantized) -> LoadedModel:
+def load_model(path: str, dtype=None, device: str = "cpu", with_mtp: bool = True,
+               kernels: Optional[Kernels] = None, **quantized) -> LoadedModel:
     """Either kind of directory (:func:`dir_kind`): a quantized one with :func:`load_quantized` (``dtype``
     of its float parts, default float32; ``quantized``: its ``epilogue`` / ``fuse_moe``), a float
-    checkpoint with :func:`load_float` (``dtype`` default: :func:`resolve_float_dtype`)."""
+    checkpoint with :func:`load_float` (``dtype`` default: :func:`resolve_float_dtype`); built to run
+    ``kernels`` (default: resolved for ``device`` now)."""
     if dir_kind(path) == QUANTIZED:
         kw = {} if dtype in (None, "auto") else {"dtype": resolve_float_dtype(dtype, None, device)}
-        return load_quantized(path, device=device, with_mtp=with_mtp, **kw, **quantized)
+        return load_quantized(path, device=device, with_mtp=with_mtp, kernels=kernels, **kw, **quantized)
     if quantized:
         raise ValueError(f"{path}: a float checkpoint takes no quantized-model options ({sorted(quantized)})")
-    return load_float(path, dtype=dtype, device=device, with_mtp=with_mtp)
+    return load_float(path, dtype=dtype, device=device, with_mtp=with_mtp, kernels=kernels)
