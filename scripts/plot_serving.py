@@ -8,7 +8,7 @@ Each INPUT is one of
 - a folder of ``vllm bench serve --save-result`` files (``max_concurrency``, ``output_throughput``,
   ``median_tpot_ms``): one line, named after the folder, the median over rounds at each concurrency;
 - a series file ``{"series": [{"label": ..., "points": [{"concurrency", "output_tok_s",
-  "median_tpot_ms"}, ...]}]}`` (``benchmarks/vs_vllm_baseline.json`` is one).
+  "median_tpot_ms"}, ...]}]}``.
 """
 
 from __future__ import annotations

@@ -46,10 +46,14 @@ def test_refuses_what_it_cannot_read(tmp_path):
         plot_serving.series_of(empty)
 
 
-def test_plots_the_baseline(tmp_path):
+def test_plots_a_series_file(tmp_path):
     from PIL import Image
 
+    series = tmp_path / "series.json"
+    series.write_text(json.dumps({"series": [
+        {"label": label, "points": [{"concurrency": c, "output_tok_s": tok * c, "median_tpot_ms": 1.0 + c / 4}
+                                    for c in (1, 4, 8, 16)]} for label, tok in (("a", 500.0), ("b", 600.0))]}))
     out = tmp_path / "vs.png"
-    assert plot_serving.main([str(out), str(REPO / "benchmarks" / "vs_vllm_baseline.json")]) == 0
+    assert plot_serving.main([str(out), str(series)]) == 0
     img = Image.open(io.BytesIO(out.read_bytes()))
     assert img.format == "PNG" and img.size == (1100, 440)
