@@ -1,7 +1,11 @@
 """Shared fixtures. ``s3``: one real SeaweedFS S3 server per test session (see tests/s3server.py).
 ``ray_cluster``: one simulated multi-node Ray cluster per session (``ray.cluster_utils.Cluster``: a head
 without CPUs, so that every actor runs on a worker node, and three worker nodes of 2 CPUs, with fast
-node-death detection), this process connected as the driver; stopped at the end of the session."""
+node-death detection), this process connected as the driver; stopped at the end of the session.
+
+The fast tier, ``pytest -m "not slow"``, starts no Ray, no Serve and no server: every test that uses the
+``ray_cluster`` or ``s3`` fixture, or sits in a module (or is a test) that starts one itself
+(STARTS_SERVERS), is marked ``slow`` here, besides the tests marked ``slow`` for their time."""
 
 from __future__ import annotations
 
@@ -12,6 +16,25 @@ import pytest
 
 import s3server
 from pipeline.io import storage
+
+
+#: Fixtures that start Ray or a server, and the modules and tests that start them themselves.
+SERVER_FIXTURES = frozenset(("ray_cluster", "s3"))
+STARTS_SERVERS = frozenset((
+    "test_private_ray.py",              # private Ray heads
+    "test_serve_shutdown.py",           # python -m jobs.serve
+    "test_serve_slowloris.py",          # uvicorn, then jobs.serve
+    "test_serve_hardening.py::test_proxy_guard_cleans_request_ids_and_keys_the_routes",   # uvicorn
+))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
+        test = f"{module}::{item.name.split('[')[0]}"
+        if SERVER_FIXTURES & set(item.fixturenames) or module in STARTS_SERVERS or test in STARTS_SERVERS:
+            item.add_marker(pytest.mark.slow)
 
 
 @dataclass
