@@ -57,6 +57,7 @@ def read_model_config(path: str) -> DeepseekV3Config:
         raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     return DeepseekV3Config.from_dict(raw, source=path)
 
+
 def _refuse_pickles(where: str, names: Iterable[str]) -> None:
     found = sorted(n for n in names if n.endswith(PICKLE_SUFFIXES) or n.endswith(".bin.index.json"))
     if found:

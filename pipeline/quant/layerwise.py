@@ -30,61 +30,29 @@ against the reference's whole float model (1.3 TB in bf16).
 
 from __future__ import annotations
 
-import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from pipeline import layout
 from pipeline.config import model_dtype
 from pipeline.io.checkpoint import CheckpointReader
-from pipeline.io.fp8 import BlockRows
-from pipeline.io.safetensors_io import itemsize
 from pipeline.model import DeepseekV3ForCausalLM
 from pipeline.model.causal_lm import DecoderLayer, MTPLayer
 from pipeline.model.rope import Rotary
 from pipeline.quant.calibrate import check_samples, observing, run_layer_batched, stats_layers
+from pipeline.quant.layer_reads import forward_tensors, prefetched, unit_bytes
 from pipeline.quant.products import calibration_products
 from pipeline.quant.observers import Stats
+from pipeline.quant.pass_run import run_passes
 from pipeline.quant.quantize_layer import deferred_weights
 from pipeline.quant.qparams import QuantError
 from pipeline.quant.recipe import MSMODELSLIM, Recipe
 from pipeline.quant.smooth import observing_smoothing, smooth_layer, smoothed_weights
 
 ROUTER_BIAS = "e_score_correction_bias"
-
-
-def unit_bytes(reader: CheckpointReader) -> dict[Optional[int], int]:
-    """Stored bytes of each unit (None: the globals; else a layer id), from the headers: what one
-    ``read_globals`` / ``read_layer`` reads (every tensor of the unit, FP8 scales included)."""
-    out: dict[Optional[int], int] = {}
-    for name in reader.tensor_names():
-        dt, shape = reader.header(name)
-        lid = layout.layer_of(name)
-        out[lid] = out.get(lid, 0) + math.prod(shape) * itemsize(dt)
-    return out
-
-
-def prefetched(ids: list[int], load: Callable[[int], dict], enabled: bool) -> Iterator[tuple[int, dict]]:
-    """(i, load(i)) for each id, the next one loading in a background thread while the caller works on
-    this one (one deep). Closing the generator waits for that thread; its errors surface here."""
-    if not enabled:
-        yield from ((i, load(i)) for i in ids)
-        return
-    with ThreadPoolExecutor(1, thread_name_prefix="prefetch-layer") as pool:
-        nxt = pool.submit(load, ids[0]) if ids else None
-        try:
-            for k, i in enumerate(ids):
-                tensors = nxt.result()
-                nxt = pool.submit(load, ids[k + 1]) if k + 1 < len(ids) else None
-                yield i, tensors
-                del tensors
-        finally:
-            if nxt is not None:
-                nxt.cancel()
 
 
 class LayerHost:
@@ -118,12 +86,6 @@ class LayerHost:
         self.model.model.layers[layer_id] = cls(self.cfg, layer_id, device="meta", dtype=self.md).eval()
 
 
-def forward_tensors(tensors: dict) -> dict[str, torch.Tensor]:
-    """The layer as the float model holds it: deferred FP8 weights dequantized (the same BlockRows the
-    weight phase quantizes from: ``materialize`` is what ``read_layer(dtype=md)`` gives)."""
-    return {n: (t.materialize() if isinstance(t, BlockRows) else t) for n, t in tensors.items()}
-
-
 def calibrate_layerwise(reader: CheckpointReader, recipe: Recipe, samples: Sequence[Sequence[int]], *,
                         write_globals: Callable[[dict], None], quantize: Callable[[int, dict, Stats], None],
                         smooth_alpha: float = 0.5, device: str = "cpu", prefetch: bool = True, batch: int = 1) -> dict:
@@ -133,8 +95,6 @@ def calibrate_layerwise(reader: CheckpointReader, recipe: Recipe, samples: Seque
         if batch != 1:
             raise QuantError("calib_batch > 1 needs the float calibration (--calibration float): msModelSlim's "
                              "passes run one sample at a time, in order")
-        from pipeline.quant.pass_run import run_passes
-
         _, info = run_passes(reader, recipe, samples, layout.all_layer_ids(reader.config), embed=True,
                              write_globals=write_globals, quantize=quantize, smooth_alpha=smooth_alpha,
                              device=device, prefetch=prefetch)

@@ -20,7 +20,7 @@ from pipeline.config import model_dtype
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.quant.calibrate import check_samples, stats_layers
 from pipeline.quant.layer_passes import LayerCalibrator, Sample, first_samples, heads_for_mtp
-from pipeline.quant.layerwise import forward_tensors, prefetched, unit_bytes
+from pipeline.quant.layer_reads import forward_tensors, prefetched, unit_bytes
 from pipeline.quant.observers import Stats
 from pipeline.quant.quantize_layer import deferred_weights
 from pipeline.quant.recipe import Recipe

@@ -52,7 +52,8 @@ from pipeline.quant.recipe import Recipe
 from pipeline.quant.shard_layout import output_units
 from pipeline.quant.smooth import ChannelAbsMax, apply_smoothing, collect_smoothing_stats
 from pipeline.quant.unit_writer import read_layer
-from pipeline.quant.layerwise import calibrate_layerwise, prefetched, unit_bytes
+from pipeline.quant.layer_reads import prefetched, unit_bytes
+from pipeline.quant.layerwise import calibrate_layerwise
 from pipeline.quant.writer import QuantizedWriter
 from pipeline.io.safetensors_io import TensorSpec
 
