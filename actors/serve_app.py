@@ -49,8 +49,8 @@ FAST_STOP = {"graceful_shutdown_wait_loop_s": 0.1, "graceful_shutdown_timeout_s"
 
 
 def build_app(config: Union[ServeConfig, Mapping[str, Any]]):
-    """The bound application (the ingress owning its engine, or ingress -> LLMServer) for ``serve.run``. ``config``: a ServeConfig or its
-    mapping (so ``serve run actors.serve_app:build_app model_path=...`` works too)."""
+    """The bound application (the ingress owning its engine, or ingress -> LLMServer) for ``serve.run``. ``config``:
+    a ServeConfig or its mapping (so ``serve run actors.serve_app:build_app model_path=...`` works too)."""
     from ray.serve.config import BackpressureConfig
 
     if not isinstance(config, ServeConfig):

@@ -48,8 +48,9 @@ class ServeConfig:
     prefill deployment, ``prefill`` replicas, computes each prompt's cache and hands the blocks to the
     decode deployment, ``llm``, through the object store; a prefill slower than ``prefill_timeout_s``
     fails that request only). ``max_body_bytes``: the largest request body (413 beyond);
-    ``body_timeout_s``: how long a request body may take to arrive (408 beyond). Both sides run the same engine options, so they agree on the checkpoint,
-    the KV dtype, the block size and the layout; the decode side checks every handoff against its own. ``host``/``port``/``app_name``/``route_prefix``: where ``jobs.serve`` serves it."""
+    ``body_timeout_s``: how long a request body may take to arrive (408 beyond). Both sides run the same engine
+    options, so they agree on the checkpoint, the KV dtype, the block size and the layout; the decode side checks
+    every handoff against its own. ``host``/``port``/``app_name``/``route_prefix``: where ``jobs.serve`` serves it."""
 
     model_path: str
     served_model_name: Optional[str] = None

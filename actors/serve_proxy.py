@@ -230,7 +230,7 @@ def head_timeout_protocol(base: type, timeout_s: float) -> type:
     """A subclass of uvicorn's ``HttpToolsProtocol`` or ``H11Protocol`` (``base``) that closes a connection
     whose request head takes longer than ``timeout_s`` (408 if part of it came); see the module docstring.
     Usable as ``uvicorn.Config(http=...)``."""
-    for name, (path, make, methods) in _PROTOCOLS.items():
+    for path, make, methods in _PROTOCOLS.values():
         if base.__name__ == path.rpartition(":")[2]:
             missing = [m for m in methods if not callable(getattr(base, m, None))]
             if missing:

@@ -12,7 +12,8 @@ from jobs._serve_env import HTTP_PROXIES
 from jobs._sharding_flags import add_sharding_flags, parallel_config
 
 DEFAULT_MODEL = os.path.join("out", "dsv3-tiny-pydoc-w8a8-fa3")
-DESCRIPTION = "Serve a quantized model or a float checkpoint with an OpenAI-compatible API on Ray Serve: ``python -m jobs.serve``."
+DESCRIPTION = ("Serve a quantized model or a float checkpoint with an OpenAI-compatible API on Ray Serve: "
+               "``python -m jobs.serve``.")
 
 
 def build_parser() -> argparse.ArgumentParser:

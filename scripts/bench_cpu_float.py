@@ -10,8 +10,8 @@ values: 235 MB float32, 117 MB bf16, beyond the caches) at m = 1, 4. RMSNorm: th
 experts, hidden 256, real weights) and a DeepSeek-V3-shaped one (256 experts, 7168, 8 groups, 4 kept,
 top 8; random) at 1, 16, 128 rows. Linears ("linears"): the float model's shapes (lm_head, kv_a, q_b, the
 dense MLP's gate+up and down) at 1 to 2048 rows, F.linear against the C kernel built without AMX (the FMA
-chains) and, on an AMX CPU, as it runs (the tiles, csrc/bf16_gemm.h). Medians of ``--reps`` calls after a warm-up, in microseconds, with
-torch.no_grad; /proc/loadavg before and after (the 2 cores are shared: read the figures with it).
+chains) and, on an AMX CPU, as it runs (the tiles, csrc/bf16_gemm.h). Medians of ``--reps`` calls after a warm-up, in
+microseconds, with torch.no_grad; /proc/loadavg before and after (the 2 cores are shared: read the figures with it).
 Writes JSON to --out (default benchmarks/cpu_float.json).
 """
 

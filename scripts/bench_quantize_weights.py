@@ -18,7 +18,8 @@ on each), so that both runs read the source from disk, as a real run does; what 
 page cache as usual. With --repeat N the two runs alternate N times and the figures are the median time
 and the largest peak RSS (every run's time is kept too), plus the median of each weight run's ratio to
 the floor run just before it: on a small shared VM a single run can be off by half, and the disk's speed
-drifts over minutes. The JSON says which kernel ran (native or torch ops). Prints the figures and writes them as JSON to --out (default benchmarks/quantize_weights.json).
+drifts over minutes. The JSON says which kernel ran (native or torch ops). Prints the figures and writes them as JSON
+to --out (default benchmarks/quantize_weights.json).
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
                                  "min": min(x[k] for x in runs), "max": max(x[k] for x in runs)}
                              for k in ("tok_s", "step_ms_median", "bytes_per_step")}
         base = summary["1 rank"]["tok_s"]["median"]
-        for name, s in summary.items():
+        for s in summary.values():
             s["tok_s_vs_1_rank"] = s["tok_s"]["median"] / base
         out = {"what": "engine tokens/s and step time at 1/2/4 ranks on a 2-core CPU VM (ranks share the cores: "
                        "the overhead of splitting and communicating, not a speed-up)",

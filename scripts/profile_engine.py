@@ -207,7 +207,8 @@ def main() -> int:
     res = {"model_dir": Path(args.model_dir).name, "batch": args.batch, "compile": args.compile, "prompt_len": args.prompt_len,
            "new_tokens": args.new_tokens, "mtp": args.mtp, "threads": args.threads, "wall_s": round(wall, 3),
            "output_tok_s": round((eng.stats().generated_tokens - generated) / wall, 1),
-           "kernels": eng.runner.kernels, "machine": cpu_description(), "decode": summarize(decode), "prefill": summarize(prefill)}
+           "kernels": eng.runner.kernels, "machine": cpu_description(), "decode": summarize(decode),
+           "prefill": summarize(prefill)}
     write_result(args.out, res)
     return 0
 

@@ -57,7 +57,7 @@ def test_batched_equals_per_sequence_and_reference(nz, int8, step_tokens):
                                      blocks_per_step=max(1, step_tokens // cache.block_size))
     assert got.shape == per_seq.shape and got.dtype == torch.float32
     assert _rel(got, per_seq) <= BATCHED_RTOL
-    for b, L in enumerate(lengths):
+    for b in range(len(lengths)):
         c = lat[b].float()
         if int8:
             c = torch.clamp(torch.round(c / cache.scale), -127, 127) * cache.scale

@@ -112,7 +112,8 @@ def test_only_the_calibration_thread_sees_the_mode():
 
 
 def test_the_recipe_names_a_bad_mode():
-    with pytest.raises(QuantError, match="recipe: field 'calib_products' must be one of \\('auto', 'fp32', 'model'\\), got 'fp64'"):
+    want = "recipe: field 'calib_products' must be one of \\('auto', 'fp32', 'model'\\), got 'fp64'"
+    with pytest.raises(QuantError, match=want):
         Recipe(calib_products="fp64")
     with pytest.raises(QuantError, match="calib_products"):
         Recipe.from_dict({"calib_products": 32})

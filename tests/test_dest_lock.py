@@ -19,7 +19,7 @@ from pipeline.format.checker import check_dir
 from pipeline.io import dest_lock
 from pipeline.io.dest_lock import DestinationBusy, DestinationLock, LockLost, lock_path
 from pipeline.quant.recipe import Recipe
-from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+from pipeline.quant.run import QuantizeOptions
 from pipeline.quant.writer import QuantizedWriter
 from tiny import TINY_FIXTURE
 

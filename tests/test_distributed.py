@@ -6,13 +6,10 @@ shard and leaves nothing that looks complete."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 
 import pytest
-import ray
-import torch
 from safetensors.torch import load_file, save_file
 
 from actors.quantize_job import quantize_distributed

@@ -1,7 +1,8 @@
 """The up-front estimate (pipeline.quant.estimate) and the per-phase progress bars (pipeline.quant.progress):
 the CLI prints the estimate before the job starts, its byte counts are the job's own (read: every stored
 byte once per phase; written: the output's tensor bytes exactly), its arithmetic is the documented
-formula (one read for the layer-wise single-process job), and the bars count tokens and bytes with a rate, a redone sample once."""
+formula (one read for the layer-wise single-process job), and the bars count tokens and bytes with a rate, a redone
+sample once."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The engine's kernel choice (pipeline.engine.worker.kernels): the C kernels on the CPU by default (torch
-where there is no compiler, or with DSQUANT_NATIVE=0), visible in the engine loop's snapshot (which /metrics renders); and the Triton path wired into the engine end to end —
-decode attention and the fused MoE run through Triton's interpreter on the CPU (``DSQUANT_KERNELS=triton``,
-``TRITON_INTERPRET=1``, in a subprocess so the variables do not leak) give the torch path's greedy tokens."""
+where there is no compiler, or with DSQUANT_NATIVE=0), visible in the engine loop's snapshot (which /metrics
+renders); and the Triton path wired into the engine end to end — decode attention and the fused MoE run through
+Triton's interpreter on the CPU (``DSQUANT_KERNELS=triton``, ``TRITON_INTERPRET=1``, in a subprocess so the variables
+do not leak) give the torch path's greedy tokens."""
 
 from __future__ import annotations
 

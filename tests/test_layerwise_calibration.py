@@ -25,15 +25,15 @@ from pipeline.quant.observers import MinMax, RecallWindow
 from pipeline.quant.options import CALIB_BATCH_REL, calibration_samples
 from pipeline.quant.qparams import fa_scale, static_activation_params
 from pipeline.quant.recipe import Recipe
+from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+from pipeline.io.safetensors_io import itemsize
+from tiny import FIXTURES, TINY_FIXTURE
 
 
 def FloatRecipe(**kw) -> Recipe:
     """The float calibration (one pass of the float model), whose one-read job this module compares with its
     two-pass reference; msModelSlim's layer-by-layer passes are tests/test_msmodelslim_recipes.py's."""
     return Recipe(calibration="float", **kw)
-from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
-from pipeline.io.safetensors_io import itemsize
-from tiny import FIXTURES, TINY_FIXTURE
 
 CALIB = str(FIXTURES / "calib.json")
 TIMINGS = ("calibration_s", "quantize_write_s", "bytes_read", "rchar")  # what may differ between the modes

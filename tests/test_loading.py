@@ -10,7 +10,6 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.io.checkpoint import CheckpointReader, read_model_config
-from pipeline.config import DeepseekV3Config
 from pipeline.io.fp8 import dequantize_fp8_blocks
 from pipeline.io.fp8_copy import write_fp8_copy
 from pipeline.model.loading import load_model

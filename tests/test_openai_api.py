@@ -1,6 +1,6 @@
-"""pipeline.serving.openai_api and pipeline.serving.openai_responses: request validation (status, type, param, code and a message naming what is wrong),
-response and chunk shapes, and incremental detokenization (streamed pieces add up to the full text, never
-send an incomplete character or a stop string's beginning)."""
+"""pipeline.serving.openai_api and pipeline.serving.openai_responses: request validation (status, type, param, code
+and a message naming what is wrong), response and chunk shapes, and incremental detokenization (streamed pieces add
+up to the full text, never send an incomplete character or a stop string's beginning)."""
 
 from __future__ import annotations
 

@@ -85,7 +85,8 @@ def test_static_runtime_identity_on_calibration_activations(real):
     # every calibration value lies inside the range: error at most half a step
     assert float((x_hat - x.double()).abs().max()) <= float(s) * HALF_STEP
     eps = torch.finfo(md).eps
-    bound = (float(s) / 2 * w_hat.abs().sum(1) + ws.double()[:, 0] * weight_error_bound(md) * x.double().abs().sum(1, keepdim=True)
+    bound = (float(s) / 2 * w_hat.abs().sum(1)
+             + ws.double()[:, 0] * weight_error_bound(md) * x.double().abs().sum(1, keepdim=True)
              + eps / 2 * (x_hat @ w_hat.T).abs())
     err = (y_q - y).abs()
     assert bool((err <= bound).all()), float((err / bound).max())

@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 from serve_apps import deploy  # noqa: E402
 from engine_ref import replica_engine, torch_threads  # noqa: E402
 from pipeline.engine.config import EngineConfig  # noqa: E402
-from pipeline.engine.core.engine import LLMEngine
+from pipeline.engine.core.engine import LLMEngine  # noqa: E402
 from pipeline.engine.protocol import SamplingParams  # noqa: E402
 
 MODEL = "tiny-w8a8"

@@ -3,7 +3,6 @@ sets for it (the servers themselves: tests/test_serve_shutdown.py, one per front
 
 from __future__ import annotations
 
-import os
 import stat
 
 import pytest

@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 
 from serve_apps import deploy  # noqa: E402
 from pipeline.engine.config import EngineConfig  # noqa: E402
-from pipeline.engine.core.engine import LLMEngine
+from pipeline.engine.core.engine import LLMEngine  # noqa: E402
 from pipeline.engine.protocol import SamplingParams  # noqa: E402
 from pipeline.text.tokenizer import Tokenizer  # noqa: E402
 

@@ -28,7 +28,7 @@ from pipeline.engine.layers.qlinear import Int8Linear
 from pipeline.engine.worker.runner import Span
 from pipeline.engine.protocol import SamplingParams
 from pipeline.engine.sharding.shard_loader import held_parts, resident_bytes
-from pipeline.engine.sharding.shard_spec import COL, FULL, REPLICATED, linear_role, part, tensor_slice
+from pipeline.engine.sharding.shard_spec import COL, FULL, linear_role, part, tensor_slice
 from pipeline.engine.sharding.sharded import RowParallel
 from pipeline.engine.sharding.comm import Comm
 from pipeline.format.reader import QuantizedSource

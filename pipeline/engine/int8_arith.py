@@ -9,9 +9,9 @@ forward, ``native``, is the module's: qlinear's docstring):
   k <= 131071 (|acc| <= 128 * 128 * k stays inside int32); on CUDA, fewer than 17 rows are zero-padded to
   32 (its kernel refuses them; the CPU's takes any number of rows). The shape rule holds on every device
   (on the CPU, torch 2.13's ``_int_mm`` returns garbage for k = 1).
-- ``fp32_chunked``: the CPU fallback for shapes ``_int_mm`` refuses. fp32 GEMMs over K-chunks of 1024 columns: every partial sum of a
-  chunk is an integer of magnitude <= 128 * 128 * 1024 = 2^24, all of which float32 holds exactly, so each
-  chunk's product is exact whatever order the GEMM sums in; chunks are summed in float64 (exact below 2^53).
+- ``fp32_chunked``: the CPU fallback for shapes ``_int_mm`` refuses. fp32 GEMMs over K-chunks of 1024 columns: every
+  partial sum of a chunk is an integer of magnitude <= 128 * 128 * 1024 = 2^24, all of which float32 holds exactly,
+  so each chunk's product is exact whatever order the GEMM sums in; chunks are summed in float64 (exact below 2^53).
 - ``float64``: one float64 GEMM, exact for k < 2^39; CUDA's fallback for shapes ``_int_mm`` refuses.
 """
 

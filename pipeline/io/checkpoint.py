@@ -29,7 +29,6 @@ from pipeline.io import storage
 from pipeline.config import ConfigError, DeepseekV3Config
 from pipeline.io.finite import all_finite, nonfinite_counts
 from pipeline.io.json_input import parse_json
-from pipeline.io.json_input import parse_json
 from pipeline.io.fp8 import (
     DEFAULT_BLOCK, FP8_DTYPE, FP8_MAX, BlockRows, dequantize_fp8_blocks, fp8_nan_count, scale_shape,
 )

@@ -235,9 +235,9 @@ def parse(raw: Any, path: Optional[str] = None, base: Recipe = Recipe()) -> Reci
     if dataset is not None and (not isinstance(dataset, str) or not dataset):
         raise _err(f"{where}: spec.dataset", f"expected a file name, got {dataset!r}")
 
-    fields = {"linear_rules": () if tuple(rules) == default_rules() else tuple(rules), "steps": tuple(steps), "fa_quant": fa is not None,
-              "fa_include": fa[0] if fa else ("*",), "fa_exclude": fa[1] if fa else (), "quantize_mtp": True,
-              "dialect": SAVERS[saver]}
+    fields = {"linear_rules": () if tuple(rules) == default_rules() else tuple(rules), "steps": tuple(steps),
+              "fa_quant": fa is not None, "fa_include": fa[0] if fa else ("*",), "fa_exclude": fa[1] if fa else (),
+              "quantize_mtp": True, "dialect": SAVERS[saver]}
     own = raw.get("dsquant") or {}
     if not isinstance(own, Mapping):
         raise _err(f"{where}: dsquant", f"expected a mapping, got {own!r}")

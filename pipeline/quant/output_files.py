@@ -131,8 +131,8 @@ def is_output_entry(name: str) -> bool:
 STATE_ENTRIES = (".dsquant", "job_summary.json")  # the distributed job's state and summary beside its output
 
 
-RECIPE_SUFFIX = "_best_practice.yaml"
-OPTIONAL_DIR = "optional"  # ascendV1's optional files (QuaRot's global rotation)  # the recipe a job ran, as msModelSlim names it: <model_type>_best_practice.yaml
+RECIPE_SUFFIX = "_best_practice.yaml"  # the recipe a job ran, as msModelSlim names it: <model_type>_best_practice.yaml
+OPTIONAL_DIR = "optional"  # ascendV1's optional files (QuaRot's global rotation)
 
 
 def is_companion_entry(name: str) -> bool:

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Optional
 
 from pipeline import layout
 from pipeline.config import DeepseekV3Config
-from pipeline.format.description import DIALECTS, FAQUANT, FLOAT, W8A8, W8A8_DYNAMIC
+from pipeline.format.description import DIALECTS, FAQUANT, FLOAT, W8A8
 from pipeline.quant.products import AUTO, MODEL, check_products
 from pipeline.quant.patterns import selected
 from pipeline.quant.linear_rules import LinearRule, default_rules, rule_from_dict

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pipeline.config import DeepseekV3Config
-from pipeline.quant.qparams import QuantError
 
 FaHook = Callable[[str, Tensor, float], None]  # (fa module name, tensor [B, rows, S, C], recall ratio)
 FA_RATIOS = {"fa_q": 0.9999, "fa_k": 0.9999, "fa_v": 1.0}

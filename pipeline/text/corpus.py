@@ -10,9 +10,9 @@ Two sources, both read from the running interpreter, so the same Python gives th
   and ``attribute/...`` for properties.
 
 The split is by document (:func:`split`: a sha256 of the id decides, never a random chunk, and a held-out
-document that near-duplicates train text moves to train), so no text of a held-out document is trained on. The text differs between Python versions, so the held-out documents
-and the calibration texts are shipped in :data:`ASSET_DIR` with the version that made them
-(:func:`load_heldout`, :func:`load_calib`).
+document that near-duplicates train text moves to train), so no text of a held-out document is trained on. The text
+differs between Python versions, so the held-out documents and the calibration texts are shipped in :data:`ASSET_DIR`
+with the version that made them (:func:`load_heldout`, :func:`load_calib`).
 """
 
 from __future__ import annotations

@@ -269,7 +269,7 @@ class LLMEngine:
         for sp in spans:
             offsets.append(offsets[-1] + sp.n)
         rows: list[int] = []
-        for p, a, b in zip(batch.pieces, offsets, offsets[1:]):
+        for p, b in zip(batch.pieces, offsets[1:]):
             if p.samples:
                 rows += [b - 2, b - 1] if p.draft is not None else [b - 1]
         return StepWork(t0, batch, list(batch.finished), spans, offsets, rows)

@@ -144,9 +144,9 @@ class Int8Linear(nn.Module):
         ok = isinstance(x, Tensor) and x.dim() > 0 and x.shape[-1] == self.in_features <= cpu_linear.MAX_K
         if not (ok and x.dtype in dtypes and self.native and x.device.type == "cpu"):
             if kernel == NATIVE and ok:
+                why = cpu_linear.status() if self.native else "the C kernels were off when it was built"
                 raise Int8LinearError(f"{self.name}: kernel 'native' cannot run on {x.device} for {x.dtype} "
-                                      f"input ({cpu_linear.status() if self.native else 'the C kernels were off when it was built'}; "
-                                      f"it takes {', '.join(map(str, dtypes))})")
+                                      f"input ({why}; it takes {', '.join(map(str, dtypes))})")
             return False
         if kernel == AUTO and x.numel() > self._native_rows * self.in_features and torch.get_num_threads() > 1:
             return False

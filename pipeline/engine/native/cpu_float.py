@@ -350,7 +350,8 @@ class NativeRouter(Router):
         into ``weights`` float32 / ``idx`` int64 [N, top_k] (contiguous) as forward does; None where forward
         would not call C."""
         lib, w, b = _LIB.loaded(), self.weight, self.e_score_correction_bias
-        if not self._takes(lib, x) or weights.shape != (x.shape[0], self.top_k) or idx.shape != weights.shape or weights.dtype != torch.float32 or idx.dtype != torch.int64 \
+        if not self._takes(lib, x) or weights.shape != (x.shape[0], self.top_k) or idx.shape != weights.shape \
+                or weights.dtype != torch.float32 or idx.dtype != torch.int64 \
                 or not (weights.is_contiguous() and idx.is_contiguous()):
             return None
         w, b = w.detach().float(), b.detach().float().contiguous()

@@ -4,10 +4,10 @@ serving").
 Rank 0 holds the engine (scheduler, sampling) and a :class:`ShardedRunner`: each call that runs the model
 (``forward``, ``mtp_forward``) or changes the cache (``write_blocks``) is first broadcast to every rank as
 one message (:class:`Forward`, :class:`MtpForward`, ... below) with the step's spans (plain ids,
-positions, block ids), then run on rank 0's own shard. Every other rank runs :func:`follow`: it receives the message and makes the same call on its
-shard, so all ranks enter the same collectives in the same order; the logits and tokens are rank 0's.
-A rank keeps the hidden state of its last ``forward`` for the MTP call that follows it (only the rows
-are sent).
+positions, block ids), then run on rank 0's own shard. Every other rank runs :func:`follow`: it receives the message
+and makes the same call on its shard, so all ranks enter the same collectives in the same order; the logits and
+tokens are rank 0's. A rank keeps the hidden state of its last ``forward`` for the MTP call that follows it (only the
+rows are sent).
 
 A failure in a collective (a rank that died, a timeout) leaves the replica unusable as a unit:
 ``ShardedRunner`` then refuses every later call (``broken`` says why) so that the serving layer reports

@@ -19,8 +19,8 @@ the tokens routed to them, and the results are combined over the world:
 
 Every rank routes every token itself, so the ranks must compute the float router identically: the same
 kernels and thread count (a CPU GEMM's summation order depends on its thread count; actors.rank_group
-gives every rank rank 0's). Float linears (e.g. an MTP layer left in float) split the same way; a row-parallel float linear reduces
-float32 partial sums (not exact: within float32 rounding).
+gives every rank rank 0's). Float linears (e.g. an MTP layer left in float) split the same way; a row-parallel float
+linear reduces float32 partial sums (not exact: within float32 rounding).
 """
 
 from __future__ import annotations

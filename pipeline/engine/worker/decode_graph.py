@@ -46,7 +46,6 @@ from pipeline.model.causal_lm import DecoderLayer
 from pipeline.model.ffn import MLP, MoE, Router
 from pipeline.model.mla import MLA
 from pipeline.model.norm import RMSNorm
-from pipeline.model.rope import apply_rope
 
 #: The module types (exactly these, not subclasses) a main layer may hold for its steps to be replayed
 #: (anything else, e.g. a sharded replica's row-parallel linears with their collectives, keeps it eager).
