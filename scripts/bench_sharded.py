@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         base = summary["1 rank"]["tok_s"]["median"]
         for s in summary.values():
             s["tok_s_vs_1_rank"] = s["tok_s"]["median"] / base
-        out = {"what": "engine tokens/s and step time at 1/2/4 ranks on a 2-core CPU VM (ranks share the cores: "
+        out = {"what": "engine tokens/s and step time at 1/2/4 ranks on this machine (ranks share its cores: "
                        "the overhead of splitting and communicating, not a speed-up)",
                "model": Path(args.model_path).name, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
                "mtp": True, "moe_combine": "reduce", "greedy_outputs_equal_across_layouts": same,

@@ -6,7 +6,6 @@ the rest; requantize after a change in the last main layer rewrites only that la
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 

@@ -78,8 +78,8 @@ def _raise_exception(message: str) -> None:
 
 @functools.lru_cache(maxsize=16)
 def _compiled_template(template: str) -> jinja2.Template:
-    """The template compiled once per text (as transformers caches it): compiling took ~13 ms, more than a
-    chat request's tokenization; a compiled template renders concurrently (jinja2 templates are immutable)."""
+    """The template compiled once per text (as transformers caches it): compiling costs more than a chat
+    request's tokenization; a compiled template renders concurrently (jinja2 templates are immutable)."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise_exception
     return env.from_string(template)
