@@ -35,7 +35,8 @@ from pipeline.quant.qparams import (
     QuantError, check_float, deq_scale_and_quant_bias, fa_offset, fa_scale,
     quantize_weight_per_channel, static_activation_params,
 )
-from pipeline.quant.recipe import FAQUANT, FLOAT, W8A8, W8A8_DYNAMIC, Recipe
+from pipeline.format.description import FAQUANT, FLOAT, W8A8, W8A8_DYNAMIC
+from pipeline.quant.recipe import Recipe
 from pipeline.quant.step_tensors import step_biases
 from pipeline.io.safetensors_io import DTYPE_NAMES, TensorSpec
 

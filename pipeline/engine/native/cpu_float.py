@@ -265,11 +265,13 @@ class NativeRMSNorm(RMSNorm):
     def __init__(self, norm: RMSNorm):
         nn.Module.__init__(self)
         self.weight, self.eps = norm.weight, norm.eps
+        self.register_parameter("bias", norm.bias)      # a biased norm is never swapped; kept for the torch path
 
     def _takes(self, lib, x: torch.Tensor) -> bool:
         """Whether the C call takes x (forward's and bind's condition, autograd apart)."""
         w = self.weight
-        return lib is not None and x.dtype in _DT and w.dtype in _DT and _cpu(x, w) and w.dim() == 1 \
+        return lib is not None and self.bias is None and x.dtype in _DT and w.dtype in _DT and _cpu(x, w) \
+            and w.dim() == 1 \
             and x.dim() > 0 and x.shape[-1] == w.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
