@@ -33,7 +33,7 @@ from pipeline.engine.sharding.shard_loader import load_sharded, resident_bytes
 from pipeline.engine.sharding.sharded import REDUCE
 from pipeline.parallel import ParallelConfig
 
-log = logging.getLogger("dsquant.engine")
+_log = logging.getLogger("dsquant.engine")
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -130,7 +130,7 @@ def build_sharded_engine(path: str, parallel: ParallelConfig, config: EngineConf
                          on_close=stop)
     runner.workers, runner.runs, runner.rank_info = workers, runs, [
         {"rank": 0, "pid": os.getpid(), "resident_bytes": resident_bytes(loaded.model)}] + infos
-    log.info("sharded engine (%s) on %s: kernels %s", parallel.describe(), config.device, loaded.kernels.describe())
+    _log.info("sharded engine (%s) on %s: kernels %s", parallel.describe(), config.device, loaded.kernels.describe())
     if parallel.dp > 1:   # DP-attention: a scheduler and cache per dp group, stepped together
         return DPEngine([LLMEngine(loaded, config, tokenizer, runner=runner) for _ in range(parallel.dp)], runner)
     return LLMEngine(loaded, config, tokenizer, runner=runner)

@@ -48,6 +48,17 @@ def test_fixture_is_clean_ascend_v1(name):
     assert "OK: no violations" in report.to_text() and "dialect: ascendV1 (detected)" in report.to_text()
 
 
+@pytest.mark.parametrize("name,floats", [("itersmooth", 50), ("flexsmooth", 35), ("quarot-c8", 35)])
+def test_recipe_fixtures_are_clean_ascend_v1(name, floats):
+    """msModelSlim's recipe outputs: iter_smooth's 15 float32 norm and linear biases are FLOAT entries;
+    QuaRot's optional/quarot.safetensors is found through the description's optional entry."""
+    report = check_dir(str(FIXTURES / f"msmodelslim-v1-bf16-{name}"))
+    assert report.ok, report.to_text()
+    assert report.dialect == ASCEND_V1
+    assert report.type_counts == {"W8A8": 80, "W8A8_DYNAMIC": 252, "FLOAT": floats, "FAQuant": 24}
+    assert report.tensors == 356 + floats and report.fa_layers == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize("name,md", [("msmodelslim-v1-bf16", "BF16"), ("msmodelslim-v1-fp16", "F16")])
 def test_fixture_fails_seed_rules_naming_the_differences(name, md):
     report = check_dir(str(FIXTURES / name), dialect=SEED)
