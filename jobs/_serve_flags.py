@@ -33,8 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model id clients send (default: the directory's name)")
     ap.add_argument("--host", default=None, help=f"HTTP host (default: {dd.host})")
     ap.add_argument("--port", type=int, default=None, help=f"HTTP port (default: {dd.port})")
-    ap.add_argument("--api-key", dest="api_key", default=os.environ.get("DSQUANT_API_KEY"),
-                    help="require 'Authorization: Bearer KEY' on /v1 (default: $DSQUANT_API_KEY, else open)")
+    ap.add_argument("--api-key", dest="api_key", default=None,
+                    help="require 'Authorization: Bearer KEY' on /v1; a command line is visible to every user "
+                         "(ps): prefer --api-key-file or DSQUANT_API_KEY (default: --api-key-file's, else "
+                         "$DSQUANT_API_KEY, else the --config file's, else open)")
+    ap.add_argument("--api-key-file", dest="api_key_file", default=None,
+                    help="read the API key from this file's first line (default: none)")
     ap.add_argument("--max-in-flight", dest="max_in_flight", type=int, default=None,
                     help=f"generation requests in flight per ingress replica before 429 (default: {dd.max_in_flight})")
     ap.add_argument("--llm-replicas", dest="llm_replicas", type=int, default=None,
@@ -111,6 +115,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def api_key(args: argparse.Namespace):
+    """The key of --api-key, else of --api-key-file (its first line), else of DSQUANT_API_KEY; None when
+    none is given (the --config file's then stands). ValueError naming the flag for an unusable one."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise ValueError("--api-key is empty")
+        return args.api_key
+    if args.api_key_file is not None:
+        try:
+            lines = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--api-key-file {args.api_key_file}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file}: its first line is empty")
+        return key
+    return os.environ.get("DSQUANT_API_KEY") or None
+
+
 def make_config(args: argparse.Namespace):
     """The ServeConfig: the file's (if any), then the flags given on top."""
     from actors.serve_app import DeploymentOptions, ServeConfig
@@ -125,6 +150,9 @@ def make_config(args: argparse.Namespace):
         cfg = ServeConfig.from_mindie(block, gpus or (os.cpu_count() or 1), cpu=not gpus)
     else:
         cfg = ServeConfig.from_file(args.config) if args.config else ServeConfig(model_path=DEFAULT_MODEL)
+    key = api_key(args)
+    if key is not None:
+        args.api_key = key
     top = {k: getattr(args, k) for k in ("model_path", "served_model_name", "host", "port", "api_key",
                                          "max_in_flight", "torch_threads", "mode", "dtype", "engine_process",
                                          "engine_in_ingress", "engine_cpus")

@@ -131,7 +131,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(out, indent=1) if args.json else plan_to_text(p) + (f"\n{wall.to_text()}" if wall else ""))
         available = None
         if args.check_ray:
-            available = ray_resources(args.check_ray)
+            from actors.ray_start import NoCluster
+
+            try:
+                available = ray_resources(args.check_ray)
+            except NoCluster as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
         elif args.cluster_memory_gib is not None:
             per = args.cluster_memory_gib * GiB / max(args.nodes, 1)
             available = {"memory": args.cluster_memory_gib * GiB,

@@ -205,6 +205,9 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
     dist = None
     if args.stages:
         from actors.ray_session import DistOptions
+        from actors.ray_start import check_address
+
+        check_address(args.ray_address, "--ray-address")   # before anything is written: no cluster, no .dsquant/
 
         dist = DistOptions(stages=args.stages, replicas=args.replicas, address=args.ray_address,
                            cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
