@@ -86,6 +86,9 @@ class ServeConfig:
     app_name: str = "dsquant"
     route_prefix: str = "/"
     dtype: Optional[str] = None     # float compute dtype (pipeline.engine.worker.loader.DTYPES); None: the loader's
+    # for tests only: every engine step first sleeps this long, so that a request meant to be long lasts long
+    # however fast the machine is (a client's time-out, an abort, a fair share observed mid-request)
+    step_delay_s: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -119,6 +122,9 @@ class ServeConfig:
         if self.engine_in_ingress and self.ingress.num_replicas != self.llm.num_replicas:
             raise ValueError(f"engine_in_ingress: each ingress replica owns one engine, so ingress.num_replicas "
                              f"({self.ingress.num_replicas}) must equal llm.num_replicas ({self.llm.num_replicas})")
+        if isinstance(self.step_delay_s, bool) or not isinstance(self.step_delay_s, (int, float)) \
+                or not 0 <= self.step_delay_s <= 60:
+            raise ValueError(f"step_delay_s must be a number of seconds in [0, 60], got {self.step_delay_s!r}")
         for f in ("prefill_timeout_s", "body_timeout_s"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"{f} must be > 0, got {getattr(self, f)!r}")

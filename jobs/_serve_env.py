@@ -48,6 +48,9 @@ THROUGHPUT = {
     "RAY_SERVE_PROXY_USE_GRPC": "1",
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    # a non-streamed answer is one gRPC message from the replica to the proxy: gRPC's 4 MiB default would
+    # turn a large one into a 500 after the whole generation (actors.serve_limits); gRPC's largest instead
+    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2 ** 31 - 1),
 }
 
 
