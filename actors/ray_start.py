@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import ray
 
@@ -26,7 +26,7 @@ from actors import ray_reaper
 ADDRESS_ENV = "RAY_ADDRESS"
 PROBE_TIMEOUT_S = 3.0     # seconds for a cluster's address to answer one call
 DEFAULT_GCS_PORT = 6379
-_private_mark: Optional[str] = None
+_private_mark = None   # the PrivateRay started last
 
 
 class NoCluster(ValueError):
@@ -98,8 +98,22 @@ def check_address(address: Optional[str], flag: str = "--address", timeout: floa
         raise NoCluster(f"no Ray cluster at {join} ({source}): {why}")
 
 
-def private_mark() -> Optional[str]:
-    """The mark (actors.ray_reaper) of the private Ray this process started last, or None."""
+class PrivateRay(NamedTuple):
+    """How actors.ray_reaper finds the processes of a private Ray: its mark, its session directory."""
+
+    mark: str
+    session_dir: str
+
+
+def _session_dir() -> str:
+    try:
+        return ray._private.worker._global_node.get_session_dir_path()
+    except Exception:  # noqa: BLE001 - Ray's internals moved: the mark alone then
+        return ""
+
+
+def private_ray() -> Optional[PrivateRay]:
+    """The private Ray this process started last (actors.ray_reaper finds its processes), or None."""
     return _private_mark
 
 
@@ -120,14 +134,14 @@ def init_ray(address: Optional[str], *, num_cpus: int, object_store_memory: int,
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # private: no token between this job's processes
     mark = ray_reaper.new_token()
-    ray_reaper.watch(mark)
     os.environ[ray_reaper.MARK_ENV] = mark      # inherited by the GCS and the raylet, and so by all the rest
     try:
         ray.init(address="local", num_cpus=num_cpus, object_store_memory=object_store_memory,
                  include_dashboard=False, **init_kw)
     finally:
         os.environ.pop(ray_reaper.MARK_ENV, None)   # not by what this process starts later
-    _private_mark = mark
+    _private_mark = PrivateRay(mark, _session_dir())
+    ray_reaper.watch(*_private_mark)
     log(f"ray: started a private local Ray for this job ({num_cpus} CPUs, object store "
         f"{object_store_memory / 2**20:.0f} MiB), stopped on exit ({flag} or {ADDRESS_ENV} joins a cluster instead)")
     return True

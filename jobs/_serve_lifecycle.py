@@ -204,15 +204,15 @@ def stop(app_name: str, private: bool, since: float | None = None) -> bool:
     import ray
 
     from actors.ray_reaper import sweep
-    from actors.ray_start import private_mark
+    from actors.ray_start import private_ray
 
     if not ray.is_initialized():
         return True
     since = time.monotonic() if since is None else since
     done = threading.Event()
-    mark = private_mark() if private else None
+    mark = private_ray() if private else None
     if mark is not None and not _gcs_alive():   # signalled with this process: nothing left to drain through
-        killed = sweep(mark)
+        killed = sweep(*mark)
         print(f"stop: the private Ray's GCS had stopped already (signalled with this process); killed its "
               f"{len(killed)} remaining processes", file=sys.stderr, flush=True)
         return False
@@ -222,7 +222,7 @@ def stop(app_name: str, private: bool, since: float | None = None) -> bool:
         if mark is not None and not _gcs_alive():   # it went after the signal: nothing will answer
             break
     if mark is not None:
-        killed = sweep(mark)
+        killed = sweep(*mark)
         if not done.is_set():
             print(f"stop: the private Ray did not shut down in time (its GCS was signalled too, or it took "
                   f"over {STOP_BY_S:g} s); killed its {len(killed)} remaining processes", file=sys.stderr, flush=True)
