@@ -173,3 +173,11 @@ def ray_titled_under(path: str) -> list[int]:
         except OSError:
             continue
     return out
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False

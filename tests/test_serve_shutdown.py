@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 
 from ray_head import (free_port, kill_under, listening, port_free, processes_under, ray_titled_under, ray_tmpdir,
-                      wait_gone)
+                      running, wait_gone)
 
 REPO = Path(__file__).resolve().parents[1]
 STOP_S = 5.0                       # the bound, signal to exit
@@ -190,7 +190,7 @@ def test_a_process_group_stop_leaves_no_process_or_port_and_the_port_serves_agai
         b.proc.kill()
         b.proc.wait()
         left = wait_gone(b.ray_tmp, 20.0)
-        alive = lambda: [p for p in agents if Path(f"/proc/{p}").exists()]  # noqa: E731 (they hide their environment)
+        alive = lambda: [p for p in agents if running(p)]  # noqa: E731 (they hide their environment)
         deadline = time.time() + 20      # left alone, Ray's agents outlive their raylet by a minute or more
         while (alive() or not port_free(b.port)) and time.time() < deadline:
             time.sleep(0.2)
