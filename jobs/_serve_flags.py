@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from pathlib import Path
 
 from jobs._serve_env import HTTP_PROXIES
@@ -141,13 +142,14 @@ def make_config(args: argparse.Namespace):
     from actors.serve_app import DeploymentOptions, ServeConfig
 
     if args.mindie_config:
-        import json
-
         import torch
 
-        block = json.loads(Path(args.mindie_config).read_text())
+        from pipeline.io.json_input import parse_json
+
+        block = parse_json(Path(args.mindie_config).read_bytes(), f"--mindie-config {args.mindie_config}")
         gpus = torch.cuda.device_count()   # none: CPU serving, one process per rank on this machine's cores
-        cfg = ServeConfig.from_mindie(block, gpus or (os.cpu_count() or 1), cpu=not gpus)
+        cfg = ServeConfig.from_mindie(block, gpus or (os.cpu_count() or 1), cpu=not gpus,
+                                      warn=lambda m: print(f"warning: --mindie-config: {m}", file=sys.stderr))
     else:
         cfg = ServeConfig.from_file(args.config) if args.config else ServeConfig(model_path=DEFAULT_MODEL)
     key = api_key(args)

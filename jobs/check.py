@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 from pipeline.format.checker import check_dir
 from pipeline.format.description import DIALECTS
 from pipeline.io.safetensors_io import CheckpointError
-from pipeline.io.storage import describe_os_error
+from pipeline.io.storage import check_reachable, describe_os_error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_reachable(args.path)           # a mute object store: seconds, not minutes
         report = check_dir(args.path, dialect=args.dialect, verify=args.verify)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)

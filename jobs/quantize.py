@@ -159,6 +159,7 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
     recipe came from (and the FA3 list the legacy flags chose)."""
     from pipeline.io import storage
     from pipeline.assets import EMBEDDED_MODEL_DIR
+    from pipeline.device import check_device
     from pipeline.model.loading import default_device
     from pipeline.io.checkpoint import CheckpointReader
     from pipeline.quant.recipe_source import RecipeRequest, resolve
@@ -180,6 +181,7 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
         raise ValueError(f"--max-calib-tokens must be >= 1, got {args.max_calib_tokens}")
     if not 0 <= args.smooth_alpha <= 1:
         raise ValueError(f"--smooth-alpha must be in [0, 1], got {args.smooth_alpha}")
+    check_device(args.device)           # an unknown device, or CUDA without it: before anything loads
     if args.s3_endpoint:
         storage.set_options("s3", client_kwargs={"endpoint_url": args.s3_endpoint})
     src = args.model_path or EMBEDDED_MODEL_DIR

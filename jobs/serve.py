@@ -28,6 +28,7 @@ from pathlib import Path
 
 from jobs._serve_env import (apply as apply_serve_env, haproxy_binary, haproxy_files, resolve_http_proxy,
                              serve_environment)
+from pipeline.device import check_device
 from jobs._serve_flags import DEFAULT_MODEL, build_parser, make_config, parse_args
 from jobs._serve_lifecycle import (EXISTING_SERVE, FRONT_DOORS, RayOwner, Stopper, _local, check_port,
                                    dropped_log_line, stop, wait_answering)
@@ -57,7 +58,8 @@ def main(argv=None) -> int:
               "or --api-key-file instead", file=sys.stderr)
     try:
         cfg = make_config(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+        check_device(cfg.engine.device, "--device")
+    except (ValueError, TypeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if cfg.model_path == str(Path(DEFAULT_MODEL).resolve()):
@@ -66,10 +68,12 @@ def main(argv=None) -> int:
         print(f"error: --model-path {cfg.model_path} is not a directory", file=sys.stderr)
         return 2
     from actors.serve_config import check_model_dir
+    from pipeline.io import storage
 
     try:
+        storage.check_reachable(cfg.model_path)      # a mute object store: seconds, not minutes
         kind = check_model_dir(cfg)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

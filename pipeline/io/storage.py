@@ -19,6 +19,7 @@ import errno
 import os
 import posixpath
 import shutil
+import sys
 import uuid
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator
@@ -79,16 +80,81 @@ def same_location(a: str, b: str) -> bool:
     return resolve(a) == resolve(b)
 
 
-def check_reachable(path: str) -> None:
+PROBE_TIMEOUT_S = 5.0       # seconds an object store's endpoint has to accept a connection, then to answer
+PROBE_ATTEMPTS = 3
+S3_SCHEMES = ("s3", "s3a")
+
+
+def endpoint_of(path: str) -> str | None:
+    """The HTTP(S) endpoint URL serving an ``s3://`` path (registered options, AWS_ENDPOINT_URL_S3,
+    AWS_ENDPOINT_URL, else AWS's own); None for other paths."""
+    scheme = path.split("://", 1)[0] if is_url(path) else ""
+    if scheme not in S3_SCHEMES:
+        return None
+    opts = _OPTIONS.get(scheme, {})
+    return ((opts.get("client_kwargs") or {}).get("endpoint_url") or opts.get("endpoint_url")
+            or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            or "https://s3.amazonaws.com")
+
+
+def _probe_endpoint(url: str, timeout: float) -> tuple[str, bool] | None:
+    """Why ``url`` (an HTTP(S) endpoint) does not answer an HTTP request within ``timeout`` seconds to
+    connect and as many to reply (any status counts as an answer), and whether that was a time-out (worth
+    a retry, unlike a refusal); None when it answers."""
+    import socket
+    import ssl
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    https = u.scheme == "https"
+    host, port = u.hostname or "", u.port or (443 if https else 80)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except socket.timeout:
+        return f"no connection within {timeout:g} s", True
+    except OSError as e:
+        return e.strerror or str(e) or type(e).__name__, False
+    try:
+        if https:
+            ctx = ssl.create_default_context()
+            ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE   # liveness only: the client verifies
+            sock = ctx.wrap_socket(sock, server_hostname=host)
+        sock.settimeout(timeout)
+        sock.sendall(f"HEAD / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        return None if sock.recv(1) else ("it closed the connection without an answer", False)
+    except socket.timeout:
+        return f"it accepted a connection but sent no answer within {timeout:g} s", True
+    except OSError as e:
+        return e.strerror or str(e) or type(e).__name__, False
+    finally:
+        sock.close()
+
+
+def check_reachable(path: str, log=None) -> None:
     """Ask the store serving ``path`` whether it exists, so that an unreachable endpoint or a refused
-    connection is a StorageError naming the path (and endpoint) now, not after hours of work."""
+    connection is a StorageError naming the path (and endpoint) now, not after hours of work. An S3
+    endpoint must first answer an HTTP request within PROBE_TIMEOUT_S (a mute one would otherwise hold
+    the client for minutes of its own time-outs and retries); one that does not answer in time is tried
+    PROBE_ATTEMPTS times, each retry said through ``log`` (default: a line on stderr); a refusal fails at once."""
     if not is_url(path):
         return
+    endpoint = endpoint_of(path)
+    if endpoint is not None:
+        say = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        for attempt in range(1, PROBE_ATTEMPTS + 1):
+            failed = _probe_endpoint(endpoint, PROBE_TIMEOUT_S)
+            if failed is None:
+                break
+            why, timed_out = failed
+            if not timed_out or attempt == PROBE_ATTEMPTS:
+                tries = f"; tried {attempt} times" if attempt > 1 else ""
+                raise StorageError(f"{path}: storage not reachable at {endpoint} ({why}{tries})")
+            say(f"storage: {endpoint} did not answer ({why}); retrying ({attempt + 1} of {PROBE_ATTEMPTS})")
     try:
         exists(path)
     except Exception as e:  # noqa: BLE001 - any failure to get an answer means the store cannot be used
-        endpoint = (_OPTIONS.get(path.split("://", 1)[0], {}).get("client_kwargs") or {}).get("endpoint_url") \
-            or os.environ.get("AWS_ENDPOINT_URL") or "the default endpoint"
+        endpoint = endpoint or (_OPTIONS.get(path.split("://", 1)[0], {}).get("client_kwargs") or {}).get(
+            "endpoint_url") or os.environ.get("AWS_ENDPOINT_URL") or "the default endpoint"
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise StorageError(f"{path}: storage not reachable at {endpoint} ({reason})") from None
 
