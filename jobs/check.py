@@ -4,7 +4,8 @@
 
 PATH may be a local path or any fsspec URL. Every file the quantizer's manifest.json lists is checked for
 its size and (unless ``--no-verify``) its sha256; msModelSlim's own folders have no manifest (the report
-says so). Exit status: 0 clean, 1 any violation, 2 unreadable input.
+says so), while one this project wrote (its weight shards say so in their metadata) without its manifest
+is a violation: the manifest was removed. Exit status: 0 clean, 1 any violation, 2 unreadable input.
 """
 
 from __future__ import annotations

@@ -123,7 +123,8 @@ def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -
     _flag(ap, "--s3-endpoint", default=None, help="S3 endpoint URL for s3:// paths (credentials: the usual AWS_* "
           "environment); None: AWS_ENDPOINT_URL or AWS's")
     d = ap.add_argument_group("distributed (Ray)")
-    _flag(d, "--stages", type=int, default=0, help="pipeline stages on Ray; 0: one process")
+    _flag(d, "--stages", type=int, default=None,
+          help="pipeline stages on Ray, 1..num_hidden_layers (as jobs.plan); None: one process, no Ray")
     _flag(d, "--replicas", type=int, default=1, help="data-parallel copies of every stage")
     _flag(d, "--ray-address", default=None, help="Ray cluster to use; None: RAY_ADDRESS, else a local Ray")
     _flag(d, "--cpus-per-actor", type=float, default=1.0, help="CPUs reserved per stage actor")
@@ -173,8 +174,8 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
         raise ValueError(f"--calib-batch must be >= 1, got {args.calib_batch}")
     if args.calib_batch > 1 and args.two_pass:
         raise ValueError("--calib-batch > 1 needs the layer-wise job (drop --two-pass)")
-    if args.stages < 0:
-        raise ValueError(f"--stages must be >= 0, got {args.stages}")
+    if args.stages is not None and args.stages < 1:
+        raise ValueError(f"--stages must be >= 1, got {args.stages} (leave it out for the single-process job)")
     if args.shard_size_gb is not None and not args.shard_size_gb > 0:
         raise ValueError(f"--shard-size-gb must be > 0, got {args.shard_size_gb}")
     if args.max_calib_tokens < 1:

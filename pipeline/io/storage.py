@@ -130,13 +130,43 @@ def _probe_endpoint(url: str, timeout: float) -> tuple[str, bool] | None:
         sock.close()
 
 
+def check_local_path(path: str) -> None:
+    """StorageError naming ``path`` when it, or a directory above it, is a loop of symbolic links, a
+    symbolic link to nothing, or a file where a directory must be: a location no file can be written
+    under (found now, not when the first file is written)."""
+    p = os.path.abspath(path[len("file://"):] if path.startswith("file://") else path)
+    chain = []
+    while True:
+        chain.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for a in reversed(chain):       # from the root down
+        if not os.path.lexists(a):
+            return
+        try:
+            st = os.stat(a)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise StorageError(f"{path}: {a} is a loop of symbolic links") from None
+            if e.errno == errno.ENOENT:
+                raise StorageError(f"{path}: {a} is a symbolic link to {os.readlink(a)}, which does not "
+                                   "exist") from None
+            raise StorageError(f"{path}: {a}: {e.strerror}") from None
+        if a != chain[0] and not os.path.isdir(a):
+            raise StorageError(f"{path}: {a} is a file, not a directory")
+
+
 def check_reachable(path: str, log=None) -> None:
     """Ask the store serving ``path`` whether it exists, so that an unreachable endpoint or a refused
-    connection is a StorageError naming the path (and endpoint) now, not after hours of work. An S3
+    connection is a StorageError naming the path (and endpoint) now, not after hours of work (a local path:
+    :func:`check_local_path`). An S3
     endpoint must first answer an HTTP request within PROBE_TIMEOUT_S (a mute one would otherwise hold
     the client for minutes of its own time-outs and retries); one that does not answer in time is tried
     PROBE_ATTEMPTS times, each retry said through ``log`` (default: a line on stderr); a refusal fails at once."""
     if not is_url(path):
+        check_local_path(path)
         return
     endpoint = endpoint_of(path)
     if endpoint is not None:
@@ -206,9 +236,27 @@ def size(path: str) -> int:
     return int(fs.size(p))
 
 
+VERSION_MODES = ("stat", "sha256")
+_version_mode = "stat"
+
+
+def set_version_mode(mode: str) -> None:
+    """How :func:`version` tells a file's versions apart: ``stat`` (its size and ETag or modification time:
+    nothing read; an in-place edit that keeps both, as ``cp -p`` or ``rsync -t`` can, is missed) or
+    ``sha256`` (its size and content hash: every file read once per call)."""
+    global _version_mode
+    if mode not in VERSION_MODES:
+        raise ValueError(f"version mode must be one of {', '.join(VERSION_MODES)}, got {mode!r}")
+    _version_mode = mode
+
+
 def version(path: str) -> dict[str, Any]:
-    """What identifies a stored file's version without reading it: its size and, as the store has them,
-    its ETag (object stores) or modification time (local, NFS)."""
+    """What identifies a stored file's version (:func:`set_version_mode`): by default, without reading it,
+    its size and, as the store has them, its ETag (object stores) or modification time (local, NFS); in
+    ``sha256`` mode its size and the sha256 of its content."""
+    if _version_mode == "sha256":
+        n, digest = file_sha256(path)
+        return {"size": n, "sha256": digest}
     fs, p = filesystem(path)
     info = fs.info(p)
     out = {"size": int(info["size"])}
