@@ -62,6 +62,17 @@ def main(argv=None) -> int:
     except (ValueError, TypeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from actors.ray_start import check_address, join_address
+
+    from actors import serve_proxy
+
+    try:  # before anything starts or is built: a cluster that is not there, a port already taken
+        check_address(args.address, "--address")
+        if not join_address(args.address):
+            check_port(cfg.host, cfg.port)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if cfg.model_path == str(Path(DEFAULT_MODEL).resolve()):
         ensure_default_model(cfg.model_path)
     elif "://" not in cfg.model_path and not Path(cfg.model_path).is_dir():
@@ -74,18 +85,6 @@ def main(argv=None) -> int:
         storage.check_reachable(cfg.model_path)      # a mute object store: seconds, not minutes
         kind = check_model_dir(cfg)
     except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-    from actors.ray_start import NoCluster, check_address, join_address
-
-    from actors import serve_proxy
-
-    try:  # before anything starts: a cluster that is not there, a port already taken
-        check_address(args.address, "--address")
-        if not join_address(args.address):
-            check_port(cfg.host, cfg.port)
-    except (NoCluster, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
