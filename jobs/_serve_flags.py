@@ -129,7 +129,8 @@ def api_key(args: argparse.Namespace):
         try:
             lines = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"--api-key-file {args.api_key_file}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+            why = getattr(e, "strerror", None) or e
+            raise ValueError(f"--api-key-file {args.api_key_file}: cannot read it ({why})") from None
         key = lines[0].strip() if lines else ""
         if not key:
             raise ValueError(f"--api-key-file {args.api_key_file}: its first line is empty")

@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     from pipeline.engine.protocol import SamplingParams
     from pipeline.text.tokenizer import Tokenizer
 
-    from pipeline.device import check_device
+    from pipeline.engine.device import check_device
 
     path = args.model_path or EMBEDDED_MODEL_DIR
     stack = contextlib.ExitStack()

@@ -160,7 +160,7 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
     recipe came from (and the FA3 list the legacy flags chose)."""
     from pipeline.io import storage
     from pipeline.assets import EMBEDDED_MODEL_DIR
-    from pipeline.device import check_device
+    from pipeline.engine.device import check_device
     from pipeline.model.loading import default_device
     from pipeline.io.checkpoint import CheckpointReader
     from pipeline.quant.recipe_source import RecipeRequest, resolve

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from jobs._serve_env import (apply as apply_serve_env, haproxy_binary, haproxy_files, resolve_http_proxy,
                              serve_environment)
-from pipeline.device import check_device
+from pipeline.engine.device import check_device
 from jobs._serve_flags import DEFAULT_MODEL, build_parser, make_config, parse_args
 from jobs._serve_lifecycle import (EXISTING_SERVE, FRONT_DOORS, RayOwner, Stopper, _local, check_port,
                                    dropped_log_line, stop, wait_answering)

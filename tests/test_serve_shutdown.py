@@ -1,7 +1,8 @@
-"""``python -m jobs.serve`` stops fast and clean: SIGTERM while serving exits within the 5 s it documents, with every Ray process of its private cluster gone and no alarming line in its log (no controller
+"""``python -m jobs.serve`` stops fast and clean: SIGTERM while serving exits within the 5 s it documents,
+with every Ray process of its private cluster gone and no alarming line in its log (no controller
 time-out, no killed task, no "existing Serve app", no traceback, no colour codes in a file); SIGINT (the
-same handler) does the same behind Serve's own proxy (the default front door is HAProxy); SIGTERM during start-up leaves nothing
-behind either."""
+same handler) does the same behind Serve's own proxy (the default front door is HAProxy); SIGTERM during
+start-up leaves nothing behind either."""
 
 from __future__ import annotations
 

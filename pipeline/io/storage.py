@@ -146,7 +146,7 @@ def check_local_path(path: str) -> None:
         if not os.path.lexists(a):
             return
         try:
-            st = os.stat(a)
+            os.stat(a)
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise StorageError(f"{path}: {a} is a loop of symbolic links") from None
