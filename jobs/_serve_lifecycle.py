@@ -8,6 +8,7 @@ signalled too: there is nothing left to drain through, so the stop skips to that
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -129,12 +130,18 @@ def check_port(host: str, port: int) -> None:
         raise ValueError(f"--port must be in 1..65535, got {port!r}")
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, _, _, _, addr = infos[0]
+    except OSError as e:     # socket.gaierror: not an address, nor a name this machine resolves
+        raise ValueError(f"--host {host}: not an address or a name this machine resolves ({e.strerror or e})") from None
+    family, _, _, _, addr = infos[0]
+    try:
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(addr)
     except OSError as e:
-        what = "is in use" if getattr(e, "errno", None) == 98 else f"cannot be listened on ({e.strerror or e})"
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise ValueError(f"--host {host}: not an address of this machine; use one of its own (or 0.0.0.0 "
+                             "for all)") from None
+        what = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be listened on ({e.strerror or e})"
         raise ValueError(f"--port {port}: {host}:{port} {what}; stop what listens there or pick another "
                          "--port") from None
 

@@ -49,6 +49,15 @@ def test_a_busy_port_is_one_line_before_ray_starts(capsys):
     one_line(err, "--port must be in 1..65535, got 70000")
 
 
+@pytest.mark.parametrize("host, says", [("999.1.1.1", "not an address or a name this machine resolves"),
+                                        ("nosuch.invalid", "not an address or a name this machine resolves"),
+                                        ("192.0.2.1", "not an address of this machine")])
+def test_a_host_this_machine_cannot_listen_on_names_host(capsys, host, says):
+    rc, err = serve(capsys, "--host", host, "--port", "8000")
+    assert rc == 2 and "ray:" not in err
+    one_line(err, f"--host {host}: {says}")
+
+
 def test_devices_this_machine_cannot_run_on_are_one_line(capsys):
     import torch
 
