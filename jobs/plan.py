@@ -117,7 +117,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out: dict[str, Any] = {}
     try:
         from pipeline.io.checkpoint import CheckpointReader
+        from pipeline.io.storage import check_reachable
 
+        check_reachable(args.model_path)        # a mute object store: seconds, not minutes
         reader = CheckpointReader(args.model_path)
         layers = reader.config.num_hidden_layers
         if not 1 <= args.stages <= layers:  # as jobs.quantize --stages: the main layers are what stages split

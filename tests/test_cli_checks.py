@@ -144,6 +144,7 @@ def mute_endpoint():
 
 
 def test_a_mute_object_store_is_given_up_on_in_seconds_saying_so(capsys, monkeypatch, mute_endpoint, tmp_path):
+    from jobs import plan as plan_job
     from jobs import quantize as quantize_job
     from pipeline.io import storage
 
@@ -156,6 +157,8 @@ def test_a_mute_object_store_is_given_up_on_in_seconds_saying_so(capsys, monkeyp
             storage.check_reachable("s3://bucket/out", log=lines.append)
         rc = quantize_job.main(["--no-progress", "--model-path", str(TINY_FIXTURE), "--save-path", "s3://bucket/q",
                                 "--calib-data", str(FIXTURES / "calib.json"), "--s3-endpoint", mute_endpoint])
+        out, err = capsys.readouterr()
+        rc_plan = plan_job.main(["--model-path", "s3://bucket/src"])
     finally:
         storage._OPTIONS.pop("s3", None)
         if saved is not None:
@@ -164,7 +167,9 @@ def test_a_mute_object_store_is_given_up_on_in_seconds_saying_so(capsys, monkeyp
                             f"but sent no answer within 0.5 s; tried {storage.PROBE_ATTEMPTS} times)")
     assert lines == [f"storage: {mute_endpoint} did not answer (it accepted a connection but sent no answer within "
                      f"0.5 s); retrying ({i} of {storage.PROBE_ATTEMPTS})" for i in range(2, storage.PROBE_ATTEMPTS + 1)]
-    out, err = capsys.readouterr()
     assert rc == 2 and "calibrating" not in out
     assert err.count("retrying") == storage.PROBE_ATTEMPTS - 1
     assert err.strip().splitlines()[-1].startswith(f"error: s3://bucket/q: storage not reachable at {mute_endpoint}")
+    out, err = capsys.readouterr()
+    assert rc_plan == 2 and out == "" and err.count("retrying") == storage.PROBE_ATTEMPTS - 1
+    assert err.strip().splitlines()[-1].startswith(f"error: s3://bucket/src: storage not reachable at {mute_endpoint}")
