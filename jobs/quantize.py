@@ -188,6 +188,8 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
     src = args.model_path or EMBEDDED_MODEL_DIR
     storage.check_reachable(src)
     cfg = CheckpointReader(src).config
+    if args.stages is not None and args.stages > cfg.num_hidden_layers:     # as jobs.plan: stages split the main layers
+        raise ValueError(f"--stages must be 1..{cfg.num_hidden_layers} (the model's main layers), got {args.stages}")
     req = RecipeRequest(config_path=args.config_path, model_type=args.model_type, quant_type=args.quant_type,
                         anti_method=args.anti_method, disable_anti=args.disable_anti, rot=args.rot,
                         quant_mtp="mix" if args.quantize_mtp else args.quant_mtp, fa_quant=args.fa_quant,

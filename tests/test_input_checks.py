@@ -123,6 +123,11 @@ def test_stages_0_is_refused_and_plan_and_quantize_take_the_same_range(capsys, t
         "error: --stages must be >= 1, got 0 (leave it out for the single-process job)"
     from jobs import plan as plan_job
 
+    for k in (layers + 1, layers + 5):        # refused from the config, before Ray or the destination
+        rc = quantize_job.main(["--model-path", str(TINY_FIXTURE), "--stages", str(k), "--save-path", str(tmp_path / "q")])
+        assert rc == 2 and capsys.readouterr().err.strip() == \
+            f"error: --stages must be 1..{layers} (the model's main layers), got {k}"
+        assert not (tmp_path / "q").exists()
     for k in (0, -1, layers + 1, layers + 5):
         assert plan_job.main(["--model-path", str(TINY_FIXTURE), "--stages", str(k)]) == 2
         assert capsys.readouterr().err.strip() == f"refused: stages must be 1..{layers} (the model's main layers), got {k}"
