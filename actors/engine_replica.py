@@ -11,7 +11,24 @@ from actors.serve_config import ServeConfig
 def make_engine(config: ServeConfig, deployment: str, tok):
     """The engine of one replica of ``deployment`` ("llm" or "prefill"): in this process, or sharded over
     ``config.parallel_of(deployment).world`` ranks (this replica is rank 0; the others Ray actors in the
-    replica's placement group, actors.rank_group)."""
+    replica's placement group, actors.rank_group); each step delayed by ``config.step_delay_s`` (tests)."""
+    engine = _make_engine(config, deployment, tok)
+    if config.step_delay_s > 0:
+        engine.step = _delayed(engine.step, config.step_delay_s)
+    return engine
+
+
+def _delayed(step, delay_s: float):
+    import time
+
+    def delayed_step():
+        time.sleep(delay_s)
+        return step()
+
+    return delayed_step
+
+
+def _make_engine(config: ServeConfig, deployment: str, tok):
     from pipeline.engine.core.engine import LLMEngine
     from pipeline.engine.worker.loader import FLOAT_CHECKPOINT, dir_kind, load_model
 

@@ -1,7 +1,6 @@
 """The serving application's configuration: a dataclass built in code or read from a JSON/YAML file."""
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -10,6 +9,7 @@ from pipeline.engine import cpu_pinning
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.worker.loader import DTYPES
 from pipeline.parallel import SIZES as PARALLEL_SIZES, ParallelConfig
+from pipeline.io.json_input import parse_json
 from pipeline.strict import check_keys
 
 @dataclass(frozen=True)
@@ -86,6 +86,9 @@ class ServeConfig:
     app_name: str = "dsquant"
     route_prefix: str = "/"
     dtype: Optional[str] = None     # float compute dtype (pipeline.engine.worker.loader.DTYPES); None: the loader's
+    # for tests only: every engine step first sleeps this long, so that a request meant to be long lasts long
+    # however fast the machine is (a client's time-out, an abort, a fair share observed mid-request)
+    step_delay_s: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -119,6 +122,9 @@ class ServeConfig:
         if self.engine_in_ingress and self.ingress.num_replicas != self.llm.num_replicas:
             raise ValueError(f"engine_in_ingress: each ingress replica owns one engine, so ingress.num_replicas "
                              f"({self.ingress.num_replicas}) must equal llm.num_replicas ({self.llm.num_replicas})")
+        if isinstance(self.step_delay_s, bool) or not isinstance(self.step_delay_s, (int, float)) \
+                or not 0 <= self.step_delay_s <= 60:
+            raise ValueError(f"step_delay_s must be a number of seconds in [0, 60], got {self.step_delay_s!r}")
         for f in ("prefill_timeout_s", "body_timeout_s"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"{f} must be > 0, got {getattr(self, f)!r}")
@@ -165,12 +171,17 @@ class ServeConfig:
         return cls(**d)
 
     @classmethod
-    def from_mindie(cls, block: Any, devices_available: int, cpu: bool = False, **overrides: Any) -> "ServeConfig":
+    def from_mindie(cls, block: Any, devices_available: int, cpu: bool = False, warn=None,
+                    **overrides: Any) -> "ServeConfig":
         """From a MindIE ModelConfig block (pipeline.serving.mindie_config: refuses what the devices cannot honour);
-        ``overrides`` (from_dict's keys, e.g. ``port``) win; an ``engine``/``llm`` mapping is merged in."""
+        ``overrides`` (from_dict's keys, e.g. ``port``) win; an ``engine``/``llm`` mapping is merged in;
+        ``warn(line)`` gets each warning (what the block says that this engine does not follow)."""
         from pipeline.serving.mindie_config import parse_mindie_model_config, to_serve_options
 
-        d = to_serve_options(parse_mindie_model_config(block, devices_available, cpu=cpu))
+        parsed = parse_mindie_model_config(block, devices_available, cpu=cpu)
+        for line in parsed.warnings if warn is not None else ():
+            warn(line)
+        d = to_serve_options(parsed)
         d["engine"] = {**dataclasses.asdict(DEFAULT_ENGINE), **d["engine"]}
         for key, value in overrides.items():
             d[key] = {**d.get(key, {}), **value} if key in ("engine", "llm") and isinstance(value, Mapping) else value
@@ -179,16 +190,18 @@ class ServeConfig:
     @classmethod
     def from_file(cls, path: str) -> "ServeConfig":
         """Read a ``.json``, ``.yaml`` or ``.yml`` file holding :meth:`from_dict`'s mapping."""
-        text = Path(path).read_text()
+        raw = Path(path).read_bytes()
         if path.endswith((".yaml", ".yml")):
             import yaml
 
-            data = yaml.safe_load(text)
-        else:
             try:
-                data = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not valid JSON: {e}") from None
+                data = yaml.safe_load(raw)
+            except yaml.YAMLError as e:
+                raise ValueError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+            except RecursionError:
+                raise ValueError(f"{path}: not valid YAML (nested too deeply to parse)") from None
+        else:
+            data = parse_json(raw, path)
         if not isinstance(data, Mapping):
             raise ValueError(f"{path}: expected a mapping of serve options, got {type(data).__name__}")
         try:

@@ -33,12 +33,14 @@ from typing import AsyncIterator, Optional
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from actors.engine_client import LocalEngine, RemoteEngine
 from actors.ray_errors import app_error
 from actors.serve_config import ServeConfig
+from actors.serve_limits import answer_bound, longest_token, proxy_limit
 from actors.serve_metrics import ServeMetrics
 from actors.serve_streams import ShuttingDown, engine_failed, first_error, first_event, merge_events, shutdown_error
 from pipeline.serving import openai_api as api
@@ -56,6 +58,21 @@ log = logging.getLogger("dsquant.serve")
 
 # FastAPI's own docs routes answer everyone; they are re-added below behind the API key
 openai_app = FastAPI(title="dsquant OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+ROUTES = "/v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health, /metrics"
+
+
+@openai_app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own refusals (no such route, a method the route does not take) in OpenAI's error shape."""
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        message, code = f"Invalid URL ({where}): this server serves {ROUTES}", "not_found"
+    elif exc.status_code == 405:
+        message, code = f"Invalid method ({where}): the route does not take {request.method}", "method_not_allowed"
+    else:
+        message, code = f"{where}: {exc.detail}", None
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}},
+                        status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
 def _error(err: ApiError, headers: Optional[dict] = None) -> JSONResponse:
@@ -96,6 +113,8 @@ class OpenAIIngress:
         self.strings = TokenStrings(self.tokenizer)     # token strings and bytes, for logprobs (cached)
         self.metrics = ServeMetrics()
         self.in_flight = 0
+        self.answer_limit = proxy_limit()               # bytes a non-streamed answer may have (None: any)
+        self._token_bytes: Optional[int] = None
         self._draining = asyncio.Event()
         self._info: Optional[dict] = None
         self.created = int(time.time())
@@ -181,7 +200,7 @@ class OpenAIIngress:
         return _error(err, headers)
 
     # -- routes ----------------------------------------------------------------------------------------
-    @openai_app.get("/health")
+    @openai_app.api_route("/health", methods=["GET", "HEAD"])
     async def health(self):
         try:
             stats = await asyncio.wait_for(self.engine.stats(), STATS_TIMEOUT_S)
@@ -292,6 +311,9 @@ class OpenAIIngress:
         if n > limit:
             return self._reply(route, api.invalid(f"n is {n} but this server runs at most {limit} generations at "
                                                   "once (each choice is one)", "n"), rid)
+        err = self._too_large(req)
+        if err is not None:
+            return self._reply(route, err, rid)
         if self.in_flight + n > limit:
             return self._reply(route, ApiError(
                 429, f"the server is at its limit of {limit} requests in flight; retry later",
@@ -322,6 +344,25 @@ class OpenAIIngress:
             if not handed_over:
                 _cancel(gens)  # no-op for the finished; aborts the sequences when this request was cancelled
                 self._release(n)
+
+    def _too_large(self, req: GenerateRequest) -> Optional[ApiError]:
+        """A 400 for a non-streamed request whose answer could exceed what this server's proxy passes
+        (actors.serve_limits), before anything is computed; None when it cannot."""
+        if req.stream or self.answer_limit is None:
+            return None
+        if self._token_bytes is None:
+            self._token_bytes = longest_token(self.tokenizer)
+        p = req.params
+        bound = answer_bound(req.n, p.max_new_tokens, p.logprobs, self._token_bytes,
+                             len(req.echo.encode()) if req.echo else 0)
+        if bound <= self.answer_limit:
+            return None
+        mib = 1024 * 1024
+        return api.invalid(f"this answer could take up to {bound / mib:.1f} MiB ({req.n} choice(s) of up to "
+                           f"{p.max_new_tokens} tokens" + (f", {p.logprobs} logprobs each" if p.logprobs else "")
+                           + f"), more than the {self.answer_limit / mib:g} MiB a non-streamed answer can have "
+                           "behind this server's proxy: stream it (\"stream\": true), or ask for fewer choices, "
+                           "tokens or logprobs", "stream")
 
     def _acquire(self, n: int) -> None:
         self.in_flight += n

@@ -22,6 +22,10 @@ cluster's (set them where its raylets start).
   (``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S``, Ray's default 30 s, cut to the app's 2.5 s
   graceful-shutdown bound) is set to 0 for a private Ray: nothing but this process routes to its
   replicas, and HAProxy retries a refused connection on another replica (a stop 5.1-5.3 -> 3.5 s).
+  HAProxy runs through :mod:`actors.serve_haproxy` (``RAY_SERVE_HAPROXY_BINARY_PATH`` names its shim):
+  its Prometheus and stats frontends bind the serving host, not every interface, its admin socket is
+  mode 600, and it dies with the Ray worker that starts it; its files (configuration, sockets, logs) are
+  in a private directory of the job's (:func:`haproxy_files`), removed when it stops.
   Caveat: HAProxy waits for a request head up to its client timeout (``RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S``,
   3600 s) instead of the 10 s header limit ``actors.serve_proxy`` puts on Serve's proxy; slow heads hold
   HAProxy connections (up to its maxconn, 4096) while normal requests keep answering; and ``/-/routes``
@@ -34,6 +38,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import tempfile
 
 HTTP_PROXIES = ("auto", "serve", "haproxy")
 HAPROXY_MIN_RAY = (2, 56)
@@ -43,6 +48,9 @@ THROUGHPUT = {
     "RAY_SERVE_PROXY_USE_GRPC": "1",
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    # a non-streamed answer is one gRPC message from the replica to the proxy: gRPC's 4 MiB default would
+    # turn a large one into a 500 after the whole generation (actors.serve_limits); gRPC's largest instead
+    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2 ** 31 - 1),
 }
 
 
@@ -81,6 +89,21 @@ def resolve_http_proxy(http_proxy: str, api_key: str | None) -> str:
     if http_proxy != "auto":
         return http_proxy
     return "haproxy" if not api_key and haproxy_binary() else "serve"
+
+
+def haproxy_files(real: str, host: str) -> tuple[str, dict[str, str]]:
+    """(a new private directory, the variables that put HAProxy's files in it and run it through
+    actors.serve_haproxy for the binary ``real``, its admin frontends bound to ``host``). The caller
+    sets the variables (the binary's over any set: the shim runs that one) and removes the directory."""
+    from actors.serve_haproxy import HOST_ENV, write_shim
+
+    d = tempfile.mkdtemp(prefix="dsq-hap-")       # mode 700: nobody else reaches the sockets in it
+    return d, {"RAY_SERVE_HAPROXY_BINARY_PATH": write_shim(d, real), HOST_ENV: host,
+               "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(d, "haproxy.cfg"),
+               "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(d, "admin.sock"),
+               "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": d,
+               "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(d, "server-state"),
+               "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(d, "metrics.sock")}
 
 
 def serve_environment(http_proxy: str = "serve", throughput: bool = True) -> dict[str, str]:

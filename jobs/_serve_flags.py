@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from pathlib import Path
 
 from jobs._serve_env import HTTP_PROXIES
@@ -33,8 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model id clients send (default: the directory's name)")
     ap.add_argument("--host", default=None, help=f"HTTP host (default: {dd.host})")
     ap.add_argument("--port", type=int, default=None, help=f"HTTP port (default: {dd.port})")
-    ap.add_argument("--api-key", dest="api_key", default=os.environ.get("DSQUANT_API_KEY"),
-                    help="require 'Authorization: Bearer KEY' on /v1 (default: $DSQUANT_API_KEY, else open)")
+    ap.add_argument("--api-key", dest="api_key", default=None,
+                    help="require 'Authorization: Bearer KEY' on /v1; a command line is visible to every user "
+                         "(ps): prefer --api-key-file or DSQUANT_API_KEY (default: --api-key-file's, else "
+                         "$DSQUANT_API_KEY, else the --config file's, else open)")
+    ap.add_argument("--api-key-file", dest="api_key_file", default=None,
+                    help="read the API key from this file's first line (default: none)")
     ap.add_argument("--max-in-flight", dest="max_in_flight", type=int, default=None,
                     help=f"generation requests in flight per ingress replica before 429 (default: {dd.max_in_flight})")
     ap.add_argument("--llm-replicas", dest="llm_replicas", type=int, default=None,
@@ -111,20 +116,46 @@ def parse_args(argv=None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def api_key(args: argparse.Namespace):
+    """The key of --api-key, else of --api-key-file (its first line), else of DSQUANT_API_KEY; None when
+    none is given (the --config file's then stands). ValueError naming the flag for an unusable one."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise ValueError("--api-key is empty")
+        return args.api_key
+    if args.api_key_file is not None:
+        try:
+            lines = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            why = getattr(e, "strerror", None) or e
+            raise ValueError(f"--api-key-file {args.api_key_file}: cannot read it ({why})") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file}: its first line is empty")
+        return key
+    return os.environ.get("DSQUANT_API_KEY") or None
+
+
 def make_config(args: argparse.Namespace):
     """The ServeConfig: the file's (if any), then the flags given on top."""
     from actors.serve_app import DeploymentOptions, ServeConfig
 
     if args.mindie_config:
-        import json
-
         import torch
 
-        block = json.loads(Path(args.mindie_config).read_text())
+        from pipeline.io.json_input import parse_json
+
+        block = parse_json(Path(args.mindie_config).read_bytes(), f"--mindie-config {args.mindie_config}")
         gpus = torch.cuda.device_count()   # none: CPU serving, one process per rank on this machine's cores
-        cfg = ServeConfig.from_mindie(block, gpus or (os.cpu_count() or 1), cpu=not gpus)
+        cfg = ServeConfig.from_mindie(block, gpus or (os.cpu_count() or 1), cpu=not gpus,
+                                      warn=lambda m: print(f"warning: --mindie-config: {m}", file=sys.stderr))
     else:
         cfg = ServeConfig.from_file(args.config) if args.config else ServeConfig(model_path=DEFAULT_MODEL)
+    key = api_key(args)
+    if key is not None:
+        args.api_key = key
     top = {k: getattr(args, k) for k in ("model_path", "served_model_name", "host", "port", "api_key",
                                          "max_in_flight", "torch_threads", "mode", "dtype", "engine_process",
                                          "engine_in_ingress", "engine_cpus")

@@ -1,12 +1,18 @@
-"""What ``jobs.serve`` does around the app: start (or join) Ray off the main thread, turn SIGINT and SIGTERM
-into one clean stop, wait for the front door to route, and stop: drain the app, then the private Ray."""
+"""What ``jobs.serve`` does around the app: check the port, start (or join) Ray off the main thread, turn
+SIGINT, SIGTERM and SIGHUP into one clean stop, wait for the front door to route, and stop within ``STOP_S`` of
+the signal: drain the app, then the private Ray, then kill whatever of that Ray is left (its processes
+carry a mark: actors.ray_reaper). When the signal went to a whole process group or service (``timeout``,
+``kill -TERM -PGID``, systemd's ``KillMode=control-group``), the private Ray's GCS and raylet were
+signalled too: there is nothing left to drain through, so the stop skips to that last step."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -74,27 +80,35 @@ class RayOwner(threading.Thread):
         self.released.set()
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, or a service manager's stop: the same path
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, a service manager's stop, a closed terminal
 FRONT_DOORS = {"haproxy": "HAProxy", "serve": "Serve's proxy", "cluster's": "the cluster's"}
 ROUTE_WAIT_S = 60.0   # seconds the HAProxy front door may take to route to a started app
-DRAIN_S = 3.0   # seconds a stop gives the app's replicas to finish what is in flight before Ray goes
+STOP_S = 5.0          # documented: a stop signal to the process's exit
+DRAIN_S = 3.0         # of which the app's replicas have this long to finish what is in flight
+STOP_BY_S = 4.3       # and Ray this long to shut down, before its processes are killed
 
 
 class Stopper:
-    """SIGINT and SIGTERM both stop the server. Until :meth:`arm` (while Ray starts) a signal is only
+    """SIGINT, SIGTERM and SIGHUP all stop the server. Until :meth:`arm` (while Ray starts) a signal is only
     recorded, so that Ray is never left half-started; after it, a signal raises KeyboardInterrupt in the
-    main thread; during the stop itself further signals are ignored, so a second Ctrl-C cannot cut it."""
+    main thread; during the stop itself further signals are ignored, so a second Ctrl-C cannot cut it.
+    :attr:`since`: when the first signal came (time.monotonic), None before."""
 
     def __init__(self):
-        self.requested = False
+        self.requested, self.since = False, None
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._hold)
 
+    def _note(self) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+
     def _hold(self, signum, frame) -> None:
+        self._note()
         self.requested = True
 
-    @staticmethod
-    def _interrupt(signum, frame) -> None:
+    def _interrupt(self, signum, frame) -> None:
+        self._note()
         raise KeyboardInterrupt
 
     def arm(self) -> None:
@@ -107,6 +121,29 @@ class Stopper:
     def disarm(self) -> None:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+
+
+def check_port(host: str, port: int) -> None:
+    """ValueError naming the flag when ``port`` is not one, or when ``host:port`` cannot be listened on
+    (something listens there already, or the host is not this machine's), before anything starts."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"--port must be in 1..65535, got {port!r}")
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:     # socket.gaierror: not an address, nor a name this machine resolves
+        raise ValueError(f"--host {host}: not an address or a name this machine resolves ({e.strerror or e})") from None
+    family, _, _, _, addr = infos[0]
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+    except OSError as e:
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise ValueError(f"--host {host}: not an address of this machine; use one of its own (or 0.0.0.0 "
+                             "for all)") from None
+        what = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be listened on ({e.strerror or e})"
+        raise ValueError(f"--port {port}: {host}:{port} {what}; stop what listens there or pick another "
+                         "--port") from None
 
 
 def _local(host: str) -> str:
@@ -134,24 +171,66 @@ def wait_answering(url: str, timeout_s: float = ROUTE_WAIT_S) -> None:
         time.sleep(0.2)
 
 
-def stop(app_name: str, private: bool) -> None:
-    """Delete the app: Serve drains each replica (what is in flight is answered or ends; the replicas'
-    shutdown hooks run). On a private Ray, wait for that at most DRAIN_S, then stop the Ray and wait for
-    all its processes; on a joined cluster only disconnect (its controller finishes the deletion)."""
+def _gcs_alive() -> bool:
+    """Whether the GCS of the private Ray started here still runs (True when unknown)."""
+    try:
+        from ray._private import ray_constants, worker
+
+        node = worker._global_node
+        procs = node.all_processes.get(ray_constants.PROCESS_TYPE_GCS_SERVER) if node is not None else None
+        return not procs or procs[0].process.poll() is None
+    except Exception:  # noqa: BLE001 - Ray's internals moved: assume it runs (the stop is bounded anyway)
+        return True
+
+
+def _stop_app_and_ray(app_name: str, private: bool, since: float, done: threading.Event) -> None:
     import ray
     from ray import serve
 
-    if not ray.is_initialized():
-        return
-    deadline = time.monotonic() + DRAIN_S
     try:  # open streams end now with an error event and [DONE] (every replica also does it when stopped)
         serve.get_deployment_handle("OpenAIIngress", app_name).drain.remote().result(timeout_s=1.0)
     except Exception:  # noqa: BLE001 - no app yet, or it cannot answer: the deletion below still drains
         pass
     try:
         serve.delete(app_name, _blocking=False)
-        while private and app_name in serve.status().applications and time.monotonic() < deadline:
+        while private and app_name in serve.status().applications and time.monotonic() < since + DRAIN_S:
             time.sleep(0.1)
     except Exception:  # noqa: BLE001 - no Serve yet (stopped during start-up), Ray going away: nothing to drain
         pass
     ray.shutdown(wait_for_processes=private)
+    done.set()
+
+
+def stop(app_name: str, private: bool, since: float | None = None) -> bool:
+    """Delete the app: Serve drains each replica (what is in flight is answered or ends; the replicas'
+    shutdown hooks run). On a private Ray, wait for that until DRAIN_S after ``since`` (the signal; default
+    now), then stop the Ray; on a joined cluster only disconnect (its controller finishes the deletion).
+    Whatever has not finished STOP_BY_S after ``since`` is cut short: every process of the private Ray
+    still running is killed. True when Ray shut down in time; False: the caller must leave at once
+    (os._exit), as Ray may still hold this process."""
+    import ray
+
+    from actors.ray_reaper import sweep
+    from actors.ray_start import private_ray
+
+    if not ray.is_initialized():
+        return True
+    since = time.monotonic() if since is None else since
+    done = threading.Event()
+    mark = private_ray() if private else None
+    if mark is not None and not _gcs_alive():   # signalled with this process: nothing left to drain through
+        killed = sweep(*mark)
+        print(f"stop: the private Ray's GCS had stopped already (signalled with this process); killed its "
+              f"{len(killed)} remaining processes", file=sys.stderr, flush=True)
+        return False
+    threading.Thread(target=_stop_app_and_ray, args=(app_name, private, since, done), name="stop",
+                     daemon=True).start()
+    while not done.wait(0.1) and time.monotonic() < since + STOP_BY_S:
+        if mark is not None and not _gcs_alive():   # it went after the signal: nothing will answer
+            break
+    if mark is not None:
+        killed = sweep(*mark)
+        if not done.is_set():
+            print(f"stop: the private Ray did not shut down in time (its GCS was signalled too, or it took "
+                  f"over {STOP_BY_S:g} s); killed its {len(killed)} remaining processes", file=sys.stderr, flush=True)
+    return done.is_set()

@@ -4,7 +4,8 @@
 
 PATH may be a local path or any fsspec URL. Every file the quantizer's manifest.json lists is checked for
 its size and (unless ``--no-verify``) its sha256; msModelSlim's own folders have no manifest (the report
-says so). Exit status: 0 clean, 1 any violation, 2 unreadable input.
+says so), while one this project wrote (its weight shards say so in their metadata) without its manifest
+is a violation: the manifest was removed. Exit status: 0 clean, 1 any violation, 2 unreadable input.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Optional, Sequence
 from pipeline.format.checker import check_dir
 from pipeline.format.description import DIALECTS
 from pipeline.io.safetensors_io import CheckpointError
-from pipeline.io.storage import describe_os_error
+from pipeline.io.storage import check_reachable, describe_os_error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_reachable(args.path)           # a mute object store: seconds, not minutes
         report = check_dir(args.path, dialect=args.dialect, verify=args.verify)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -72,12 +72,17 @@ def main(argv=None) -> int:
     from pipeline.engine.protocol import SamplingParams
     from pipeline.text.tokenizer import Tokenizer
 
+    from pipeline.engine.device import check_device
+
     path = args.model_path or EMBEDDED_MODEL_DIR
     stack = contextlib.ExitStack()
     try:
+        check_device(args.device)
+        check_prompt(args.prompt)
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         t0 = time.time()
+        storage.check_reachable(path)        # a mute object store: seconds, not minutes
         if not storage.isdir(path):
             raise FileNotFoundError(f"{path}: not a checkpoint directory")
         kind = dir_kind(path)
@@ -106,14 +111,24 @@ def main(argv=None) -> int:
             model = load_model(path, dtype=args.dtype, device=args.device, with_mtp=False)
             t1 = time.time()
             text = generate_text(model, tok, args.prompt, params, chat=not args.raw)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:
+        print(f"error: {storage.describe_os_error(e) if isinstance(e, OSError) else e}", file=sys.stderr)
         return 2
     finally:
         stack.close()
     print(f"> {args.prompt}\n{text.strip()}")
     print(f"[{path}: loaded in {t1 - t0:.1f}s, generated in {time.time() - t1:.1f}s]", file=sys.stderr)
     return 0
+
+
+def check_prompt(prompt: str) -> None:
+    """ValueError for a prompt argument that is not valid UTF-8 (Python keeps such bytes of the command
+    line as lone surrogates)."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = prompt[e.start].encode("utf-8", "surrogateescape")
+        raise ValueError(f"the prompt is not valid UTF-8: byte 0x{bad.hex()} at character {e.start}") from None
 
 
 def _parallel(args):

@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jobs.plan", description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", default=EMBEDDED_MODEL_DIR, help="source checkpoint (default: the embedded model)")
     ap.add_argument("--stages", type=int, default=1,
-                    help="pipeline stages the layers are split into (default: %(default)s)")
+                    help="pipeline stages the main layers are split into, 1..num_hidden_layers, as jobs.quantize "
+                         "--stages (default: %(default)s)")
     ap.add_argument("--replicas", type=int, default=1,
                     help="data-parallel copies of every stage (default: %(default)s)")
     ap.add_argument("--seq-len", type=int, default=None,
@@ -116,8 +117,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out: dict[str, Any] = {}
     try:
         from pipeline.io.checkpoint import CheckpointReader
+        from pipeline.io.storage import check_reachable
 
+        check_reachable(args.model_path)        # a mute object store: seconds, not minutes
         reader = CheckpointReader(args.model_path)
+        layers = reader.config.num_hidden_layers
+        if not 1 <= args.stages <= layers:  # as jobs.quantize --stages: the main layers are what stages split
+            raise PlanError(f"stages must be 1..{layers} (the model's main layers), got {args.stages}")
         seq_len = args.seq_len or min(DEFAULT_SEQ_LEN, reader.config.max_position_embeddings)
         recipe = Recipe(dialect=args.dialect, quantize_mtp=args.quantize_mtp)
         p = plan(reader, args.stages, args.replicas, recipe, calib_tokens=args.calib_samples * seq_len,
@@ -131,7 +137,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(out, indent=1) if args.json else plan_to_text(p) + (f"\n{wall.to_text()}" if wall else ""))
         available = None
         if args.check_ray:
-            available = ray_resources(args.check_ray)
+            from actors.ray_start import NoCluster
+
+            try:
+                available = ray_resources(args.check_ray)
+            except NoCluster as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
         elif args.cluster_memory_gib is not None:
             per = args.cluster_memory_gib * GiB / max(args.nodes, 1)
             available = {"memory": args.cluster_memory_gib * GiB,

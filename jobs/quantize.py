@@ -123,7 +123,8 @@ def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -
     _flag(ap, "--s3-endpoint", default=None, help="S3 endpoint URL for s3:// paths (credentials: the usual AWS_* "
           "environment); None: AWS_ENDPOINT_URL or AWS's")
     d = ap.add_argument_group("distributed (Ray)")
-    _flag(d, "--stages", type=int, default=0, help="pipeline stages on Ray; 0: one process")
+    _flag(d, "--stages", type=int, default=None,
+          help="pipeline stages on Ray, 1..num_hidden_layers (as jobs.plan); None: one process, no Ray")
     _flag(d, "--replicas", type=int, default=1, help="data-parallel copies of every stage")
     _flag(d, "--ray-address", default=None, help="Ray cluster to use; None: RAY_ADDRESS, else a local Ray")
     _flag(d, "--cpus-per-actor", type=float, default=1.0, help="CPUs reserved per stage actor")
@@ -159,6 +160,7 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
     recipe came from (and the FA3 list the legacy flags chose)."""
     from pipeline.io import storage
     from pipeline.assets import EMBEDDED_MODEL_DIR
+    from pipeline.engine.device import check_device
     from pipeline.model.loading import default_device
     from pipeline.io.checkpoint import CheckpointReader
     from pipeline.quant.recipe_source import RecipeRequest, resolve
@@ -172,19 +174,22 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
         raise ValueError(f"--calib-batch must be >= 1, got {args.calib_batch}")
     if args.calib_batch > 1 and args.two_pass:
         raise ValueError("--calib-batch > 1 needs the layer-wise job (drop --two-pass)")
-    if args.stages < 0:
-        raise ValueError(f"--stages must be >= 0, got {args.stages}")
+    if args.stages is not None and args.stages < 1:
+        raise ValueError(f"--stages must be >= 1, got {args.stages} (leave it out for the single-process job)")
     if args.shard_size_gb is not None and not args.shard_size_gb > 0:
         raise ValueError(f"--shard-size-gb must be > 0, got {args.shard_size_gb}")
     if args.max_calib_tokens < 1:
         raise ValueError(f"--max-calib-tokens must be >= 1, got {args.max_calib_tokens}")
     if not 0 <= args.smooth_alpha <= 1:
         raise ValueError(f"--smooth-alpha must be in [0, 1], got {args.smooth_alpha}")
+    check_device(args.device)           # an unknown device, or CUDA without it: before anything loads
     if args.s3_endpoint:
         storage.set_options("s3", client_kwargs={"endpoint_url": args.s3_endpoint})
     src = args.model_path or EMBEDDED_MODEL_DIR
     storage.check_reachable(src)
     cfg = CheckpointReader(src).config
+    if args.stages is not None and args.stages > cfg.num_hidden_layers:     # as jobs.plan: stages split the main layers
+        raise ValueError(f"--stages must be 1..{cfg.num_hidden_layers} (the model's main layers), got {args.stages}")
     req = RecipeRequest(config_path=args.config_path, model_type=args.model_type, quant_type=args.quant_type,
                         anti_method=args.anti_method, disable_anti=args.disable_anti, rot=args.rot,
                         quant_mtp="mix" if args.quantize_mtp else args.quant_mtp, fa_quant=args.fa_quant,
@@ -205,6 +210,9 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
     dist = None
     if args.stages:
         from actors.ray_session import DistOptions
+        from actors.ray_start import check_address
+
+        check_address(args.ray_address, "--ray-address")   # before anything is written: no cluster, no .dsquant/
 
         dist = DistOptions(stages=args.stages, replicas=args.replicas, address=args.ray_address,
                            cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,

@@ -2,8 +2,9 @@
 
     python -m jobs.requantize --model-path SRC --save-path DST [every jobs.quantize flag]
 
-Fingerprints the source (each file's size and ETag/mtime: no weight is read), the recipe and the
-calibration data, and compares them with the destination's manifest. Unchanged: nothing is done. Changed:
+Fingerprints the source (each file's size and ETag/mtime: no weight is read; ``--source-check sha256``:
+each file's content hash instead, which also sees an in-place edit that keeps size and mtime), the recipe
+and the calibration data, and compares them with the destination's manifest. Unchanged: nothing is done. Changed:
 the job reruns through actors.quantize_job, which recalibrates and rewrites only the units (the globals,
 layers) whose source files or statistics changed, keeping the others' committed shards. Prints one line
 either way and exits 0; 2 for bad input, 1 when the job failed. Runs on Ray with ``--stages`` (default
@@ -20,6 +21,8 @@ from contextlib import nullcontext, redirect_stdout
 
 from jobs.quantize import build_parser as quantize_parser
 from jobs.quantize import failures, make_job, run_guarded
+from pipeline.io import storage
+from pipeline.io.storage import VERSION_MODES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.set_defaults(stages=1, no_progress=True)
     ap.add_argument("--verbose", action="store_true",
                     help="the job's log lines too (default: %(default)s, one summary line)")
+    ap.add_argument("--source-check", dest="source_check", choices=VERSION_MODES, default="stat",
+                    help="how a changed source file is found: stat trusts its size and modification time (ETag "
+                         "on object stores) and reads nothing, so an in-place edit that keeps both (cp -p, "
+                         "rsync -t) is missed; sha256 reads every source file and compares contents (switching "
+                         "modes rewrites the output once) (default: %(default)s)")
     return ap
 
 
@@ -37,6 +45,7 @@ def main(argv=None) -> int:
         print("error: --stages must be >= 1 for requantize", file=sys.stderr)
         return 2
     log = print if args.verbose else (lambda _m: None)
+    storage.set_version_mode(args.source_check)
     rc, job = run_guarded(lambda: make_job(args, log))
     if rc:
         return rc

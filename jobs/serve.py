@@ -6,7 +6,10 @@ may also name a float HF-layout checkpoint (config.json + safetensors, bf16 or t
 embedded ``pipeline/assets/dsv3-tiny-pydoc``: the same engine runs it with float linears and the latent
 cached in the model's dtype, for comparing float and quantized side by side. Ray: the cluster
 at ``--address`` / RAY_ADDRESS when given, else a private local one started here (object store capped) and
-stopped on exit; SIGINT and SIGTERM stop it within seconds. ``--config FILE`` (JSON or YAML, see
+stopped on exit. SIGINT and SIGTERM stop it within 5 s (``jobs._serve_lifecycle.STOP_S``), leaving no process
+or port behind, also when they go to its whole process group or service (``timeout``, ``kill -TERM -PGID``,
+systemd). The API key (``--api-key``) is better given in ``DSQUANT_API_KEY`` or ``--api-key-file``:
+a command line is visible to every user of the machine. ``--config FILE`` (JSON or YAML, see
 ``actors.serve_app.ServeConfig``) gives every option; flags given on the command line override it.
 
     python -m jobs.serve --port 8000 --api-key sk-local --max-in-flight 32 --num-blocks 512 --mtp
@@ -17,14 +20,18 @@ stopped on exit; SIGINT and SIGTERM stop it within seconds. ``--config FILE`` (J
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
+import traceback
 from pathlib import Path
 
-from jobs._serve_env import apply as apply_serve_env, haproxy_binary, resolve_http_proxy, serve_environment
+from jobs._serve_env import (apply as apply_serve_env, haproxy_binary, haproxy_files, resolve_http_proxy,
+                             serve_environment)
+from pipeline.engine.device import check_device
 from jobs._serve_flags import DEFAULT_MODEL, build_parser, make_config, parse_args
-from jobs._serve_lifecycle import (EXISTING_SERVE, FRONT_DOORS, RayOwner, Stopper, _local, dropped_log_line, stop,
-                                   wait_answering)
+from jobs._serve_lifecycle import (EXISTING_SERVE, FRONT_DOORS, RayOwner, Stopper, _local, check_port,
+                                   dropped_log_line, stop, wait_answering)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -46,9 +53,24 @@ def ensure_default_model(path: str) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.api_key is not None:
+        print("warning: --api-key is visible to every user of this machine (ps); give it in DSQUANT_API_KEY "
+              "or --api-key-file instead", file=sys.stderr)
     try:
         cfg = make_config(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+        check_device(cfg.engine.device, "--device")
+    except (ValueError, TypeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from actors.ray_start import check_address, join_address
+
+    from actors import serve_proxy
+
+    try:  # before anything starts or is built: a cluster that is not there, a port already taken
+        check_address(args.address, "--address")
+        if not join_address(args.address):
+            check_port(cfg.host, cfg.port)
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if cfg.model_path == str(Path(DEFAULT_MODEL).resolve()):
@@ -57,16 +79,14 @@ def main(argv=None) -> int:
         print(f"error: --model-path {cfg.model_path} is not a directory", file=sys.stderr)
         return 2
     from actors.serve_config import check_model_dir
+    from pipeline.io import storage
 
     try:
+        storage.check_reachable(cfg.model_path)      # a mute object store: seconds, not minutes
         kind = check_model_dir(cfg)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-    from actors.ray_start import join_address
-
-    from actors import serve_proxy
 
     # Serve's proxies (started by a private Ray, from this environment) clean request ids and guard
     # /-/routes with the key; on a joined cluster set both variables where its raylets start.
@@ -84,8 +104,13 @@ def main(argv=None) -> int:
         print("error: --http-proxy haproxy needs Ray >= 2.56 with an HAProxy binary (ray[serve] installs one; "
               "or RAY_SERVE_HAPROXY_BINARY_PATH)", file=sys.stderr)
         return 2
+    hap_dir = None
     if not joining:  # the private Ray's Serve processes inherit these (jobs/_serve_env.py)
         apply_serve_env(serve_environment(front, args.serve_throughput))
+        if front == "haproxy":
+            hap_dir, hap_env = haproxy_files(haproxy_binary(), cfg.host)
+            os.environ.update(hap_env)
+    rc = 0
     try:
         if joining:
             stopper.arm()  # joining starts no process here: a signal may interrupt it at once
@@ -101,7 +126,8 @@ def main(argv=None) -> int:
             app = build_app(cfg)
         except ValueError as e:  # a config the cluster cannot schedule: what to lower
             print(f"error: {e}", file=sys.stderr)
-            return 2
+            rc = 2
+            return rc
         with dropped_log_line("ray.serve", EXISTING_SERVE):  # serve.run finds the instance just started
             serve.run(app, name=cfg.app_name, route_prefix=cfg.route_prefix)
         base = f"http://{cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}/v1"
@@ -115,11 +141,20 @@ def main(argv=None) -> int:
             time.sleep(3600)
     except KeyboardInterrupt:
         print("stopping", file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001 - a failure while starting: shown, then what started is stopped
+        traceback.print_exc()
+        rc = 1
     finally:
         stopper.disarm()
-        stop(cfg.app_name, private)
+        stop(cfg.app_name, private, stopper.since)
         owner.release()
-    return 0
+        if hap_dir is not None:
+            shutil.rmtree(hap_dir, ignore_errors=True)
+        # Leave now: what Ray's native exit hooks would do is done (the Ray stopped, or its processes
+        # killed), and they take seconds (or hang, when the Ray was stopped from outside).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import torch
 # model_type values seen in the field for this architecture: HF's, and what msModelSlim writes for MindIE.
 ACCEPTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "deepseekv2", "deepseekv3")
 _DTYPES = ("bfloat16", "float16", "float32")
+MAX_INT = 2 ** 63 - 1     # an integer field beyond int64 cannot size a tensor (nor be written back as one)
 
 
 class ConfigError(ValueError):
@@ -150,6 +151,8 @@ def _int(raw, key, source, default=None, optional=False):
         raise ConfigError(f"{source}: field '{key}' must be an integer, got {v!r}")
     if v < 0:
         raise ConfigError(f"{source}: field '{key}' must be >= 0, got {v}")
+    if v > MAX_INT:
+        raise ConfigError(f"{source}: field '{key}' is {v}, larger than any size can be (at most {MAX_INT})")
     return v
 
 

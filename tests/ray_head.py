@@ -112,3 +112,72 @@ def stop_head(head: Head) -> None:
         os.killpg(head.proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def listening(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket ``pid`` listens on (IPv4 and IPv6, read from /proc)."""
+    inodes = set()
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    except OSError:
+        return []
+    out = []
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] != "0A" or f[9] not in inodes:      # 0A: LISTEN
+                continue
+            hexip, hexport = f[1].split(":")
+            raw = bytes.fromhex(hexip)
+            if width == 8:
+                ip = ".".join(str(b) for b in raw[::-1])
+            else:
+                words = [raw[i:i + 4][::-1] for i in range(0, 16, 4)]
+                ip = socket.inet_ntop(socket.AF_INET6, b"".join(words))
+            out.append((ip, int(hexport, 16)))
+    return out
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def ray_titled_under(path: str) -> list[int]:
+    """Processes titled by Ray (``ray::...``) that hold a file open under ``path``: Ray's agents overwrite
+    their environment with their title, so :func:`processes_under` may not see them."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if not (d / "cmdline").read_bytes().startswith(b"ray::"):
+                continue
+            if any(os.readlink(fd).startswith(path) for fd in (d / "fd").iterdir()):
+                out.append(int(d.name))
+        except OSError:
+            continue
+    return out
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False

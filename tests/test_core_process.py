@@ -19,16 +19,20 @@ from engine_ref import request
 from pipeline.engine.protocol import EngineDead, EngineOutput, SamplingParams
 from pipeline.text.tokenizer import Tokenizer
 
+from engine_ref import slowed
+
 PROMPT = "The os module provides"
 NUM_BLOCKS = 16
 
 
-def build(qdir: str) -> LLMEngine:
-    """The child's factory (module level: it pickles)."""
+def build(qdir: str, slow: bool = False) -> LLMEngine:
+    """The child's factory (module level: it pickles); ``slow``: every step delayed (engine_ref.slowed), so
+    that a long request is still running when the test aborts it or kills the child, on any machine."""
     import torch
 
     torch.set_num_threads(1)
-    return LLMEngine.from_dir(qdir, tokenizer=Tokenizer.from_dir(qdir), num_blocks=NUM_BLOCKS, block_size=16)
+    eng = LLMEngine.from_dir(qdir, tokenizer=Tokenizer.from_dir(qdir), num_blocks=NUM_BLOCKS, block_size=16)
+    return slowed(eng) if slow else eng
 
 
 def info(engine) -> dict:
@@ -56,7 +60,7 @@ def reference(qdir) -> list[int]:
 
 @pytest.fixture(scope="module")
 def core(qdir):
-    client = EngineCoreClient(partial(build, qdir), info)
+    client = EngineCoreClient(partial(build, qdir, True), info)
     yield client
     client.stop()
 
@@ -120,7 +124,7 @@ def test_a_factory_that_fails_is_reported_with_its_traceback():
 
 def test_a_killed_child_ends_open_requests_with_engine_dead(qdir):
     tok = Tokenizer.from_dir(qdir)
-    client = EngineCoreClient(partial(build, qdir), info)
+    client = EngineCoreClient(partial(build, qdir, True), info)
     try:
         q = queue.Queue()
         client.submit(request(tok.encode(PROMPT), SamplingParams(max_new_tokens=200)), q.put)

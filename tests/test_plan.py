@@ -251,7 +251,7 @@ def test_cli_prints_the_plan_and_exits_2_when_refused(v3, capsys):
     out = json.loads(capsys.readouterr().out)
     assert len(plan_from_dict(out["plan"]).stages) == 2 and out["wall_time"]["total_s"] > 0
     assert main(["--model-path", str(TINY_FIXTURE), "--stages", "9"]) == 2
-    assert "stages must be in 1..4" in capsys.readouterr().err
+    assert "stages must be 1..3 (the model's main layers), got 9" in capsys.readouterr().err   # as jobs.quantize
     # the real entry point, on the 671B replica
     refused = subprocess.run([sys.executable, "-m", "jobs.plan", "--model-path", v3, "--stages", "4",
                               "--cluster-memory-gib", "2048", "--nodes", "8"],

@@ -65,3 +65,79 @@ def test_worker_output_through_a_pipe_has_no_colour_codes(tmp_path):
     out = r.stdout + r.stderr
     assert "hello from a worker" in out and "(hello pid=" in out
     assert "\x1b[" not in out
+
+
+def test_an_address_naming_no_cluster_fails_at_once_and_writes_nothing(tmp_path):
+    """--ray-address / RAY_ADDRESS / --address naming nothing (a closed port, one that accepts and never
+    answers, one that answers but is no Ray): one line ``no Ray cluster at ...``, exit 2, no ``.dsquant/``
+    (nothing at all) in the destination. (A hang would hit the subprocess time-out.)"""
+    import socket
+
+    from ray_head import free_port
+
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(4)                     # accepts connections (the kernel does), never answers
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    closed = f"127.0.0.1:{free_port()}"
+    try:
+        cases = [(["--ray-address", f"127.0.0.1:{mute.getsockname()[1]}"], env, "--ray-address", "no answer within"),
+                 ([], dict(env, RAY_ADDRESS=closed), "RAY_ADDRESS", "cannot connect")]
+        for i, (flags, e, source, why) in enumerate(cases):
+            dst = tmp_path / f"q{i}"
+            r = run(["-m", "jobs.quantize", "--no-progress", "--model-path", str(TINY_FIXTURE), "--save-path",
+                     str(dst), "--stages", "2", *flags], e, timeout=120)
+            assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+            line = r.stderr.strip().splitlines()[-1]
+            assert line.startswith("error: no Ray cluster at ") and f"({source})" in line and why in line, r.stderr
+            assert "Traceback" not in r.stderr and not dst.exists()
+        r = run(["-m", "jobs.serve", "--model-path", str(TINY_FIXTURE), "--address", closed], env, timeout=120)
+        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+            f"error: no Ray cluster at {closed} (--address): cannot connect"), r.stderr[-2000:]
+    finally:
+        mute.close()
+
+
+def test_check_address_accepts_a_running_cluster(head):
+    from actors.ray_start import NoCluster, check_address
+
+    check_address(head.address)
+    with pytest.raises(NoCluster, match=r"^no Ray cluster at ray://.*: something answers there, but not Ray's client"):
+        check_address(f"ray://{head.address}")          # the GCS port speaks gRPC, but is no client server
+
+
+def test_kill_9_of_a_stages_driver_leaves_no_ray_process(tmp_path):
+    """The job's private Ray outlives a SIGKILLed driver only until its watcher (actors.ray_reaper) sees the
+    driver gone: no GCS, raylet, worker, nor the agents (which hide their environment) remain."""
+    import signal
+    import time
+
+    from ray_head import kill_under, processes_under, ray_titled_under, ray_tmpdir, running
+
+    tmp = ray_tmpdir()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=tmp, RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    log = open(tmp_path / "log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.quantize", "--no-progress", "--save-path", str(tmp_path / "q"),
+                             "--stages", "2"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not any(b"StageWorker" in Path(f"/proc/{p}/cmdline").read_bytes() for p in ray_titled_under(tmp)
+                      if Path(f"/proc/{p}").exists()):
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "log").read_text()[-3000:]
+            time.sleep(0.1)
+        agents = [p for p in ray_titled_under(tmp) if b"Agent" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        proc.kill()                                    # the driver only: no stop of its own
+        proc.wait()
+        deadline = time.time() + 20                    # left alone, the agents outlive it by a minute or more
+        while (processes_under(tmp) or any(map(running, agents))) and time.time() < deadline:
+            time.sleep(0.2)
+        assert agents and processes_under(tmp) == [] and not [p for p in agents if running(p)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        kill_under(tmp)
+        for p in ray_titled_under(tmp):
+            os.kill(p, signal.SIGKILL)
+        log.close()

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
 
 from serve_apps import deploy  # noqa: E402
-from engine_ref import replica_engine, torch_threads  # noqa: E402
+from engine_ref import SLOW_STEP_S, replica_engine, slowed, torch_threads  # noqa: E402
 from pipeline.engine.config import EngineConfig  # noqa: E402
 from pipeline.engine.core.engine import LLMEngine  # noqa: E402
 from pipeline.engine.protocol import SamplingParams  # noqa: E402
@@ -33,6 +33,7 @@ QUESTION = "What's deep learning?"
 MAX_TOKENS = 24
 LOGPROB_TOL = 1e-4   # a logprob decoded on the decode deployment against one engine's (float32 rounding)
 RAW = "The os module provides"    # plain text: the model continues it for long (no early eos)
+ANSWER_LIMIT = 64 * 1024          # the keyed app's ingress believes its proxy passes answers up to this
 
 
 def free_port() -> int:
@@ -58,9 +59,14 @@ def server(ray_cluster, qdir):
     try:
         cpu = DeploymentOptions(1, {"num_cpus": 0.5})  # both apps fit one 2-CPU worker node
         small = DeploymentOptions(1, {"num_cpus": 0.1})
-        main = ServeConfig(qdir, MODEL, ENGINE, max_in_flight=32, llm=cpu, ingress=small)
+        # the apps whose tests need a request still running (a time-out, an abort, backpressure) step slowly
+        main = ServeConfig(qdir, MODEL, ENGINE, max_in_flight=32, llm=cpu, ingress=small, step_delay_s=SLOW_STEP_S)
+        # keyed's ingress sees what a replica behind a gRPC proxy with a small message limit sees
+        behind_grpc = DeploymentOptions(1, {"num_cpus": 0.1, "runtime_env": {"env_vars": {
+            "RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(ANSWER_LIMIT)}}})
         keyed = ServeConfig(qdir, MODEL, EngineConfig(num_blocks=64, block_size=16, nz=True), api_key=KEY,
-                            max_in_flight=2, llm=cpu, ingress=small, engine_process=False)
+                            max_in_flight=2, llm=cpu, ingress=behind_grpc, engine_process=False,
+                            step_delay_s=SLOW_STEP_S)
         disagg = ServeConfig(qdir, MODEL, ENGINE, max_in_flight=32, llm=cpu, ingress=small, mode="disaggregated",
                              prefill=cpu)
         slow = dataclasses.replace(disagg, prefill_timeout_s=0.001, prefill=small, llm=small,  # prefill always late
@@ -411,8 +417,10 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
 
 def test_client_timeout_on_a_non_streamed_request_aborts_it(server):
     aborted0 = wait_metric(server, "dsquant_engine_running", 0)["dsquant_engine_aborted_total"]
+    timeout = 1.0
+    assert 900 * SLOW_STEP_S > 4 * timeout      # the request lasts longer than the client waits, on any machine
     with pytest.raises(openai.APITimeoutError):
-        client(server, timeout=1.0).completions.create(model=MODEL, prompt=RAW, max_tokens=900, temperature=0)
+        client(server, timeout=timeout).completions.create(model=MODEL, prompt=RAW, max_tokens=900, temperature=0)
     m = wait_metric(server, "dsquant_engine_aborted_total", aborted0 + 1, timeout=15)
     assert m["dsquant_engine_aborted_total"] == aborted0 + 1
     assert (m["dsquant_engine_running"], m["dsquant_engine_cache_blocks_used"]) == (0, 0)
@@ -429,6 +437,62 @@ def test_metrics_exposition(server):
     assert m["dsquant_requests_finished_total{reason=\"abort\"}"] == m["dsquant_engine_aborted_total"] == 2
 
 
+def test_a_small_request_beside_one_of_every_slot_starts_at_once(server, reference, tok):
+    """n = max_num_seqs: the big request holds every engine slot; a small one sent beside it does not wait
+    for it: its (greedy) answer comes while the big one still runs. Observed in order (the engine still runs
+    the big one when the small answer is in), not in seconds: the big one lasts 300 slow steps."""
+    slots = ENGINE.max_num_seqs
+    c = client(server)
+    big = c.completions.create(model=MODEL, prompt=RAW, max_tokens=300, temperature=0.8, seed=1, n=slots,
+                               stream=True, extra_body={"ignore_eos": True})
+    try:
+        it = iter(big)
+        for _ in range(2 * slots):
+            next(it)
+        assert metrics(server)["dsquant_engine_running"] == slots     # it holds every slot
+        small = c.completions.create(model=MODEL, prompt=RAW, max_tokens=4, temperature=0)
+        assert small.choices[0].text == tok.decode(reference["raw_ids"][:4])
+        assert metrics(server)["dsquant_engine_running"] >= slots - 1  # the big one is still being generated
+    finally:
+        big.close()
+    wait_metric(server, "dsquant_engine_running", 0)
+
+
+def test_unknown_routes_and_methods_are_openai_errors_and_head_health_answers(server):
+    for method, path in (("POST", "/v1/responses"), ("POST", "/v1/embeddings"), ("GET", "/v2/models")):
+        status, body = http(method, f"{server}{path}", b"{}" if method == "POST" else None,
+                            {"Content-Type": "application/json"})
+        err = json.loads(body)["error"]
+        assert status == 404 and err["type"] == "invalid_request_error" and err["code"] == "not_found", body
+        assert err["message"].startswith(f"Invalid URL ({method} {path})") and "/v1/chat/completions" in err["message"]
+    status, body = http("DELETE", f"{server}/v1/models")
+    assert status == 405 and json.loads(body)["error"]["code"] == "method_not_allowed"
+    status, body = http("HEAD", f"{server}/health")
+    assert (status, body) == (200, b"")
+
+
+def test_an_answer_too_large_for_the_proxy_is_refused_before_any_work(server, tok):
+    """The keyed app's ingress runs as behind Serve's gRPC proxy with an ANSWER_LIMIT message limit: a
+    non-streamed request whose answer could exceed it is a 400 saying so (nothing reaches the engine); the
+    same streamed, or a small one, is answered, within the bound."""
+    from actors.serve_limits import answer_bound, longest_token
+
+    c = client(server, "/keyed", key=KEY)
+    prompt0 = metrics(server, "/keyed")["dsquant_prompt_tokens_total"]
+    for kw in (dict(n=2, logprobs=5, max_tokens=60), dict(logprobs=20, max_tokens=20), dict(max_tokens=400)):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model=MODEL, prompt=RAW, temperature=0, **kw)
+        assert e.value.body["param"] == "stream" and "MiB a non-streamed answer can have behind this server's " \
+            "proxy: stream it" in e.value.body["message"], e.value.body
+    assert metrics(server, "/keyed")["dsquant_prompt_tokens_total"] == prompt0     # no work was done
+    chunks = list(c.completions.create(model=MODEL, prompt=RAW, temperature=0, logprobs=20, max_tokens=20, stream=True))
+    assert sum(len(ch.choices[0].logprobs.tokens) for ch in chunks if ch.choices) == 20
+    status, body = http("POST", f"{server}/keyed/v1/completions", json.dumps(
+        {"model": MODEL, "prompt": RAW, "temperature": 0, "logprobs": 3, "max_tokens": 8}).encode(),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    assert status == 200 and len(body) <= answer_bound(1, 8, 3, longest_token(tok)) <= ANSWER_LIMIT
+
+
 # ----- the engine loop, in process ---------------------------------------------------------------------
 
 def test_engine_loop_streams_refuses_and_aborts(qdir, tok, reference):
@@ -439,7 +503,7 @@ def test_engine_loop_streams_refuses_and_aborts(qdir, tok, reference):
     from pipeline.engine.protocol import EngineOutput
 
     with torch_threads(1):
-        loop = EngineLoop(LLMEngine.from_dir(qdir, tokenizer=tok, num_blocks=16, block_size=16))
+        loop = EngineLoop(slowed(LLMEngine.from_dir(qdir, tokenizer=tok, num_blocks=16, block_size=16)))
         try:
             ok, bad, long = queue.Queue(), queue.Queue(), queue.Queue()
             loop.submit(request(tok.encode(RAW), SamplingParams(max_new_tokens=5)), ok.put)

@@ -17,6 +17,7 @@ import urllib.request
 import pytest
 import torch
 
+from engine_ref import SLOW_STEP_S  # noqa: E402
 from serve_apps import deploy  # noqa: E402
 from engine_ref import request
 from pipeline.engine.core.detokenizer import Detokenizer
@@ -278,7 +279,7 @@ def server(ray_cluster, qdir):
         cpu, small = DeploymentOptions(1, {"num_cpus": 0.5}), DeploymentOptions(1, {"num_cpus": 0.1})
         engine = EngineConfig(num_blocks=64, block_size=16, max_num_seqs=8, nz=True)
         keyed = ServeConfig(qdir, MODEL, engine, api_key=KEY, llm=cpu, ingress=small, max_body_bytes=64 * 1024,
-                            body_timeout_s=2.0)
+                            body_timeout_s=2.0, step_delay_s=SLOW_STEP_S)   # a drained stream is still running
         disagg = ServeConfig(qdir, MODEL, engine, llm=cpu, ingress=small, prefill=cpu, mode="disaggregated")
         slow = dataclasses.replace(disagg, prefill_timeout_s=0.001, prefill=small, llm=small)  # prefill always late
         deploy({"keyed": (keyed, "/keyed"), "disagg": (disagg, "/disagg"), "slowprefill": (slow, "/slowprefill")})

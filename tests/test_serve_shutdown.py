@@ -1,8 +1,8 @@
-"""``python -m jobs.serve`` stops fast and clean: SIGTERM while serving exits within the 5 s the issue asks
-for, with every Ray process of its private cluster gone and no alarming line in its log (no controller
+"""``python -m jobs.serve`` stops fast and clean: SIGTERM while serving exits within the 5 s it documents,
+with every Ray process of its private cluster gone and no alarming line in its log (no controller
 time-out, no killed task, no "existing Serve app", no traceback, no colour codes in a file); SIGINT (the
-same handler) does the same behind Serve's own proxy (the default front door is HAProxy); SIGTERM during start-up leaves nothing
-behind either."""
+same handler) does the same behind Serve's own proxy (the default front door is HAProxy); SIGTERM during
+start-up leaves nothing behind either."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import urllib.request
 
 import pytest
 
-from ray_head import free_port, kill_under, processes_under, ray_tmpdir, wait_gone
+from ray_head import (free_port, kill_under, listening, port_free, processes_under, ray_titled_under, ray_tmpdir,
+                      running, wait_gone)
 
 REPO = Path(__file__).resolve().parents[1]
 STOP_S = 5.0                       # the issue's bound, signal to exit
@@ -28,8 +29,8 @@ ALARMS = ("Controller failed to shut down", "killed by ray.kill", "Connecting to
 
 
 class Served:
-    def __init__(self, qdir: str, tmp: Path, extra: tuple[str, ...] = ()):
-        self.ray_tmp, self.port = ray_tmpdir(), free_port()
+    def __init__(self, qdir: str, tmp: Path, extra: tuple[str, ...] = (), port: int | None = None):
+        self.ray_tmp, self.port = ray_tmpdir(), port or free_port()
         self.log_path = tmp / "serve.log"
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_COLOR_PREFIX")}
         env.update(RAY_TMPDIR=self.ray_tmp, RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO),
@@ -134,3 +135,66 @@ def test_the_serve_proxy_front_door_answers_and_stops_clean(embedded_quantized, 
         _stopped_clean(s, signal.SIGINT, STOP_S)
     finally:
         s.cleanup()
+
+
+def _haproxy_admin_socket(pid: int) -> Path:
+    """HAProxy's admin socket: beside the configuration file it runs (its full command line)."""
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return Path(args[args.index("-f") + 1]).parent / "admin.sock"
+
+
+def test_a_process_group_stop_leaves_no_process_or_port_and_the_port_serves_again(embedded_quantized, tmp_path):
+    """``timeout``, ``kill -TERM -PGID`` and systemd signal every process of the job, the private Ray's GCS
+    and raylet included: the job still exits within STOP_S, and nothing (no HAProxy) keeps the port. With
+    ``--host 127.0.0.1`` HAProxy listens on 127.0.0.1 only (its admin frontends too) and its admin socket is
+    the user's alone. Then a new jobs.serve on the same port, behind Serve's proxy with a key from a file,
+    delivers a non-streamed answer over gRPC's 4 MiB; killed with SIGKILL (no stop of its own at all), the
+    watcher of its private Ray still leaves no process or port."""
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    a = Served(embedded_quantized, tmp_path / "a", ("--host", "127.0.0.1"))
+    try:
+        a.wait_for("serving ")
+        assert "front door: HAProxy" in a.text()
+        hap = [(pid, cmd) for pid, cmd in processes_under(a.ray_tmp) if "haproxy" in cmd]
+        addrs = {addr for pid, _ in hap for addr in listening(pid)}
+        assert len(addrs) >= 3 and {ip for ip, _ in addrs} == {"127.0.0.1"}, addrs   # serving, stats, Prometheus
+        assert (_haproxy_admin_socket(hap[-1][0]).stat().st_mode & 0o777) == 0o600
+        t0 = time.time()
+        os.killpg(a.proc.pid, signal.SIGTERM)
+        a.proc.wait(timeout=60)
+        took = time.time() - t0
+        left = wait_gone(a.ray_tmp, 2.0)
+        assert a.proc.returncode == 0 and took < STOP_S, (took, a.text()[-3000:])
+        assert left == [] and port_free(a.port), left
+        assert "Traceback" not in a.text()
+    finally:
+        a.cleanup()
+
+    key = tmp_path / "key"
+    key.write_text("sk-from-a-file\n")
+    b = Served(embedded_quantized, tmp_path / "b", ("--http-proxy", "serve", "--api-key-file", str(key),
+                                                    "--num-blocks", "128"), port=a.port)
+    try:
+        b.wait_for("serving ")
+        assert "API key required" in b.text() and "sk-from-a-file" not in " ".join(
+            cmd for _, cmd in processes_under(b.ray_tmp))
+        body = json.dumps({"model": Path(embedded_quantized).name, "messages": [{"role": "user", "content": "Hi"}],
+                           "n": 16, "logprobs": True, "top_logprobs": 20, "max_tokens": 300, "temperature": 1.0,
+                           "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{b.port}/v1/chat/completions", data=body, headers={
+            "Content-Type": "application/json", "Authorization": "Bearer sk-from-a-file"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            raw = r.read()
+        assert len(raw) > 4 * 2**20 and json.loads(raw)["usage"]["completion_tokens"] == 16 * 300
+        agents = [p for p in ray_titled_under(b.ray_tmp) if b"Agent" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        b.proc.kill()
+        b.proc.wait()
+        left = wait_gone(b.ray_tmp, 20.0)
+        alive = lambda: [p for p in agents if running(p)]  # noqa: E731 (they hide their environment)
+        deadline = time.time() + 20      # left alone, Ray's agents outlive their raylet by a minute or more
+        while (alive() or not port_free(b.port)) and time.time() < deadline:
+            time.sleep(0.2)
+        assert left == [] and agents and alive() == [] and port_free(b.port), (left, alive())
+    finally:
+        b.cleanup()

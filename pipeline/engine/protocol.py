@@ -38,7 +38,8 @@ class SamplingParams:
     logit, multiplies a negative one, of every token in the prompt or the output; ``presence_penalty`` and
     ``frequency_penalty`` subtract ``presence * (count > 0) + frequency * count`` over the output.
     ``logprobs``: None, no logprobs (no work at all); k in [0, MAX_LOGPROBS], each generated token's raw
-    logprob and the k most likely tokens at its position (:class:`TokenLogprobs`)."""
+    logprob and the k most likely tokens at its position (:class:`TokenLogprobs`). ``group``: scheduling only
+    (which client request the sequence is part of), never the tokens."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -52,6 +53,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    # the client request the sequence belongs to (an API request's ``n`` choices share one): the scheduler
+    # shares its slots and cache blocks between groups (pipeline.engine.core.scheduler); None: a group of its own
+    group: str | None = None
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

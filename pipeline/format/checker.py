@@ -19,7 +19,8 @@ here:
   :mod:`pipeline.format.description`).
 - ``manifest``: when manifest.json is there (the quantizer writes it; msModelSlim does not), every file it
   lists exists with the recorded size and, with ``verify`` (the default), the recorded sha256: a flipped
-  byte is found. The report says which was done (``manifest``).
+  byte is found. The report says which was done (``manifest``). An output whose weight shards carry this
+  project's metadata (``SHARD_METADATA``) must have it: without it, the output was tampered with.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pipeline.config import ConfigError, DeepseekV3Config
 from pipeline.format.checker_rules import MD_NAMES, Violation, check_layout, check_tensors
 from pipeline.format.description import (
     ASCEND_V1_KEYS, DESCRIPTION_NAME, FA_QUANT_TYPE, LAYER_QUANT_TYPE, MANIFEST_NAME, NAMING, SEED, SEED_KEYS,
-    TENSOR_TYPES,
+    SHARD_METADATA, TENSOR_TYPES,
     Description, DescriptionError, check_dialect, detect_dialect, fa_layers, layer_entry_key, loads_json_object,
     model_quant_type, parse_description,
 )
@@ -112,7 +113,7 @@ def check_dir(path: str, dialect: Optional[str] = None, verify: bool = True) -> 
     detected = detect_dialect(desc, entries)
     report = Report(path=path, dialect=check_dialect(dialect) if dialect else detected, detected=detected,
                     violations=violations)
-    specs = _read_weights(path, entries, report)
+    specs, ours = _read_weights(path, entries, report)
     report.tensors = len(specs)
     report.total_bytes = sum(s.nbytes for s in specs.values())
     report.fa_layers = fa_layers(specs)
@@ -126,7 +127,7 @@ def check_dir(path: str, dialect: Optional[str] = None, verify: bool = True) -> 
         report.violations += check_tensors(specs, types, report.dialect, md, heads)
     if cfg is not None:
         report.violations += check_layout(specs, cfg)
-    _check_manifest(path, entries, report, verify)
+    _check_manifest(path, entries, report, verify, ours)
     return report
 
 
@@ -195,12 +196,14 @@ def _read_weights(path: str, entries: list[str], report: Report) -> dict[str, Te
 
     owner: dict[str, str] = {}
     specs: dict[str, TensorSpec] = {}
+    ours = False
     for f in weights:
         try:
             header = read_header(storage.join(path, f))
         except CheckpointError as e:
             report.add("weights", f, str(e).split(": ", 1)[-1])
             continue
+        ours |= all(header.metadata.get(k) == v for k, v in SHARD_METADATA.items())
         for name, info in header.tensors.items():
             if name in owner:
                 report.add("index", name, f"in two weight files: {owner[name]} and {f}")
@@ -211,7 +214,7 @@ def _read_weights(path: str, entries: list[str], report: Report) -> dict[str, Te
         if idx != naming.index_name:
             report.add("file-names", idx, f"not the {report.dialect} index name ({naming.index_name})")
         _check_index(path, idx, entries, weights, owner, specs, report)
-    return specs
+    return specs, ours
 
 
 def _check_index(path: str, idx: str, entries: list[str], weights: list[str], owner: dict[str, str],
@@ -300,8 +303,13 @@ def _check_description(desc: Description, specs: dict[str, TensorSpec], report: 
             report.add("layer-quant-type", k, "entry for a layer without FA3 tensors")
 
 
-def _check_manifest(path: str, entries: list[str], report: Report, verify: bool) -> None:
+def _check_manifest(path: str, entries: list[str], report: Report, verify: bool, ours: bool) -> None:
+    """``ours``: the weights carry this project's shard metadata (SHARD_METADATA): the manifest must be there."""
     if MANIFEST_NAME not in entries:
+        if ours:
+            report.add("manifest", MANIFEST_NAME, "missing, but the weights were written by dsquant (their safetensors "
+                                                  "metadata says so), which always writes one: the output was altered "
+                                                  "or is incomplete")
         return
     try:
         files = _read_json(path, MANIFEST_NAME).get("files")

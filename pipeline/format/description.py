@@ -34,6 +34,9 @@ from pipeline.io.safetensors_io import CheckpointError
 
 DESCRIPTION_NAME = "quant_model_description.json"
 MANIFEST_NAME = "manifest.json"  # this project's record of every file's size and sha256 (not msModelSlim's)
+# the safetensors metadata of every weight shard this project writes (msModelSlim's have none): an output
+# of ours is recognisable by it, and must then have its manifest (pipeline.format.checker)
+SHARD_METADATA = {"producer": "dsquant"}
 
 FLOAT, W8A8, W8A8_DYNAMIC, FAQUANT = "FLOAT", "W8A8", "W8A8_DYNAMIC", "FAQuant"
 TENSOR_TYPES = (FLOAT, W8A8, W8A8_DYNAMIC, FAQUANT)

@@ -197,11 +197,20 @@ class CheckpointReader:
     def _layer_shapes(self, layer_id: int) -> dict[str, tuple]:
         return layout.layer_shapes(self.config, layer_id)
 
-    def _read_unit(self, expected: Mapping[str, tuple], stored: list[str], what: str,
-                   dtype: Optional[torch.dtype], dequantize: bool, deferred: Container[str] = ()) -> dict:
-        _check_dtype(dtype)
-        if not dequantize and dtype is not None:
-            raise ValueError("dtype applies only with dequantize=True")
+    def check_headers(self) -> None:
+        """From the headers alone, everything reading each unit (the globals, every layer) would refuse:
+        a missing or unexpected tensor, a shape that does not match the config (a vocabulary that does not
+        match the embedding, a q_b_proj for another head count), an FP8 weight without a well-shaped
+        ``_scale_inv``, a tensor stored in a type that is not a float (an I32 weight): a CheckpointError
+        naming the file and tensor, before any weight is read."""
+        layer_ids = set(layout.all_layer_ids(self.config))
+        stray = [n for lid, names in self._by_layer.items() if lid is None or lid not in layer_ids for n in names]
+        self._check_unit(layout.global_shapes(self.config), stray, "the globals")
+        for lid in sorted(layer_ids):
+            self._check_unit(self._layer_shapes(lid), self._by_layer.get(lid, []), f"layer {lid}")
+
+    def _check_unit(self, expected: Mapping[str, tuple], stored: list[str], what: str) -> list[str]:
+        """The header checks of one unit (:meth:`check_headers`); the stored names to read (_plan)."""
         unexpected = [n for n in stored if n not in expected
                       and not (n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in expected)]
         if unexpected:
@@ -212,7 +221,19 @@ class CheckpointReader:
         if missing:
             raise CheckpointError(f"{self.path}: tensor {missing[0]!r} is missing ({what} needs it; "
                                   f"{len(missing)} missing: {missing[:5]})")
-        names = self._plan(expected)
+        for n in expected:
+            dt, _ = self.header(n)
+            if not DTYPES[dt].is_floating_point:
+                raise CheckpointError(f"{self.file_of(n)}: tensor {n!r} is stored as {dt}; a weight of the model is "
+                                      "a float (BF16, F16, F32, or F8_E4M3 with its scale)")
+        return self._plan(expected)
+
+    def _read_unit(self, expected: Mapping[str, tuple], stored: list[str], what: str,
+                   dtype: Optional[torch.dtype], dequantize: bool, deferred: Container[str] = ()) -> dict:
+        _check_dtype(dtype)
+        if not dequantize and dtype is not None:
+            raise ValueError("dtype applies only with dequantize=True")
+        names = self._check_unit(expected, stored, what)
         if not dequantize:
             return self._read_stored(names)
         # In batches of about one ranged read, each FP8 weight dequantized as soon as it and its scale are

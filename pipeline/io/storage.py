@@ -19,6 +19,7 @@ import errno
 import os
 import posixpath
 import shutil
+import sys
 import uuid
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator
@@ -79,16 +80,111 @@ def same_location(a: str, b: str) -> bool:
     return resolve(a) == resolve(b)
 
 
-def check_reachable(path: str) -> None:
+PROBE_TIMEOUT_S = 5.0       # seconds an object store's endpoint has to accept a connection, then to answer
+PROBE_ATTEMPTS = 3
+S3_SCHEMES = ("s3", "s3a")
+
+
+def endpoint_of(path: str) -> str | None:
+    """The HTTP(S) endpoint URL serving an ``s3://`` path (registered options, AWS_ENDPOINT_URL_S3,
+    AWS_ENDPOINT_URL, else AWS's own); None for other paths."""
+    scheme = path.split("://", 1)[0] if is_url(path) else ""
+    if scheme not in S3_SCHEMES:
+        return None
+    opts = _OPTIONS.get(scheme, {})
+    return ((opts.get("client_kwargs") or {}).get("endpoint_url") or opts.get("endpoint_url")
+            or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            or "https://s3.amazonaws.com")
+
+
+def _probe_endpoint(url: str, timeout: float) -> tuple[str, bool] | None:
+    """Why ``url`` (an HTTP(S) endpoint) does not answer an HTTP request within ``timeout`` seconds to
+    connect and as many to reply (any status counts as an answer), and whether that was a time-out (worth
+    a retry, unlike a refusal); None when it answers."""
+    import socket
+    import ssl
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    https = u.scheme == "https"
+    host, port = u.hostname or "", u.port or (443 if https else 80)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except socket.timeout:
+        return f"no connection within {timeout:g} s", True
+    except OSError as e:
+        return e.strerror or str(e) or type(e).__name__, False
+    try:
+        if https:
+            ctx = ssl.create_default_context()
+            ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE   # liveness only: the client verifies
+            sock = ctx.wrap_socket(sock, server_hostname=host)
+        sock.settimeout(timeout)
+        sock.sendall(f"HEAD / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        return None if sock.recv(1) else ("it closed the connection without an answer", False)
+    except socket.timeout:
+        return f"it accepted a connection but sent no answer within {timeout:g} s", True
+    except OSError as e:
+        return e.strerror or str(e) or type(e).__name__, False
+    finally:
+        sock.close()
+
+
+def check_local_path(path: str) -> None:
+    """StorageError naming ``path`` when it, or a directory above it, is a loop of symbolic links, a
+    symbolic link to nothing, or a file where a directory must be: a location no file can be written
+    under (found now, not when the first file is written)."""
+    p = os.path.abspath(path[len("file://"):] if path.startswith("file://") else path)
+    chain = []
+    while True:
+        chain.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for a in reversed(chain):       # from the root down
+        if not os.path.lexists(a):
+            return
+        try:
+            os.stat(a)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise StorageError(f"{path}: {a} is a loop of symbolic links") from None
+            if e.errno == errno.ENOENT:
+                raise StorageError(f"{path}: {a} is a symbolic link to {os.readlink(a)}, which does not "
+                                   "exist") from None
+            raise StorageError(f"{path}: {a}: {e.strerror}") from None
+        if a != chain[0] and not os.path.isdir(a):
+            raise StorageError(f"{path}: {a} is a file, not a directory")
+
+
+def check_reachable(path: str, log=None) -> None:
     """Ask the store serving ``path`` whether it exists, so that an unreachable endpoint or a refused
-    connection is a StorageError naming the path (and endpoint) now, not after hours of work."""
+    connection is a StorageError naming the path (and endpoint) now, not after hours of work (a local path:
+    :func:`check_local_path`). An S3
+    endpoint must first answer an HTTP request within PROBE_TIMEOUT_S (a mute one would otherwise hold
+    the client for minutes of its own time-outs and retries); one that does not answer in time is tried
+    PROBE_ATTEMPTS times, each retry said through ``log`` (default: a line on stderr); a refusal fails at once."""
     if not is_url(path):
+        check_local_path(path)
         return
+    endpoint = endpoint_of(path)
+    if endpoint is not None:
+        say = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        for attempt in range(1, PROBE_ATTEMPTS + 1):
+            failed = _probe_endpoint(endpoint, PROBE_TIMEOUT_S)
+            if failed is None:
+                break
+            why, timed_out = failed
+            if not timed_out or attempt == PROBE_ATTEMPTS:
+                tries = f"; tried {attempt} times" if attempt > 1 else ""
+                raise StorageError(f"{path}: storage not reachable at {endpoint} ({why}{tries})")
+            say(f"storage: {endpoint} did not answer ({why}); retrying ({attempt + 1} of {PROBE_ATTEMPTS})")
     try:
         exists(path)
     except Exception as e:  # noqa: BLE001 - any failure to get an answer means the store cannot be used
-        endpoint = (_OPTIONS.get(path.split("://", 1)[0], {}).get("client_kwargs") or {}).get("endpoint_url") \
-            or os.environ.get("AWS_ENDPOINT_URL") or "the default endpoint"
+        endpoint = endpoint or (_OPTIONS.get(path.split("://", 1)[0], {}).get("client_kwargs") or {}).get(
+            "endpoint_url") or os.environ.get("AWS_ENDPOINT_URL") or "the default endpoint"
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise StorageError(f"{path}: storage not reachable at {endpoint} ({reason})") from None
 
@@ -140,9 +236,27 @@ def size(path: str) -> int:
     return int(fs.size(p))
 
 
+VERSION_MODES = ("stat", "sha256")
+_version_mode = "stat"
+
+
+def set_version_mode(mode: str) -> None:
+    """How :func:`version` tells a file's versions apart: ``stat`` (its size and ETag or modification time:
+    nothing read; an in-place edit that keeps both, as ``cp -p`` or ``rsync -t`` can, is missed) or
+    ``sha256`` (its size and content hash: every file read once per call)."""
+    global _version_mode
+    if mode not in VERSION_MODES:
+        raise ValueError(f"version mode must be one of {', '.join(VERSION_MODES)}, got {mode!r}")
+    _version_mode = mode
+
+
 def version(path: str) -> dict[str, Any]:
-    """What identifies a stored file's version without reading it: its size and, as the store has them,
-    its ETag (object stores) or modification time (local, NFS)."""
+    """What identifies a stored file's version (:func:`set_version_mode`): by default, without reading it,
+    its size and, as the store has them, its ETag (object stores) or modification time (local, NFS); in
+    ``sha256`` mode its size and the sha256 of its content."""
+    if _version_mode == "sha256":
+        n, digest = file_sha256(path)
+        return {"size": n, "sha256": digest}
     fs, p = filesystem(path)
     info = fs.info(p)
     out = {"size": int(info["size"])}

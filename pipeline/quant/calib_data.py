@@ -109,12 +109,34 @@ def _from_parquet(path: str, raw: bytes, text_field: str) -> list[str]:
     return values
 
 
+def longest_token_bytes(tokenizer) -> int:
+    """UTF-8 bytes of the longest vocabulary entry: no token stands for more of a text (a byte-level entry
+    spells each byte as one character of at most 2 bytes, so this bounds it from above). 0: unknown."""
+    tk = getattr(tokenizer, "_tk", None)
+    if tk is None or not hasattr(tk, "get_vocab"):
+        return 0
+    return max((len(t.encode("utf-8")) for t in tk.get_vocab(with_added_tokens=True)), default=0)
+
+
+LENGTH_MARGIN = 2   # a text is refused by its length alone only beyond this many times the bound
+
+
 def tokenize(texts: Sequence[str], tokenizer, max_tokens: int, truncate: bool = False,
              add_bos: bool = True, source: str = "calibration data") -> list[list[int]]:
     """Token ids per sample. A sample longer than ``max_tokens`` is an error naming it, unless
-    ``truncate`` (then it is cut to ``max_tokens``)."""
+    ``truncate`` (then it is cut to ``max_tokens``). A sample whose length alone shows it is too long
+    (more bytes than ``max_tokens`` of the longest token could hold, with a margin) is refused before it
+    is tokenized, and with ``truncate`` only its beginning is tokenized: a huge line costs nothing."""
     out = []
+    longest = longest_token_bytes(tokenizer)
+    cap = LENGTH_MARGIN * longest * max_tokens if longest else 0   # characters that surely hold the limit
     for i, t in enumerate(texts):
+        if cap and len(t) > cap:
+            if not truncate:
+                raise CalibDataError(f"{source}: sample {i} has {len(t)} characters, more than {max_tokens} tokens "
+                                     f"can hold (the longest token is {longest} bytes): over the limit of "
+                                     f"{max_tokens} tokens (raise the limit or truncate)")
+            t = t[:cap]     # still more than max_tokens tokens: the cut below is far from this one
         ids = tokenizer.encode(t, add_bos=add_bos)
         if len(ids) > max_tokens:
             if not truncate:

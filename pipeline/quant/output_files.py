@@ -26,8 +26,8 @@ import torch
 from pipeline.io import storage
 from pipeline.io.checkpoint import CONFIG_NAME
 from pipeline.format.description import (
-    DESCRIPTION_NAME, FA_QUANT_TYPE, FAQUANT, MANIFEST_NAME, NAMING, W8A8, W8A8_DYNAMIC, SEED, build_description,
-    encode_description, model_quant_type,
+    DESCRIPTION_NAME, FA_QUANT_TYPE, FAQUANT, MANIFEST_NAME, NAMING, SHARD_METADATA, W8A8, W8A8_DYNAMIC, SEED,
+    build_description, encode_description, model_quant_type,
 )
 from pipeline.io.safetensors_io import SafetensorsWriter, TensorSpec, encode_header
 from pipeline.io.storage import file_sha256  # noqa: F401 (re-exported: the job state verifies shards with it)
@@ -87,11 +87,11 @@ class ShardFile:
 
     def __init__(self, path: str, specs: Sequence[TensorSpec]):
         self.path, self.specs = path, list(specs)
-        header = encode_header(self.specs)
+        header = encode_header(self.specs, SHARD_METADATA)
         self._digest = hashlib.sha256(header)
         self._hashed: Optional[Future] = None  # the last tensor handed to the hashing thread
         self._size = len(header) + sum(s.nbytes for s in self.specs)
-        self._file = SafetensorsWriter(path, self.specs)
+        self._file = SafetensorsWriter(path, self.specs, SHARD_METADATA)
         self._file.__enter__()
 
     def write(self, name: str, t: torch.Tensor) -> None:

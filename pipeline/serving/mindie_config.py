@@ -27,6 +27,8 @@ Rules (every refusal is a ``ValueError`` naming the field and what to change):
 * ``plugin_params`` is a JSON *string* (a mapping is accepted too); ``plugin_type`` ``"mtp"`` turns MTP on
   and needs ``num_speculative_tokens`` exactly 1 (MindIE allows only one; absent counts as 1). Any other
   plugin type is refused (this engine has none).
+* Keys: those above, plus MindIE's keys that do not apply to this engine (``IGNORED``: memory sizes,
+  backend type, timeouts...), which are accepted with a warning each; any other key is refused by name.
 * ``enable_nz`` (``models.deepseekv2.kv_cache_options.enable_nz``) defaults to False. MindIE requires it
   true with FA3 (the int8 latent cache); this engine can run FA3 in ND too, so FA3 without NZ is a
   warning, not a refusal.
@@ -39,6 +41,11 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 SIZES = ("worldSize", "tp", "dp", "moe_ep", "moe_tp", "sp")
+USED = ("modelName", "modelWeightPath", *SIZES, "plugin_params", "models")
+# MindIE's other ModelConfig keys: accepted (a block is handed over as it is) with a warning that they do not
+# apply here; any key outside USED and these is refused by name (a misspelt key would be lost silently)
+IGNORED = ("modelInstanceType", "cpuMemSize", "npuMemSize", "backendType", "trustRemoteCode", "cp",
+           "async_scheduler_wait_time", "kv_trans_timeout", "kv_link_timeout", "lora_modules")
 MTP_EXAMPLE = '"{\\"plugin_type\\":\\"mtp\\",\\"num_speculative_tokens\\": 1}"'
 
 
@@ -158,6 +165,10 @@ def parse_mindie_model_config(block: Any, devices_available: int, gpus_per_node:
     if isinstance(devices_available, bool) or not isinstance(devices_available, int) or devices_available < 0:
         raise ValueError(f"devices_available must be an integer >= 0, got {devices_available!r}")
     m = _model_entry(block)
+    unknown = sorted(str(k) for k in m if k not in USED and k not in IGNORED)
+    if unknown:
+        raise ValueError(f"ModelConfig has unknown key(s) {', '.join(unknown)}: MindIE's ModelConfig keys are "
+                         f"{', '.join(USED + IGNORED)}; fix or remove them")
     path = m.get("modelWeightPath")
     if not isinstance(path, str) or not path.strip():
         raise ValueError("ModelConfig.modelWeightPath is missing or empty: set it to the quantized weight "
@@ -207,7 +218,7 @@ def parse_mindie_model_config(block: Any, devices_available: int, gpus_per_node:
 
     mtp = _mtp(m.get("plugin_params"))
     enable_nz = _enable_nz(m)
-    warnings = []
+    warnings = [f"ModelConfig.{k} does not apply to this engine and is ignored" for k in IGNORED if k in m]
     if fa3 and not enable_nz:
         warnings.append("enable_nz is false with an FA3 (int8 latent) cache: MindIE requires enable_nz true "
                         "with FA3; this engine will run the FA3 cache in ND layout (set enable_nz: true to "

@@ -97,11 +97,13 @@ class GenerateRequest:
 
     def engine_request(self, index: int) -> EngineRequest:
         """The engine's request for choice ``index``: the request's id (``<id>-<index>`` when n > 1), its
-        prompt, its sampling parameters with seed ``seed + index`` (api_options.choice_seed)."""
+        prompt, its sampling parameters with seed ``seed + index`` (api_options.choice_seed); the choices of
+        one request share a scheduling group (the request id: the engine shares its slots fairly between
+        requests)."""
         if self.n == 1:
             return EngineRequest(self.request_id, self.prompt_ids, self.params)
         return EngineRequest(f"{self.request_id}-{index}", self.prompt_ids,
-                             replace(self.params, seed=choice_seed(self.params.seed, index)))
+                             replace(self.params, seed=choice_seed(self.params.seed, index), group=self.request_id))
 
 
 def request_id(kind: str, given: Optional[str] = None) -> str:

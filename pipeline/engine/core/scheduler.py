@@ -5,12 +5,27 @@ Every step (:meth:`Scheduler.schedule`) fills a budget of ``max_batched_tokens``
 1. the running sequences, oldest first: a decoding sequence computes its one new token; a sequence still
    in its prompt computes the next chunk of it (chunked prefill: a long prompt takes several steps and
    never stalls the decodes, which come first);
-2. then waiting sequences are admitted, first come first served, while fewer than ``max_num_seqs`` run,
-   the budget lasts, and the cache has free blocks for their first chunk (admission is bounded by free
-   blocks).
+2. then waiting sequences are admitted while fewer than ``max_num_seqs`` run, the budget lasts, and the
+   cache has free blocks for their first chunk (admission is bounded by free blocks).
+
+Fair between requests (a request's ``n`` choices share ``SamplingParams.group``; a sequence without one
+is a request of its own), so that a small request beside a big one starts within a step or two:
+
+- the prompt work of a step (the next chunks of running prompts, the admission of waiting sequences)
+  goes first to the requests with the fewest other sequences running, then to the prompts needing the
+  fewest tokens, first come first served among equals: a short prompt is not stuck behind long ones. A
+  waiting sequence whose first chunk does not fit the free blocks is passed over; one that later
+  sequences have overtaken ``max_num_seqs`` times goes first, and nothing overtakes it any more;
+- when a waiting request cannot be admitted for lack of a slot or of blocks and another request holds
+  at least two more sequences (or, by its sequences, more blocks) than it would, sequences of the
+  request holding the most are preempted for it (those with the least computed first; each sequence at
+  most once: the work redone for fairness is bounded).
 
 Each scheduled piece reserves its cache slots first. When a running sequence needs a block and none is
-free, the most recently admitted other running sequence is preempted: its blocks are freed and it goes
+free, another running sequence is preempted: for a decode, the most recently admitted one still in its
+prompt, else the most recently admitted one of the request with the most running sequences; a prompt
+chunk only preempts a prompt admitted after its own that has no piece in this step, and otherwise waits
+(it never stops a decode, nor a short prompt admitted ahead of it). Its blocks are freed and it goes
 back to the head of the queue, to be recomputed from its tokens so far (prompt and output) when there is
 room again; its output so far is kept, so preemption changes timing, never tokens. After the step,
 :meth:`Scheduler.update` takes the sampled token of every sequence whose tokens are all computed, applies
@@ -38,7 +53,7 @@ ways a hit is exact: the blocks taken hold what the sequence would have computed
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -72,6 +87,13 @@ class Sequence:
     block_keys: list = field(default_factory=list)      # prefix-cache keys of its first full blocks
     num_registered: int = 0                             # its first blocks that are in the prefix cache
     request_id: str = ""
+    overtaken: int = 0                                  # later sequences admitted before it (it did not fit)
+    yielded: bool = False                               # preempted once for another request's fair share
+
+    @property
+    def group(self):
+        """The request it belongs to (SamplingParams.group), else its own id."""
+        return self.params.group if self.params.group is not None else self.seq_id
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
@@ -205,10 +227,29 @@ class Scheduler:
                 copies = seq.table.append_tokens(n, self.allocator)
                 assert not copies, "sequences never share blocks here"
                 return True
-            victim = next((s for s in reversed(self.running) if s is not seq), None)
+            victim = self._victim(seq)
             if victim is None:
                 return False
             self._preempt(victim)
+
+    def _victim(self, seq: Sequence) -> Optional[Sequence]:
+        """The running sequence to preempt for ``seq``'s blocks. For a prompt chunk: the most recently
+        admitted prompt admitted after ``seq`` that has no piece in this step (None: ``seq`` waits; a prompt
+        chunk never stops a decode, nor a prompt this step computes). For a decode: the most recently
+        admitted prompt (those with no piece in this step first), else the most recently admitted
+        sequence of the request with the most running sequences (ties: the request of the most recent)."""
+        pool = [s for s in self.running if s is not seq]
+        if seq.in_prefill:
+            younger = self.running[self.running.index(seq) + 1:] if seq in self.running else []
+            return next((s for s in reversed(younger) if s.in_prefill and s.seq_id not in self._scheduled), None)
+        prompts = sorted((s for s in pool if s.in_prefill), key=lambda s: s.seq_id not in self._scheduled)
+        if prompts:
+            return prompts[-1]      # stable: the most recently admitted of those with no piece yet
+        if not pool:
+            return None
+        count = Counter(s.group for s in pool)
+        most = max(count.values())
+        return next(s for s in reversed(pool) if count[s.group] == most)
 
     def _preempt(self, seq: Sequence) -> None:
         seq.table.release(self.allocator)
@@ -226,35 +267,109 @@ class Scheduler:
         pieces: list[Piece] = []
         finished: list[Sequence] = []
         self._preempted: list[Sequence] = []
-        order = [s for s in self.running if not s.in_prefill] + [s for s in self.running if s.in_prefill]
-        for seq in order:  # decodes first, then prompt chunks
-            if seq.status != RUNNING or budget == 0:
-                continue
-            draft = seq.draft if seq.remaining == 1 and budget >= 2 else None
-            n = min(seq.remaining, budget) + (draft is not None)
-            if self._reserve(seq, n):
-                pieces.append(Piece(seq, seq.num_computed, n, draft))
-                budget -= n
-            elif len(self.running) == 1:  # alone and still too long for the whole cache
-                self._finish(seq, "length")
-                finished.append(seq)
+        self._scheduled: set[int] = set()       # the sequences with a piece in this step
+        if self.waiting and self.running:
+            self._share_fairly()
+        for seq in [s for s in self.running if not s.in_prefill]:  # decodes first
+            budget = self._schedule_running(seq, budget, pieces, finished)
+        admitting = True
+        for running, seq in self._prompt_order():
+            if budget == 0:
+                break
+            if running:
+                budget = self._schedule_running(seq, budget, pieces, finished)
+            elif admitting and len(self.running) < self.max_num_seqs and seq not in self._preempted:
+                taken = self._admit(seq, budget, pieces)
+                budget -= taken
+                for w in self.waiting if taken else ():
+                    if w.seq_id < seq.seq_id:
+                        w.overtaken += 1
+                        admitting &= w.overtaken < self.max_num_seqs   # it has waited long enough:
+                if not taken and seq.overtaken >= self.max_num_seqs:  # nothing else goes first
+                    admitting = False
         pieces = [p for p in pieces if p.seq.status == RUNNING]  # a scheduled one may have been preempted since
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            hits = self._lookup(seq)
-            n = min(len(seq.tokens) - len(hits) * self.block_size, budget)
-            need = -(-n // self.block_size) + (self.allocator.cost(hits) if hits else 0)
-            if need > self.allocator.num_free:
-                break  # admission bounded by free blocks; FIFO: no overtaking
-            self.waiting.popleft()
-            if self.caching:
-                self._take(seq, hits)
-            seq.table.append_tokens(n, self.allocator)
-            seq.status = RUNNING
-            self.running.append(seq)
-            pieces.append(Piece(seq, seq.num_computed, n))
-            budget -= n
         return Batch(pieces, self._preempted, finished)
+
+    def _schedule_running(self, seq: Sequence, budget: int, pieces: list, finished: list) -> int:
+        """Schedule a running sequence's next piece within ``budget``; the budget left."""
+        if seq.status != RUNNING or budget == 0:
+            return budget
+        draft = seq.draft if seq.remaining == 1 and budget >= 2 else None
+        n = min(seq.remaining, budget) + (draft is not None)
+        if self._reserve(seq, n):
+            pieces.append(Piece(seq, seq.num_computed, n, draft))
+            self._scheduled.add(seq.seq_id)
+            return budget - n
+        if len(self.running) == 1:  # alone and still too long for the whole cache
+            self._finish(seq, "length")
+            finished.append(seq)
+        return budget
+
+    def _admit(self, seq: Sequence, budget: int, pieces: list) -> int:
+        """Admit a waiting sequence with its first chunk (at most ``budget`` tokens) when the cache has the
+        blocks for it; the tokens scheduled (0: not admitted)."""
+        hits = self._lookup(seq)
+        n = min(len(seq.tokens) - len(hits) * self.block_size, budget)
+        need = -(-n // self.block_size) + (self.allocator.cost(hits) if hits else 0)
+        if need > self.allocator.num_free:
+            return 0
+        self.waiting.remove(seq)
+        if self.caching:
+            self._take(seq, hits)
+        seq.table.append_tokens(n, self.allocator)
+        seq.status = RUNNING
+        self.running.append(seq)
+        pieces.append(Piece(seq, seq.num_computed, n))
+        self._scheduled.add(seq.seq_id)
+        return n
+
+    def _prompt_order(self) -> list[tuple[bool, Sequence]]:
+        """(running, sequence) for the prompt work of a step: running sequences still in their prompt and
+        waiting ones, those of requests with the fewest other sequences running first, then those needing
+        the fewest prompt tokens (a waiting one overtaken max_num_seqs times counts as needing none),
+        running before waiting, first come first served."""
+        count = Counter(s.group for s in self.running)
+        work = [(count[s.group] - 1, s.remaining, 0, i, s) for i, s in enumerate(self.running) if s.in_prefill]
+        work += [(count[s.group], 0 if s.overtaken >= self.max_num_seqs else len(s.tokens), 1, i, s)
+                 for i, s in enumerate(self.waiting)]
+        return [(w[2] == 0, w[4]) for w in sorted(work, key=lambda w: w[:4])]
+
+    def _admission_order(self) -> list[Sequence]:
+        """The waiting sequences, those of the requests with the fewest running sequences first (a stable
+        sort: first come first served among equals; a preempted sequence waits at the head)."""
+        count = Counter(s.group for s in self.running)
+        return sorted(self.waiting, key=lambda s: count[s.group])
+
+    def _share_fairly(self) -> None:
+        """Preempt for each waiting request that cannot be admitted now (no slot, or too few free blocks
+        for its first chunk) while another request holds at least two more sequences (slots), or more
+        blocks by its sequences, than it would (module doc)."""
+        seqs, blocks = Counter(), Counter()
+        for s in self.running:
+            seqs[s.group] += 1
+            blocks[s.group] += len(s.table.blocks)
+        seen = set()
+        for seq in self._admission_order():
+            g = seq.group
+            if g in seen or seq.yielded:    # a request's first waiting sequence; one preempted for fairness waits
+                continue
+            seen.add(g)
+            need = -(-min(len(seq.tokens), self.max_batched_tokens) // self.block_size)
+            while True:
+                slots = len(self.running) >= self.max_num_seqs
+                if not slots and need <= self.allocator.num_free:
+                    break
+                richer = [s for s in self.running if s.group != g and not s.yielded and
+                          (seqs[s.group] >= seqs[g] + 2 if slots else blocks[s.group] - len(s.table.blocks) >= blocks[g] + need)]
+                if not richer:
+                    break
+                top = max((seqs[s.group], blocks[s.group]) for s in richer)
+                victim = min((s for s in richer if (seqs[s.group], blocks[s.group]) == top),
+                             key=lambda s: s.num_computed)
+                seqs[victim.group] -= 1
+                blocks[victim.group] -= len(victim.table.blocks)
+                victim.yielded = True
+                self._preempt(victim)
 
     # ----- prefix caching ---------------------------------------------------------------------------
     def _lookup(self, seq: Sequence) -> list[int]:
