@@ -336,11 +336,11 @@ class _CandidateState:
 
 
 def _clean(row: dict) -> dict:
-    """Floats rounded; inf / NaN as None (JSON and Parquet safe)."""
+    """Floats to 7 significant digits; inf / NaN as None (JSON and Parquet safe)."""
     out = {}
     for k, v in row.items():
         if isinstance(v, float):
-            v = round(v, 6) if math.isfinite(v) else None
+            v = float(f"{v:.7g}") if math.isfinite(v) else None
         out[k] = v
     return out
 
