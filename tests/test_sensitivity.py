@@ -93,7 +93,9 @@ def test_linear_costs_find_the_hard_linears(setup):
     hard = {f"model.layers.{HARD_INPUT}.self_attn.{m}" for m in ("q_a_proj", "kv_a_proj_with_mqa")}
     proxy = linear_costs(ref, params, "sqnr", groups)
     kl = linear_costs(ref, params, "kl", groups)
-    assert {c.key for c in proxy[:2]} == hard and kl[0].key in hard
+    block = linear_costs(ref, params, "residual", groups)
+    assert {c.key for c in proxy[:2]} == {c.key for c in block[:2]} == hard and kl[0].key in hard
+    assert rank_correlation(kl, block) > 0
     # the proxy's SQNR of one linear, computed here on the float model's input to it
     name = f"model.layers.{HARD_INPUT}.self_attn.q_a_proj"
     seen = []

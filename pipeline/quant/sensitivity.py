@@ -14,9 +14,14 @@ Costs (``method``):
             float; the mean KL(float || that model) of the next-token distributions over the samples, and
             the top-1 agreement with float. One pass over the samples per piece.
     "sqnr"  the cheap proxy, one pass for all pieces: on the float model's own forward, each piece's output
-            against its quantized output on the same input -- per FA3 layer the attention output with the
-            int8 latent against the float latent (and the latent's own SQNR), per linear its output SQNR.
-            Ranked by SQNR, lowest (most costly) first; ``score`` is the noise-to-signal ratio 10^(-SQNR/10).
+            against its quantized output on the same input. Per FA3 layer: the attention output with the
+            int8 latent against the float latent, ranked by that error against the residual stream it is
+            added to (``residual_sqnr_db``; the attention's and the latent's own SQNR come too). Per linear:
+            its output SQNR.
+    "residual" (linears) per piece, its block (attention or MLP) rerun on the float input with only that
+            piece quantized: the block output's error against the residual stream (``residual_sqnr_db``).
+            One block forward per piece and sample, no full passes.
+Proxies are ranked by SQNR, lowest (most costly) first; ``score`` is the noise-to-signal ratio 10^(-SQNR/10).
 Both return :class:`Cost` lists, most costly first. The proxy's ranking can be checked against "kl" with
 :func:`rank_correlation` (Spearman); benchmarks/accuracy_variants.json reports it for the embedded model
 and its outlier variants.
@@ -266,8 +271,10 @@ def linear_costs(ref: FloatReference, params: FakeQuantParams, method: str = "sq
             if progress:
                 progress(g)
         return _ranked(out)
+    if method == "residual":
+        return _ranked(_block_costs(ref, params, groups))
     if method != "sqnr":
-        raise ValueError(f"method: {method!r}, expected 'kl' or 'sqnr'")
+        raise ValueError(f"method: {method!r}, expected 'kl', 'sqnr' or 'residual'")
     acc = {n: [0.0, 0.0] for ns in groups.values() for n in ns}
     model = ref.model
     quant = {n: QuantLinear(*params.linears[n]) for n in acc}
@@ -284,6 +291,46 @@ def linear_costs(ref: FloatReference, params: FakeQuantParams, method: str = "sq
         db = _db([sum(acc[n][0] for n in names), sum(acc[n][1] for n in names)])
         out.append(Cost(g, method, _nsr(db), {"sqnr_db": db, "linears": len(names)}))
     return _ranked(out)
+
+
+@torch.no_grad()
+def _block_costs(ref: FloatReference, params: FakeQuantParams, groups: Mapping[str, Sequence[str]]) -> list[Cost]:
+    """Per group: its block (the attention or the MLP holding it) rerun on the float block input with only
+    the group quantized; the block output's error against the residual stream it is added to."""
+    model = ref.model
+    layers = sorted({int(n.split(".")[2]) for ns in groups.values() for n in ns})
+    seen: dict[tuple[int, str], list] = {}
+    h_in: dict[int, torch.Tensor] = {}
+    hooks = []
+    for i in layers:
+        layer = model.model.layers[i]
+        hooks.append(layer.input_layernorm.register_forward_pre_hook(lambda m, a, i=i: h_in.__setitem__(i, a[0])))
+
+        def attn(m, a, out, i=i):
+            seen.setdefault((i, "self_attn"), []).append((a[:3], out, h_in[i].float() + out.float()))
+
+        def mlp(m, a, out, i=i):
+            prev = seen[(i, "self_attn")][-1][2]
+            seen.setdefault((i, "mlp"), []).append((a[:1], out, prev + out.float()))
+        hooks.append(layer.self_attn.register_forward_hook(attn))
+        hooks.append(layer.mlp.register_forward_hook(mlp))
+    try:
+        _float_passes(model, ref.ids, layers)
+    finally:
+        for h in hooks:
+            h.remove()
+    out = []
+    for g, names in groups.items():
+        blocks = {(int(n.split(".")[2]), "self_attn" if ".self_attn." in n else "mlp") for n in names}
+        acc = [0.0, 0.0]
+        with quantized(model, params.only(linears=names)):
+            for i, kind in sorted(blocks):
+                block = getattr(model.model.layers[i], kind)
+                for args, y, resid in seen[(i, kind)]:
+                    _acc(acc, resid, resid + (block(*args).float() - y.float()))
+        db = _db(acc)
+        out.append(Cost(g, "residual", _nsr(db), {"residual_sqnr_db": db, "linears": len(names)}))
+    return out
 
 
 @torch.no_grad()
