@@ -18,7 +18,8 @@ from pipeline.assets import EMBEDDED_MODEL_DIR
 from pipeline.model.loading import load_model
 from pipeline.model.perplexity import token_stream
 from pipeline.quant.evaluate import Candidate, compare, evaluate, load_candidates, sqnr_db, windows_of
-from pipeline.quant.fakequant import BiasedRMSNorm, QuantLinear, load_fakequant_model
+from pipeline.model.norm import RMSNorm
+from pipeline.quant.fakequant import QuantLinear, load_fakequant_model
 from pipeline.quant.linear_refs import DEQUANT_REF, FLOAT_REF
 from pipeline.text import corpus
 from pipeline.text.tokenizer import Tokenizer
@@ -71,7 +72,7 @@ def test_itersmooth_biases_count_once(tiny_float):
     ids = torch.randint(0, 512, (1, 48), generator=torch.Generator().manual_seed(1))
     path = str(FIXTURES / "msmodelslim-v1-bf16-itersmooth")
     deq = load_fakequant_model(path, w8a8=False, fa3=False)      # float linears: every .bias added
-    assert sum(isinstance(m, BiasedRMSNorm) for m in deq.modules()) == 6     # input_layernorm, q_a_layernorm x 3
+    assert sum(isinstance(m, RMSNorm) and m.bias is not None for m in deq.modules()) == 6     # input_layernorm, q_a_layernorm x 3
     assert sum(m.bias is not None for m in deq.modules() if isinstance(m, torch.nn.Linear)) == 9
     assert sqnr_db(tiny_float(ids), deq(ids)) > DEQUANT_WITH_BIASES_DB
     q = load_fakequant_model(path)

@@ -9,7 +9,7 @@
 
 Files written by other tools load too:
 - biases (msModelSlim's iter_smooth): a norm's float32 ``.bias`` is added after its scale, in float32, and
-  the result cast back (``md(md(w * x_hat) + bias)``); a linear's ``.bias`` is added by FLOAT and
+  the result cast back (``md(md(w * x_hat) + bias)``, pipeline.model.norm.RMSNorm); a linear's ``.bias`` is added by FLOAT and
   W8A8_DYNAMIC linears and by the dequantized placeholders, but not by W8A8 (static) linears, whose
   ``quant_bias`` already holds it (counted once);
 - QuaRot (the description's ``optional.quarot.rotation_map.global_rotation``): the files already hold the
@@ -33,7 +33,6 @@ from pipeline import layout
 from pipeline.io import storage
 from pipeline.io.safetensors_io import CheckpointError, read_header, read_tensors
 from pipeline.model import DeepseekV3ForCausalLM, build_model
-from pipeline.model.norm import RMSNorm
 from pipeline.format.description import DESCRIPTION_NAME, FLOAT, QUANT_KINDS, W8A8, loads_json_object
 from pipeline.format.reader import fa_scales, read_quantized
 from pipeline.quant.qparams import deq_scale_to_float32, w8a8_dynamic_linear, w8a8_static_linear
@@ -87,19 +86,6 @@ class QuantLinear(nn.Module):
         return (deq * (self.quant_bias.double() + self.input_offset.double().reshape(()) * rows)).float()
 
 
-class BiasedRMSNorm(RMSNorm):
-    """An RMSNorm with a float32 shift after its scale: ``md(md(w * x_hat) + bias)``."""
-
-    def __init__(self, norm: RMSNorm, bias: torch.Tensor):
-        super().__init__(norm.weight.shape[0], norm.eps, device="meta")
-        self.weight = norm.weight
-        self.register_buffer("bias", bias.float().to(norm.weight.device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
-        return (y.float() + self.bias).to(y.dtype)
-
-
 def fa3_latent(c: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """What the int8 cache gives back: fa_k * clamp(round(c / fa_k), -127, 127), in c's dtype."""
     s = scale.float().reshape(())
@@ -136,29 +122,11 @@ def install_w8a8(model: DeepseekV3ForCausalLM, tensors: Mapping[str, torch.Tenso
     return n
 
 
-def install_biases(model: DeepseekV3ForCausalLM, tensors: Mapping[str, torch.Tensor], types: Mapping[str, str]) -> int:
-    """Give every norm and float linear with a stored ``.bias`` its bias (see the module doc; quantized
-    linears take theirs in install_w8a8). Returns the count."""
-    n = 0
-    for name in tensors:
-        if not name.endswith(".bias") or types.get(name[: -len(".bias")] + ".weight", FLOAT) != FLOAT:
-            continue
-        prefix = name[: -len(".bias")]
-        parent_name, child = prefix.rsplit(".", 1)
-        try:
-            parent = model.get_submodule(parent_name)
-        except AttributeError:
-            raise ValueError(f"{name}: a bias for a module the model does not have") from None
-        mod = getattr(parent, child, None)
-        b = tensors[name]
-        if isinstance(mod, RMSNorm) and tuple(b.shape) == tuple(mod.weight.shape):
-            setattr(parent, child, BiasedRMSNorm(mod, b))
-        elif isinstance(mod, nn.Linear) and tuple(b.shape) == (mod.out_features,):
-            mod.bias = nn.Parameter(b.to(mod.weight.dtype), requires_grad=False)
-        else:
-            raise ValueError(f"{name}: shape {list(b.shape)} is no bias of {type(mod).__name__} {prefix}")
-        n += 1
-    return n
+def float_biases(tensors: Mapping[str, torch.Tensor], types: Mapping[str, str]) -> dict:
+    """The stored ``.bias`` tensors of norms and float linears (see the module doc), which build_model
+    attaches as it attaches a checkpoint's; quantized linears take theirs in install_w8a8."""
+    return {k: v for k, v in tensors.items()
+            if k.endswith(".bias") and types.get(k[: -len(".bias")] + ".weight", FLOAT) == FLOAT}
 
 
 def read_rotation(path: str, hidden: int) -> Optional[torch.Tensor]:
@@ -203,9 +171,9 @@ def load_fakequant_model(path: str, dtype=torch.float32, device="cpu", w8a8: boo
     for name in layout.checkpoint_shapes(cfg):
         kind = types.get(name, FLOAT)
         float_tensors[name] = tensors[name] if kind == FLOAT else _placeholder_weight(tensors, name[:-7], dtype)
+    float_tensors.update(float_biases(tensors, types if w8a8 else dict.fromkeys(types, FLOAT)))
     model = build_model(cfg, float_tensors, dtype=dtype, device=device)
     on_device = {k: v.to(device) for k, v in tensors.items()}
-    install_biases(model, on_device, types if w8a8 else dict.fromkeys(types, FLOAT))
     if w8a8:
         install_w8a8(model, on_device, types)
     model.fa3_layers = []
