@@ -13,14 +13,15 @@ import pytest
 from pipeline.assets import EMBEDDED_MODEL_DIR
 from pipeline.quant import eval_report
 
-REPO = Path(__file__).resolve().parents[1]
-
 from pipeline.quant.evaluate import EvalResult
+
+REPO = Path(__file__).resolve().parents[1]
 
 FLOAT_ROW = {"output": "float", "variant": "float", "tokens": 17920, "perplexity": 44.265,
              "perplexity_delta_pct": 0.0, "agreement": 1.0, "kl_mean": 0.0, "kl_p99": 0.0}
 SUMMARY = [FLOAT_ROW] + [
-    {"output": o, "variant": "W8A8 + FA3", "tokens": 17920, "perplexity": p, "perplexity_delta_pct": round(100 * (p / 44.265 - 1), 3),
+    {"output": o, "variant": "W8A8 + FA3", "tokens": 17920, "perplexity": p,
+     "perplexity_delta_pct": round(100 * (p / 44.265 - 1), 3),
      "agreement": a, "kl_mean": kl, "kl_p99": 10 * kl, "min_attn_sqnr_db": 31.5, "min_attn_layer": 2,
      "min_latent_sqnr_db": 40.1}
     for o, p, a, kl in (("plain", 44.198, 0.97, 0.004), ("variant-s1", 52.1, 0.79, 0.21))]

@@ -17,7 +17,8 @@ import torch
 from pipeline.assets import EMBEDDED_MODEL_DIR
 from pipeline.model.loading import load_model
 from pipeline.model.perplexity import token_stream
-from pipeline.quant.evaluate import Candidate, compare, evaluate, load_candidates, sqnr_db, windows_of
+from pipeline.quant.evaluate import Candidate, compare, evaluate, load_candidates, windows_of
+from pipeline.quant.linear_refs import sqnr_db
 from pipeline.model.norm import RMSNorm
 from pipeline.quant.fakequant import QuantLinear, load_fakequant_model
 from pipeline.quant.linear_refs import DEQUANT_REF, FLOAT_REF

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.model.loading import load_model
-from pipeline.quant.evaluate import sqnr_db
+from pipeline.quant.linear_refs import sqnr_db
 from pipeline.quant.fakequant import QuantLinear, load_fakequant_model
 from pipeline.quant.outlier_variant import VariantSpec
 from pipeline.quant.recipe import Recipe

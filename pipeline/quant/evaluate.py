@@ -40,7 +40,7 @@ from pipeline.io import storage
 from pipeline.model import DeepseekV3ForCausalLM
 from pipeline.model.loading import load_model
 from pipeline.quant.fakequant import QuantLinear, load_fakequant_model
-from pipeline.quant.linear_refs import linear_ref, sqnr_db
+from pipeline.quant.linear_refs import linear_ref
 
 VARIANTS = {"W8A8 + FA3": {"w8a8": True, "fa3": True}, "W8A8 only": {"w8a8": True, "fa3": False},
             "FA3 only": {"w8a8": False, "fa3": True}}

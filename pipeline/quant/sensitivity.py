@@ -43,13 +43,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipeline.config import model_dtype
 from pipeline.model import DeepseekV3ForCausalLM
 from pipeline.quant.fakequant import QuantLinear, fa3_latent
-from pipeline.quant.linear_refs import sqnr_db
 
 Key = Union[int, str]       # an FA3 layer id or a linear's module name
 
@@ -147,15 +145,18 @@ class Metrics:
 
 class FloatReference:
     """The float model's next-token log-probabilities on each sample (kept: every measurement compares
-    with them; memory tokens x vocab x 4 bytes)."""
+    with them; memory tokens x vocab x 4 bytes). ``model`` is what the pieces are installed on; the
+    log-probabilities come from ``reference`` when given (the source's float model, where ``model`` is a
+    written output's dequantized model: pipeline.quant.fallback), else from ``model`` itself."""
 
-    def __init__(self, model: DeepseekV3ForCausalLM, samples: Sequence[Sequence[int]]):
+    def __init__(self, model: DeepseekV3ForCausalLM, samples: Sequence[Sequence[int]],
+                 reference: Optional[DeepseekV3ForCausalLM] = None):
         if not samples or any(len(s) < 2 for s in samples):
             raise ValueError("samples: need at least one sample, each of two tokens or more")
         self.model = model
         self.ids = [torch.tensor([list(s)], device=model.lm_head.weight.device) for s in samples]
         with torch.no_grad():
-            self.logp = [model(x[:, :-1]).float().log_softmax(-1) for x in self.ids]
+            self.logp = [(model if reference is None else reference)(x[:, :-1]).float().log_softmax(-1) for x in self.ids]
         self.nll = sum(-lp.gather(-1, x[:, 1:, None]).sum().item() for lp, x in zip(self.logp, self.ids))
         self.tokens = sum(x.shape[1] - 1 for x in self.ids)
 

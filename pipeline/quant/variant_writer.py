@@ -11,8 +11,9 @@ destination is replaced, and kept whole until then). Any error leaves the destin
 The check runs the source and the variant on a few texts (the source's tokenizer; seeded random ids
 without one), in float32 and in the model dtype, main logits and MTP logits, and demands bit-identical
 results. An FP8 source's function is its dequantization to the model dtype (what the variant stores), so
-the source is read in the model dtype and widened for the float32 run. It also measures how much each changed norm's output channels now stand out: the smallest
-ratio, over the picked channels, of the channel's max |activation| to the median channel's.
+the source is read in the model dtype and widened for the float32 run. It also measures how much each
+changed norm's output channels now stand out: the smallest ratio, over the picked channels, of the
+channel's max |activation| to the median channel's.
 ``outlier_variant.json`` in the variant records the spec, every change and these figures.
 """
 
