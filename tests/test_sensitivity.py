@@ -13,7 +13,7 @@ from pipeline.model.loading import load_model
 from pipeline.quant.linear_refs import sqnr_db
 from pipeline.quant.fakequant import QuantLinear, load_fakequant_model
 from pipeline.quant.outlier_variant import VariantSpec
-from pipeline.quant.recipe import Recipe
+from pipeline.quant.recipe import FLOAT_PASS, Recipe
 from pipeline.quant.run import QuantizeOptions, calibrate, quantize_checkpoint
 from pipeline.quant.sensitivity import (
     FakeQuantParams, FloatReference, Target, expert_groups, fa3_costs, linear_costs, quantized,
@@ -37,7 +37,7 @@ def setup(tmp_path_factory):
     write_variant(src, src + "2", VariantSpec(seed=2, channels={"input": 3}, log2_range=(6, 6), layers=(HARD_INPUT,)),
                   log=lambda m: None, check=False)
     src = src + "2"
-    recipe = Recipe()
+    recipe = Recipe(calibration=FLOAT_PASS)      # FakeQuantParams.from_stats takes the one-pass float statistics
     opts = QuantizeOptions(calib_path=CALIB, progress=False, estimate=False, device="cpu")
     quantize_checkpoint(src, dst, recipe, opts, log=lambda m: None)
     model = load_model(src, dtype=torch.float32, device="cpu")
