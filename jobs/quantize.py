@@ -3,7 +3,9 @@
     python -m jobs.quantize --model-path SRC --save-path DST [--fa-quant] [--mindie-format] [--dynamic]
                             [--calib-data FILE] [--fa-exclude-layers 0,1,2] [--smooth] ...
 
-msModelSlim's flags are kept (underscore spellings too). With no arguments it quantizes the embedded
+msModelSlim's flags are kept (underscore spellings too). ``--fa-fallback`` / ``--linear-fallback`` auto|N|none
+keep the FA3 layers and linears whose quantization costs most, measured on a probe, in bf16, and record
+them in the written recipe (pipeline/quant/fallback.py, docs/accuracy.md). With no arguments it quantizes the embedded
 model into ./out/dsv3-tiny-pydoc-w8a8-fa3. SRC and DST may be local paths or fsspec URLs (s3://...).
 
 With ``--stages N`` the job runs distributed on Ray (actors.quantize_job): N pipeline stages (times
@@ -92,6 +94,9 @@ def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -
     _flag(ap, "--linear-fallback", default="none", metavar="auto|N|none",
           help="quantized linears kept float by measured cost, as --fa-fallback (routed experts per layer and "
                "projection)")
+    _flag(ap, "--fallback-target", default="agreement=0.97,ppl=1.0", metavar="agreement=A,ppl=P[,kl=K]",
+          help="what auto fallback meets on the calibration samples: top-1 agreement with float >= A, perplexity "
+               "change <= P %%, mean KL <= K")
     _flag(ap, "--dynamic", action="store_true", help="every quantized linear W8A8_DYNAMIC")
     _flag(ap, "--mindie-format", action="store_true", help="add MindIE's config.json keys (and model_type deepseekv2)")
     _flag(ap, "--smooth", action="store_true", help="anti-outlier smoothing (SmoothQuant + latent), format unchanged")
@@ -188,9 +193,10 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
         raise ValueError(f"--max-calib-tokens must be >= 1, got {args.max_calib_tokens}")
     if not 0 <= args.smooth_alpha <= 1:
         raise ValueError(f"--smooth-alpha must be in [0, 1], got {args.smooth_alpha}")
-    from pipeline.quant.fallback import parse_choice
+    from pipeline.quant.fallback import parse_choice, parse_target
 
     fallback = (parse_choice(args.fa_fallback, "--fa-fallback"), parse_choice(args.linear_fallback, "--linear-fallback"))
+    target = parse_target(args.fallback_target)
     if fallback != (None, None) and args.stages:
         raise ValueError("--fa-fallback / --linear-fallback run in the one-process job (drop --stages)")
     if args.s3_endpoint:
@@ -208,7 +214,7 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
     recipe = resolved.recipe
     log(f"recipe: {resolved.source}")
     args.fallback = None if fallback == (None, None) else (
-        *fallback, lambda r: dataclasses.replace(resolved, recipe=r).yaml_text())
+        *fallback, lambda r: dataclasses.replace(resolved, recipe=r).yaml_text(), target)
     shard_gb = args.shard_size_gb if args.shard_size_gb is not None else (resolved.part_file_size or 4.0)
     opts = QuantizeOptions(calib_path=resolved.calib_path, max_calib_tokens=args.max_calib_tokens,
                            truncate=args.truncate, smooth_alpha=args.smooth_alpha,

@@ -1,15 +1,16 @@
 """Benchmark: accuracy of jobs.quantize's recipes on the embedded model and on outlier variants of it.
 
     python scripts/bench_accuracy_variants.py [--seeds 1,2,3] [--channels 4] [--factor-log2 4..6]
-        [--recipes default,dynamic,smooth,no-fa-quant] [--max-windows 32] [--proxy-samples 8]
+        [--recipes seed,seed+fallback,w8a8c8,w8a8c8+fallback,dynamic+fallback] [--max-windows 32] [--proxy-samples 0]
         [--work /tmp/dsquant-accuracy] [--keep] [--out benchmarks/accuracy_variants.json]
 
 Each variant (jobs.make_outlier_variant's maker, every norm, --channels channels per norm, factors 2^lo..2^hi,
 one per seed) computes the embedded model's logits bit for bit. Each model is quantized with each recipe
-(the flags of ``python -m jobs.quantize``: default = static W8A8 attention + FA3, MTP float) and evaluated
+(RECIPES: the flags of ``python -m jobs.quantize``; seed = the legacy script's ``--fa_quant --mindie_format``,
+w8a8c8 = the DeepSeek-V3.1 preset; +fallback = ``--fa-fallback auto --linear-fallback auto``) and evaluated
 from the written files against its float model (pipeline/quant/evaluate.py) on the first --max-windows
 windows of 256 tokens of the embedded held-out texts: agreement, perplexity change, KL mean / p99 and the
-minimum per-layer attention SQNR. For the default recipe it also checks the sensitivity proxies
+minimum per-layer attention SQNR, and what fell back. For the seed recipe it also checks the sensitivity proxies
 (pipeline/quant/sensitivity.py) against the end-to-end costs on --proxy-samples calibration samples:
 Spearman's rho of the FA3 layer ranking and of the linear rankings, "sqnr" and "residual" (routed experts
 grouped per projection).
@@ -19,6 +20,7 @@ Writes the JSON and a PNG beside it (agreement and perplexity change per recipe 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import sys
@@ -30,7 +32,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 from bench_io import loadavg, write_result  # noqa: E402
 
-RECIPES = {"default": {}, "dynamic": {"dynamic": True}, "smooth": {"smooth": True}, "no-fa-quant": {"fa_quant": False}}
+SEED = ["--fa_quant", "--mindie_format"]             # the legacy script's command: m4 (iter_smooth), FA3 everywhere
+FALLBACK = ["--fa-fallback", "auto", "--linear-fallback", "auto"]
+C8 = ["--model-type", "DeepSeek-V3.1", "--quant-type", "w8a8c8"]
+RECIPES = {"seed": SEED, "seed+fallback": SEED + FALLBACK, "w8a8c8": C8, "w8a8c8+fallback": C8 + FALLBACK,
+           "dynamic+fallback": SEED + ["--dynamic"] + FALLBACK}
 FIELDS = ("agreement", "perplexity", "perplexity_delta_pct", "kl_mean", "kl_p99", "min_attn_sqnr_db",
           "min_attn_layer", "min_latent_sqnr_db", "mtp_agreement")
 
@@ -49,14 +55,29 @@ def make_models(work: Path, seeds, channels: int, log2: tuple[int, int]) -> dict
     return models
 
 
-def quantize(src: str, dst: Path, recipe_flags: dict) -> float:
-    from pipeline.quant.recipe import Recipe
-    from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+def quantize(src: str, dst: Path, flags: list[str]) -> float:
+    """``python -m jobs.quantize`` with ``flags`` (in this process); seconds taken."""
+    from jobs import quantize as job
 
     t = time.time()
-    quantize_checkpoint(src, str(dst), Recipe(**recipe_flags),
-                        QuantizeOptions(device="cpu", progress=False, estimate=False, overwrite=True), log=lambda m: None)
+    from pipeline.assets import EMBEDDED_MODEL_DIR
+
+    # the embedded model goes in as the job's default: its folder name (dsv3-...) is not read as a model name,
+    # as the legacy script would read "V3" in a path and keep FA3 off V3's list
+    where = [] if src == EMBEDDED_MODEL_DIR else ["--model-path", src]
+    if job.main([*where, "--save-path", str(dst), "--overwrite", "--no-progress", "--no-estimate", *flags]) != 0:
+        raise SystemExit(f"quantize {src} {flags} failed")
     return time.time() - t
+
+
+def fallback_picks(out: Path) -> dict:
+    """What fell back (fallback.json), or {} without a fallback."""
+    f = out / "fallback.json"
+    if not f.exists():
+        return {}
+    r = json.loads(f.read_text())
+    return {"fa_fallback_layers": (r.get("fa") or {}).get("picked"),
+            "linear_fallback": (r.get("linear") or {}).get("picked")}
 
 
 def proxies(src: str, qdir: Path, n_samples: int) -> dict:
@@ -138,7 +159,7 @@ def main(argv=None) -> int:
     ap.add_argument("--factor-log2", default="4..6")
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--max-windows", type=int, default=32)
-    ap.add_argument("--proxy-samples", type=int, default=8)
+    ap.add_argument("--proxy-samples", type=int, default=0)
     ap.add_argument("--work", default="/tmp/dsquant-accuracy")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "accuracy_variants.json"))
@@ -176,8 +197,10 @@ def main(argv=None) -> int:
         for s in res.summary[1:]:
             rows.append({"model": name, "recipe": s["output"], **{k: s.get(k) for k in FIELDS}})
             print(rows[-1], flush=True)
-        if "default" in recipes and args.proxy_samples:
-            proxy[name] = proxies(src, dirs["default"], args.proxy_samples)
+        for row in rows[-len(recipes):]:
+            row.update(fallback_picks(dirs[row["recipe"]]))
+        if "seed" in recipes and args.proxy_samples:
+            proxy[name] = proxies(src, dirs["seed"], args.proxy_samples)
             print(name, "proxy rho: fa", proxy[name]["fa_rho"], "linear (sqnr, residual)",
                   proxy[name]["linear_rho_sqnr"], proxy[name]["linear_rho_residual"], flush=True)
     result = {

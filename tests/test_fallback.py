@@ -22,6 +22,7 @@ from pipeline.quant.fakequant import load_fakequant_model
 from pipeline.quant.fallback import parse_choice
 from pipeline.quant.outlier_variant import VariantSpec
 from pipeline.quant.qparams import QuantError
+from pipeline.quant.sensitivity import Target
 from pipeline.quant.variant_writer import write_variant
 from pipeline.text import corpus
 from pipeline.text.tokenizer import Tokenizer
@@ -132,3 +133,14 @@ def test_bad_values_are_one_line(capsys, tmp_path):
                           "--no-progress", "--no-estimate"]) == 2
     assert "--fa-fallback 9: the recipe quantizes only 3 FA3 layers" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_target_parsing():
+    from pipeline.quant.fallback import TARGET, parse_target
+
+    assert parse_target("agreement=0.97,ppl=1.0") == TARGET
+    assert parse_target("agreement=0.99,ppl=0.5,kl=0.01") == Target(0.99, 0.01, 0.5)
+    for bad, msg in (("agreement=2", "min_agreement must be in"), ("foo=1", "got 'foo=1'"), ("ppl", "got 'ppl'"),
+                     ("ppl=nan", "finite number")):
+        with pytest.raises(QuantError, match=msg):
+            parse_target(bad)

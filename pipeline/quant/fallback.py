@@ -18,7 +18,7 @@ and compared with the source's float model on the calibration samples (pipeline.
 - linears (and expert groups), ranked by the ``residual`` proxy (their block rerun with only them
   quantized); the pick is judged on the whole model with the FA3 pick applied.
 
-``auto`` takes the shortest ranked prefix that meets :data:`TARGET` (the module doc of
+``auto`` takes the shortest ranked prefix that meets :data:`TARGET` or ``--fallback-target`` (the module doc of
 pipeline.quant.sensitivity says how it searches); ``N`` the N costliest; ``none`` nothing. The target is
 stricter than the project's goal (agreement >= 95%, perplexity within +2% on held-out text) because the
 calibration texts are not the evaluation texts and the final output is calibrated again.
@@ -59,6 +59,28 @@ def parse_choice(text: str, flag: str) -> Choice:
     raise QuantError(f"{flag}: expected auto, none or a count such as 3, got {text!r}")
 
 
+TARGET_KEYS = {"agreement": "min_agreement", "ppl": "max_ppl_delta_pct", "kl": "max_kl"}
+
+
+def parse_target(text: str, flag: str = "--fallback-target") -> Target:
+    """``agreement=0.99,ppl=0.5[,kl=0.01]`` (agreement as a fraction, ppl in percent, kl the mean KL) as a
+    Target; a one-line error naming ``flag`` otherwise."""
+    fields = {}
+    for item in str(text).split(","):
+        key, sep, value = item.partition("=")
+        try:
+            fields[TARGET_KEYS[key.strip()]] = float(value)
+        except (KeyError, ValueError):
+            raise QuantError(f"{flag}: expected NAME=VALUE pairs of {sorted(TARGET_KEYS)} such as "
+                             f"agreement=0.97,ppl=1.0, got {item!r}") from None
+        if not sep or not math.isfinite(fields[TARGET_KEYS[key.strip()]]):
+            raise QuantError(f"{flag}: expected NAME=VALUE with a finite number, got {item!r}")
+    try:
+        return Target(**fields)
+    except ValueError as e:
+        raise QuantError(f"{flag}: {e}") from None
+
+
 def with_fallback(recipe: Recipe, fa_layers, linears) -> Recipe:
     """``recipe`` with ``fa_layers`` kept off FA3 and the linears (names or patterns) kept FLOAT."""
     out = recipe
@@ -73,11 +95,11 @@ def with_fallback(recipe: Recipe, fa_layers, linears) -> Recipe:
 
 
 def _take(choice: Choice, ranked: list[Cost], ref: FloatReference, params: FakeQuantParams, kind: str,
-          groups=None) -> tuple[list, Optional[dict]]:
+          target: Target, groups=None) -> tuple[list, Optional[dict]]:
     if choice is None or not ranked:
         return [], None
     if choice == AUTO:
-        pick = smallest_fallback(ref, params, ranked, TARGET, kind, groups)
+        pick = smallest_fallback(ref, params, ranked, target, kind, groups)
         return list(pick.keys), pick.to_dict()
     if choice > len(ranked):
         raise QuantError(f"--{'fa' if kind == 'fa' else 'linear'}-fallback {choice}: the recipe quantizes only "
@@ -85,7 +107,7 @@ def _take(choice: Choice, ranked: list[Cost], ref: FloatReference, params: FakeQ
     return [c.key for c in ranked[:choice]], None
 
 
-def choose(src: str, probe: str, samples: list[list[int]], fa: Choice, linear: Choice,
+def choose(src: str, probe: str, samples: list[list[int]], fa: Choice, linear: Choice, target: Target = TARGET,
            log: Callable[[str], None] = print) -> dict:
     """Measure the probe output ``probe`` of ``src`` on ``samples`` and pick (module doc): the report."""
     import torch
@@ -98,20 +120,20 @@ def choose(src: str, probe: str, samples: list[list[int]], fa: Choice, linear: C
         ref = FloatReference(base, samples, reference=load_model(src, dtype=torch.float32, device="cpu"))
     params = FakeQuantParams.from_dir(probe)
     groups = expert_groups(list(params.linears))
-    report: dict = {"target": {k: v for k, v in vars(TARGET).items() if v is not None},
+    report: dict = {"target": {k: v for k, v in vars(target).items() if v is not None},
                     "samples": len(samples), "tokens": ref.tokens,
                     "fa_fallback": fa, "linear_fallback": linear,
                     "quantized": ref.measure(params).to_dict()}
     fa_keys: list = []
     if fa is not None:
         ranked = fa3_costs(ref, params, "sqnr")
-        fa_keys, search = _take(fa, ranked, ref, params.only(fa=list(params.fa_k)), "fa")
+        fa_keys, search = _take(fa, ranked, ref, params.only(fa=list(params.fa_k)), "fa", target)
         report["fa"] = {"picked": fa_keys, "search": search, "costs": [_cost(c) for c in ranked]}
         log(f"FA3 fallback ({fa}): layers {fa_keys} stay bf16 (of {len(ranked)} FA3 layers)")
     lin_keys: list = []
     if linear is not None:
         ranked = linear_costs(ref, params, "residual", groups)
-        lin_keys, search = _take(linear, ranked, ref, params.without(fa=fa_keys), "linear", groups)
+        lin_keys, search = _take(linear, ranked, ref, params.without(fa=fa_keys), "linear", target, groups)
         report["linear"] = {"picked": lin_keys, "search": search, "costs": [_cost(c) for c in ranked]}
         log(f"linear fallback ({linear}): {len(lin_keys)} kept float: {lin_keys}")
     report["with_fallback"] = ref.measure(params.without(
@@ -124,7 +146,8 @@ def _cost(c: Cost) -> dict:
 
 
 def quantize_with_fallback(src: str, dst: str, recipe: Recipe, opts, fa: Choice, linear: Choice,
-                           recipe_yaml: Callable[[Recipe], str], log: Callable[[str], None] = print) -> Recipe:
+                           recipe_yaml: Callable[[Recipe], str], target: Target = TARGET,
+                           log: Callable[[str], None] = print) -> Recipe:
     """Probe, pick, and write ``dst`` with the amended recipe (module doc); ``recipe_yaml`` renders the
     recipe file written next to the weights. Returns the amended recipe."""
     from pipeline.io.checkpoint import CheckpointReader
@@ -141,7 +164,7 @@ def quantize_with_fallback(src: str, dst: str, recipe: Recipe, opts, fa: Choice,
         log("fallback: quantizing a probe with the recipe as given")
         quantize_checkpoint(src, probe, recipe, replace(opts, overwrite=False, estimate=False, recipe_file=None),
                             log=lambda m: None)
-        report = choose(src, probe, samples, fa, linear, log)
+        report = choose(src, probe, samples, fa, linear, target, log)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     final = with_fallback(recipe, report.get("fa", {}).get("picked", []), report.get("linear", {}).get("picked", []))
