@@ -36,7 +36,8 @@ SEED = ["--fa_quant", "--mindie_format"]             # the legacy script's comma
 FALLBACK = ["--fa-fallback", "auto", "--linear-fallback", "auto"]
 C8 = ["--model-type", "DeepSeek-V3.1", "--quant-type", "w8a8c8"]
 RECIPES = {"seed": SEED, "seed+fallback": SEED + FALLBACK, "w8a8c8": C8, "w8a8c8+fallback": C8 + FALLBACK,
-           "dynamic+fallback": SEED + ["--dynamic"] + FALLBACK}
+           "dynamic+fallback": SEED + ["--dynamic"] + FALLBACK,
+           "w8a8c8+fallback@0.99": C8 + FALLBACK + ["--fallback-target", "agreement=0.99,ppl=0.3"]}
 FIELDS = ("agreement", "perplexity", "perplexity_delta_pct", "kl_mean", "kl_p99", "min_attn_sqnr_db",
           "min_attn_layer", "min_latent_sqnr_db", "mtp_agreement")
 
