@@ -3,7 +3,9 @@
     python -m jobs.quantize --model-path SRC --save-path DST [--fa-quant] [--mindie-format] [--dynamic]
                             [--calib-data FILE] [--fa-exclude-layers 0,1,2] [--smooth] ...
 
-msModelSlim's flags are kept (underscore spellings too). With no arguments it quantizes the embedded
+msModelSlim's flags are kept (underscore spellings too). ``--fa-fallback`` / ``--linear-fallback`` auto|N|none
+keep the FA3 layers and linears whose quantization costs most, measured on a probe, in bf16, and record
+them in the written recipe (pipeline/quant/fallback.py, docs/accuracy.md). With no arguments it quantizes the embedded
 model into ./out/dsv3-tiny-pydoc-w8a8-fa3. SRC and DST may be local paths or fsspec URLs (s3://...).
 
 With ``--stages N`` the job runs distributed on Ray (actors.quantize_job): N pipeline stages (times
@@ -29,6 +31,7 @@ it starts, the job prints what it will read, compute and write and roughly how l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Any, Callable
@@ -85,6 +88,15 @@ def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -
           help="FA3: int8 MLA latent cache scales (default: on)")
     _flag(fa, "--no-fa-quant", dest="fa_quant", action="store_false", help="W8A8 only, no FA3 (default: FA3 on)")
     _flag(ap, "--fa-exclude-layers", type=_layers, default=(), help="layers kept out of FA3, e.g. 0,1,2,46")
+    _flag(ap, "--fa-fallback", default="none", metavar="auto|N|none",
+          help="FA3 layers kept bf16 by measured cost (pipeline/quant/fallback.py): auto, the fewest meeting its "
+               "target; N, the N costliest; none. Recorded in the written recipe, reported in fallback.json")
+    _flag(ap, "--linear-fallback", default="none", metavar="auto|N|none",
+          help="quantized linears kept float by measured cost, as --fa-fallback (routed experts per layer and "
+               "projection)")
+    _flag(ap, "--fallback-target", default="agreement=0.97,ppl=1.0", metavar="agreement=A,ppl=P[,kl=K]",
+          help="what auto fallback meets on the calibration samples: top-1 agreement with float >= A, perplexity "
+               "change <= P %%, mean KL <= K")
     _flag(ap, "--dynamic", action="store_true", help="every quantized linear W8A8_DYNAMIC")
     _flag(ap, "--mindie-format", action="store_true", help="add MindIE's config.json keys (and model_type deepseekv2)")
     _flag(ap, "--smooth", action="store_true", help="anti-outlier smoothing (SmoothQuant + latent), format unchanged")
@@ -157,7 +169,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
     """(src, dst, Recipe, QuantizeOptions, DistOptions or None) from the parsed flags; ``log`` says where the
-    recipe came from (and the FA3 list the legacy flags chose)."""
+    recipe came from (and the FA3 list the legacy flags chose). ``args.fallback`` is set to
+    (fa choice, linear choice, recipe -> YAML text) when a fallback is asked, else None."""
     from pipeline.io import storage
     from pipeline.assets import EMBEDDED_MODEL_DIR
     from pipeline.engine.device import check_device
@@ -183,6 +196,12 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
     if not 0 <= args.smooth_alpha <= 1:
         raise ValueError(f"--smooth-alpha must be in [0, 1], got {args.smooth_alpha}")
     check_device(args.device)           # an unknown device, or CUDA without it: before anything loads
+    from pipeline.quant.fallback import parse_choice, parse_target
+
+    fallback = (parse_choice(args.fa_fallback, "--fa-fallback"), parse_choice(args.linear_fallback, "--linear-fallback"))
+    target = parse_target(args.fallback_target)
+    if fallback != (None, None) and args.stages:
+        raise ValueError("--fa-fallback / --linear-fallback run in the one-process job (drop --stages)")
     if args.s3_endpoint:
         storage.set_options("s3", client_kwargs={"endpoint_url": args.s3_endpoint})
     src = args.model_path or EMBEDDED_MODEL_DIR
@@ -199,6 +218,8 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
     resolved = resolve(req, args.model_path, cfg, log)
     recipe = resolved.recipe
     log(f"recipe: {resolved.source}")
+    args.fallback = None if fallback == (None, None) else (
+        *fallback, lambda r: dataclasses.replace(resolved, recipe=r).yaml_text(), target)
     shard_gb = args.shard_size_gb if args.shard_size_gb is not None else (resolved.part_file_size or 4.0)
     opts = QuantizeOptions(calib_path=resolved.calib_path, max_calib_tokens=args.max_calib_tokens,
                            truncate=args.truncate, smooth_alpha=args.smooth_alpha,
@@ -271,7 +292,11 @@ def main(argv=None) -> int:
     if rc:
         return rc
     src, dst, recipe, opts, dist = job
-    if dist is None:
+    if dist is None and args.fallback:
+        from pipeline.quant.fallback import quantize_with_fallback
+
+        rc, _ = run_guarded(lambda: quantize_with_fallback(src, dst, recipe, opts, *args.fallback))
+    elif dist is None:
         from pipeline.quant.run import quantize_checkpoint
 
         rc, _ = run_guarded(lambda: quantize_checkpoint(src, dst, recipe, opts))

@@ -138,7 +138,8 @@ def test_mtp_speculative_decoding_changes_no_token_and_counts_acceptance(qdir, t
 
 
 @pytest.mark.parametrize("fixture", ["msmodelslim-v1-bf16", "msmodelslim-v1-fp16",
-                                     "msmodelslim-v1-bf16-flexsmooth", "msmodelslim-v1-bf16-quarot-c8"])
+                                     "msmodelslim-v1-bf16-itersmooth", "msmodelslim-v1-bf16-flexsmooth",
+                                     "msmodelslim-v1-bf16-quarot-c8"])
 def test_runs_msmodelslim_output_as_fakequant_does(fixture):
     """msModelSlim's own ascendV1 output (its MTP layer quantized too): the engine with a float32 k_pe
     cache gives the fake-quant model's greedy tokens; with MTP drafting, the same tokens again."""

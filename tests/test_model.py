@@ -184,3 +184,14 @@ def test_layer_ranges_compose_to_the_full_forward(checkpoint, split):
     assert torch.equal(model.head(h), model(ids))
     with pytest.raises(ValueError, match="layer 3 is not a main layer"):
         model.run_layers(h, [L])
+
+
+def test_to_a_narrow_dtype_keeps_the_router_bias_exact():
+    from pipeline.model.loading import load_model
+
+    m = load_model(str(TINY_FIXTURE), dtype=torch.float32, device="cpu")
+    before = m.model.layers[1].mlp.gate.e_score_correction_bias.clone()
+    assert not torch.equal(before, before.bfloat16().float())          # the check below can fail
+    m.to(torch.bfloat16)
+    after = m.model.layers[1].mlp.gate.e_score_correction_bias
+    assert after.dtype == torch.float32 and torch.equal(after, before)

@@ -155,13 +155,13 @@ def write_fp8_copy(src: str, dst: str, shards: Optional[int] = None,
     raw_config = json.loads(storage.read_bytes(storage.join(src, CONFIG_NAME)))
     raw_config["quantization_config"] = quantization_config(block)
     storage.write_bytes(storage.join(dst, CONFIG_NAME), (json.dumps(raw_config, indent=2) + "\n").encode())
-    _copy_other_files(src, dst)
+    copy_other_files(src, dst)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     storage.write_bytes(storage.join(dst, INDEX_NAME), (json.dumps(index, indent=2) + "\n").encode())
     return index
 
 
-def _copy_other_files(src: str, dst: str) -> None:
+def copy_other_files(src: str, dst: str) -> None:
     """Top-level files other than weights, index and config (tokenizer, generation config, code, ...)."""
     skip_suffixes = (".safetensors", ".safetensors.index.json", *PICKLE_SUFFIXES)
     for entry in storage.listdir(src):

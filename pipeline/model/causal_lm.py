@@ -152,11 +152,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         return logits.float(), x
 
     def to(self, *args, **kwargs):  # keep the router bias in float32 and move the rotary frequencies
-        bias = {n: b for n, b in self.named_buffers() if n.endswith("e_score_correction_bias")}
+        bias = {n: b.detach().clone() for n, b in self.named_buffers() if n.endswith("e_score_correction_bias")}
         out = super().to(*args, **kwargs)
         for n, b in self.named_buffers():
-            if n in bias and b.dtype != torch.float32:
-                b.data = b.data.float()
+            if n in bias and b.dtype != torch.float32:   # narrowed: put back the float32 values, not widened ones
+                b.data = bias[n].to(device=b.device)
         self.rotary.to(self.lm_head.weight.device)
         return out
 

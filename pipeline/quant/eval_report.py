@@ -1,9 +1,10 @@
-"""The accuracy report of ``jobs.evaluate``: markdown tables, a PNG with the two views people look at
-(perplexity per variant; SQNR per layer by module type) and one self-contained HTML page with both.
+"""The accuracy report of ``jobs.evaluate``: markdown tables, a PNG with the four views people look at
+(agreement and perplexity per output; KL per output; attention and latent SQNR per layer; per-linear SQNR)
+and one self-contained HTML page with both.
 
-Inputs are the rows ``pipeline.quant.evaluate.evaluate`` returns. The model is named by what a reader can
-use elsewhere (:func:`model_label`): a URL as given, a path inside the current directory relative to it,
-any other local path by its folder name, never by this machine's absolute path.
+Inputs are an :class:`pipeline.quant.evaluate.EvalResult`. Models and outputs are named by what a reader
+can use elsewhere (:func:`model_label`): a URL as given, a path inside the current directory relative to
+it, any other local path by its folder name, never by this machine's absolute path.
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ import base64
 import html
 import io
 import os
-from typing import Sequence
 
 from pipeline.io import storage
-from pipeline.quant.evaluate import ppl_table, sqnr_summary
+from pipeline.quant.evaluate import EvalResult, layer_table, linear_summary, summary_table
 
 PNG_NAME, HTML_NAME, MD_NAME = "report.png", "report.html", "report.md"
 
@@ -31,55 +31,84 @@ def model_label(src: str, cwd: str | None = None) -> str:
     return os.path.basename(path.rstrip(os.sep)) or path
 
 
-def markdown(label: str, ppl: Sequence[dict], sqnr: Sequence[dict], seq: int) -> str:
-    return (f"# Accuracy of W8A8 + FA3 on {label}\n\nHeld-out tokens: {ppl[0]['tokens']} (windows of {seq})\n\n"
-            f"## Perplexity\n\n{ppl_table(ppl)}\n\n"
-            f"## Per-module SQNR (each module on the float model's input)\n\n{sqnr_summary(sqnr)}\n")
+def markdown(label: str, data_label: str, res: EvalResult) -> str:
+    return (f"# Accuracy against the float model {label}\n\n"
+            f"Text: {data_label}, {res.tokens} tokens (windows of {res.seq}, teacher-forced)\n\n"
+            f"## Next-token agreement, perplexity and KL(float || quantized)\n\n{summary_table(res.summary)}\n\n"
+            f"## Per layer: attention block alone on the float input, in the quantized forward, and the int8 "
+            f"latent against its float value\n\n{layer_table(res.layers)}\n\n"
+            f"## Per quantized linear: output SQNR on its own input\n\n{linear_summary(res.linears)}\n")
 
 
-def figure_png(label: str, ppl: Sequence[dict], sqnr: Sequence[dict]) -> bytes:
-    """Left: perplexity of each variant, smoothing off and on, the float model's as a line. Right: SQNR of
-    every module against its layer, one series per module type and smoothing."""
+def _key(r: dict) -> str:
+    return r["output"] if r["variant"] in ("W8A8 + FA3", "float") else f"{r['output']} ({r['variant']})"
+
+
+def figure_png(label: str, res: EvalResult) -> bytes:
+    """Top left: agreement per output, the perplexity change written on each bar. Top right: KL mean and
+    p99. Bottom left: attention SQNR per layer (solid) and latent SQNR (dashed). Bottom right: every
+    quantized linear's SQNR against its layer."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 4.2), dpi=110)
-    ax_p, ax_s = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.4]})
-    base = next(r["perplexity"] for r in ppl if r["variant"] == "float")
-    variants = [v for v in dict.fromkeys(r["variant"] for r in ppl) if v != "float"]
-    width = 0.38
-    for k, smooth in enumerate((False, True)):
-        vals = [next((r["perplexity"] for r in ppl if r["variant"] == v and r["smooth"] == smooth), float("nan"))
-                for v in variants]
-        xs = [i + (k - 0.5) * width for i in range(len(variants))]
-        ax_p.bar(xs, vals, width, label=f"smoothing {'on' if smooth else 'off'}")
-    ax_p.axhline(base, color="black", lw=1, ls="--", label=f"float {base:.3f}")
-    ax_p.set_xticks(range(len(variants)), variants)
-    lo = min(r["perplexity"] for r in ppl)
-    hi = max(r["perplexity"] for r in ppl)
-    pad = max(hi - lo, 1e-3 * base)
-    ax_p.set_ylim(lo - pad, hi + pad)
-    ax_p.set_ylabel("held-out perplexity")
-    ax_p.set_title("Perplexity per variant")
-    ax_p.legend(fontsize=8)
-    for kind in sorted({r["type"] for r in sqnr}):
-        for smooth, marker in ((False, "o"), (True, "x")):
-            pts = sorted((r["layer"], r["sqnr_db"]) for r in sqnr if r["type"] == kind and r["smooth"] == smooth)
-            if pts:
-                ax_s.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, s=18,
-                             label=f"{kind}, smoothing {'on' if smooth else 'off'}")
+    fig = Figure(figsize=(12, 8), dpi=100)
+    (ax_a, ax_k), (ax_l, ax_s) = fig.subplots(2, 2)
+    rows = [r for r in res.summary if r["output"] != "float"]
+    names = [_key(r) for r in rows]
+    xs = range(len(rows))
+    bars = ax_a.bar(xs, [100 * r["agreement"] for r in rows], color="tab:blue")
+    for b, r in zip(bars, rows):
+        ax_a.annotate(f"{r['perplexity_delta_pct']:+.2f}% ppl", (b.get_x() + b.get_width() / 2, b.get_height()),
+                      ha="center", va="bottom", fontsize=7)
+    lo = min([100 * r["agreement"] for r in rows], default=90)
+    ax_a.set_ylim(max(0, lo - 5), 100.5)
+    ax_a.set_xticks(list(xs), names, rotation=20, ha="right", fontsize=7)
+    ax_a.set_ylabel("top-1 agreement with float (%)")
+    ax_a.set_title("Agreement (perplexity change on the bars)")
+    width = 0.4
+    ax_k.bar([x - width / 2 for x in xs], [max(r["kl_mean"], 1e-9) for r in rows], width, label="mean")
+    ax_k.bar([x + width / 2 for x in xs], [max(r["kl_p99"], 1e-9) for r in rows], width, label="p99")
+    ax_k.set_yscale("log")
+    ax_k.set_xticks(list(xs), names, rotation=20, ha="right", fontsize=7)
+    ax_k.set_ylabel("KL(float || quantized), nats")
+    ax_k.set_title("Next-token KL divergence")
+    ax_k.legend(fontsize=7)
+    for name in dict.fromkeys(_key(r) for r in res.layers):
+        sel = sorted((r for r in res.layers if _key(r) == name), key=lambda r: r["layer"])
+        line, = ax_l.plot([r["layer"] for r in sel], [_finite(r["attn_sqnr_db"]) for r in sel], marker="o",
+                          label=f"{name} attention")
+        lat = [r for r in sel if r["latent_sqnr_db"] is not None]
+        if lat:
+            ax_l.plot([r["layer"] for r in lat], [r["latent_sqnr_db"] for r in lat], ls="--", marker="x",
+                      color=line.get_color(), label=f"{name} latent")
+    ax_l.axhline(30, color="black", lw=0.8, ls=":")
+    ax_l.xaxis.get_major_locator().set_params(integer=True)
+    ax_l.set_xlabel("layer")
+    ax_l.set_ylabel("SQNR (dB, higher is better)")
+    ax_l.set_title("Attention block alone (solid), int8 latent (dashed); 30 dB dotted")
+    ax_l.legend(fontsize=6, ncol=2)
+    names_l = list(dict.fromkeys(_key(r) for r in res.linears))
+    for k, name in enumerate(names_l):
+        sel = [r for r in res.linears if _key(r) == name]
+        off = (k - (len(names_l) - 1) / 2) * 0.8 / max(len(names_l), 1)
+        ax_s.scatter([r["layer"] + off for r in sel], [_finite(r["sqnr_db"]) for r in sel], s=8, label=name)
     ax_s.xaxis.get_major_locator().set_params(integer=True)
     ax_s.set_xlabel("layer")
-    ax_s.set_ylabel("SQNR (dB, higher is better)")
-    ax_s.set_title("Per-module SQNR by layer and type")
-    ax_s.legend(fontsize=7, ncol=2)
-    fig.suptitle(f"W8A8 + FA3 on {label}")
+    ax_s.set_ylabel("SQNR (dB)")
+    ax_s.set_title("Per quantized linear, on its own input")
+    if names_l:
+        ax_s.legend(fontsize=6)
+    fig.suptitle(f"Quantized outputs against float {label}")
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
+
+
+def _finite(v):
+    return float("nan") if v is None else v
 
 
 def html_page(md: str, png: bytes) -> str:
@@ -88,15 +117,15 @@ def html_page(md: str, png: bytes) -> str:
     img = base64.b64encode(png).decode()
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>"
             f"<body style='font-family:sans-serif;max-width:1200px'><h1>{html.escape(title)}</h1>"
-            f"<img alt='perplexity and SQNR' style='max-width:100%' src='data:image/png;base64,{img}'>"
+            f"<img alt='agreement, KL and SQNR' style='max-width:100%' src='data:image/png;base64,{img}'>"
             f"<pre>{html.escape(md)}</pre></body></html>\n")
 
 
-def write_report(out_dir: str, src: str, ppl: Sequence[dict], sqnr: Sequence[dict], seq: int) -> str:
+def write_report(out_dir: str, src: str, res: EvalResult, data_label: str) -> str:
     """Write report.md, report.png and report.html into ``out_dir``; returns the markdown."""
     label = model_label(src)
-    md = markdown(label, ppl, sqnr, seq)
-    png = figure_png(label, ppl, sqnr)
+    md = markdown(label, data_label, res)
+    png = figure_png(label, res)
     storage.write_bytes(storage.join(out_dir, MD_NAME), md.encode())
     storage.write_bytes(storage.join(out_dir, PNG_NAME), png)
     storage.write_bytes(storage.join(out_dir, HTML_NAME), html_page(md, png).encode())

@@ -31,6 +31,7 @@ class QuantizeOptions:
                                             # two-pass reference (whole float model, then the weight phase)
     calib_batch: int = 1                    # samples per calibration forward (layer-wise only); see below
     recipe_file: Optional[tuple[str, str]] = None  # (name, YAML text) written next to the weights: the recipe run
+    extra_files: tuple[tuple[str, bytes], ...] = ()  # (name, bytes) more files written with the output
     # calib_batch > 1: consecutive samples right-padded into one forward of the statistics stream
     # (pipeline.quant.calibrate.run_layer_batched), the padding masked out of every observation, so the
     # statistics are the same function of the same tokens; but a GEMM over more rows may round

@@ -277,14 +277,15 @@ def dynamic_quant_per_token(x: Tensor, name: str = "x") -> tuple[Tensor, Tensor]
 def int_matmul(x_q: Tensor, w: Tensor) -> Tensor:
     """x_q [..., k] int8, w [n, k] int8 -> exact x_q @ w.T as int64 [..., n].
 
-    Computed in float64, exact while k * 128 * 128 < 2^53 (float32 would be exact only below 2^24,
-    i.e. k < 1024)."""
+    Computed in float32 while k * 128 * 128 < 2^24 (k < 1024: every partial sum is an integer float32
+    holds exactly, in any summation order), else in float64, exact while k * 128 * 128 < 2^53."""
     _check_int8(w, "w", 2)
     if x_q.dtype != torch.int8 or x_q.shape[-1] != w.shape[1]:
         raise QuantError(f"x_q: expected int8 [..., {w.shape[1]}], got {x_q.dtype} {list(x_q.shape)}")
     if w.shape[1] * 128 * 128 >= 2 ** 53:
         raise QuantError(f"int_matmul: k = {w.shape[1]} too large for exact float64 accumulation")
-    return (x_q.double() @ w.double().T).to(torch.int64)
+    exact = torch.float32 if w.shape[1] * 128 * 128 < 2 ** 24 else torch.float64
+    return (x_q.to(exact) @ w.to(exact).T).to(torch.int64)
 
 
 def w8a8_static_linear(x: Tensor, weight: Tensor, input_scale: Tensor, input_offset: Tensor,

@@ -147,8 +147,9 @@ def _quantize_checked(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions,
 
 
 def recipe_files(opts: QuantizeOptions) -> dict[str, bytes]:
-    """The recipe file written next to the weights, when the job has one."""
-    return {opts.recipe_file[0]: opts.recipe_file[1].encode("utf-8")} if opts.recipe_file else {}
+    """The recipe file written next to the weights, when the job has one, and ``opts.extra_files``."""
+    out = {opts.recipe_file[0]: opts.recipe_file[1].encode("utf-8")} if opts.recipe_file else {}
+    return {**out, **dict(opts.extra_files)}
 
 
 def _rchar() -> Optional[int]:

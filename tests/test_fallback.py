@@ -1,0 +1,171 @@
+"""Measured fallback in the quantize job (--fa-fallback / --linear-fallback): on an outlier variant of the
+embedded model, auto keeps the costly pieces float and the output gets closer to float by a named margin,
+N picks exactly N, none is the job without the flags, and the written recipe reproduces the output."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobs import quantize
+from pipeline.assets import EMBEDDED_MODEL_DIR
+from pipeline.format.checker import check_dir
+from pipeline.format.description import FAQUANT, FLOAT
+from pipeline.format.reader import read_quantized
+from pipeline.model.loading import load_model
+from pipeline.model.perplexity import token_stream
+from pipeline.quant.evaluate import windows_of
+from pipeline.quant.fakequant import load_fakequant_model
+from pipeline.quant.fallback import fallback_groups, parse_choice
+from pipeline.quant.outlier_variant import VariantSpec
+from pipeline.quant.qparams import QuantError
+from pipeline.quant.sensitivity import Target
+from pipeline.quant.variant_writer import write_variant
+from pipeline.text import corpus
+from pipeline.text.tokenizer import Tokenizer
+from tiny import FIXTURES
+
+CALIB = str(FIXTURES / "calib.json")
+SEED_FLAGS = ["--fa_quant", "--mindie_format", "--calib-data", CALIB, "--no-progress", "--no-estimate"]
+MIN_AGREEMENT_GAIN = 0.05          # auto's held-out agreement over the seed command's, at least
+MIN_AUTO_AGREEMENT = 0.93          # and at least this much in absolute terms
+WEIGHT_FILES = ("quant_model_description.json", "config.json")
+
+
+def run(src: Path, dst: Path, *flags: str) -> Path:
+    assert quantize.main(["--model-path", str(src), "--save-path", str(dst), *SEED_FLAGS, *flags]) == 0
+    report = check_dir(str(dst))
+    assert report.ok, report.to_text()            # a fallback output is a clean msModelSlim artifact
+    return dst
+
+
+def members(key: str) -> list[str]:
+    """The module names a picked key stands for (one of each expert group)."""
+    head, brace, rest = key.partition("{")
+    names = [head + m for m in rest.rstrip("}").split(",")] if brace else [key]
+    return [n.replace("*", "0") for n in names]
+
+
+def same_output(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir() if p.suffix == ".safetensors") + list(WEIGHT_FILES)
+    return names == sorted(p.name for p in b.iterdir() if p.suffix == ".safetensors") + list(WEIGHT_FILES) \
+        and all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
+
+
+@torch.no_grad()
+def heldout_figures(src: Path, out: Path) -> tuple[float, float]:
+    """Teacher-forced agreement with float and perplexity change (%) on held-out windows, computed here."""
+    tok = Tokenizer.from_dir(EMBEDDED_MODEL_DIR)
+    win = windows_of(token_stream(tok, [d.text for d in corpus.load_heldout(EMBEDDED_MODEL_DIR)[1]]), 128,
+                     max_windows=8)
+    ref, q = load_model(str(src), dtype=torch.float32, device="cpu"), load_fakequant_model(str(out))
+    agree, nll_f, nll_q = 0, 0.0, 0.0
+    for x in win:
+        x = x[None]
+        lf, lq = ref(x[:, :-1]).float().log_softmax(-1), q(x[:, :-1]).float().log_softmax(-1)
+        agree += (lf.argmax(-1) == lq.argmax(-1)).sum().item()
+        nll_f -= lf.gather(-1, x[:, 1:, None]).sum().item()
+        nll_q -= lq.gather(-1, x[:, 1:, None]).sum().item()
+    n = win.shape[0] * (win.shape[1] - 1)
+    return agree / n, 100 * (math.exp((nll_q - nll_f) / n) - 1)
+
+
+@pytest.fixture(scope="module")
+def outs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fallback")
+    src = d / "variant"
+    write_variant(EMBEDDED_MODEL_DIR, str(src), VariantSpec(seed=11), log=lambda m: None)
+    return d, src, run(src, d / "seed"), run(src, d / "auto", "--fa-fallback", "auto", "--linear-fallback", "auto")
+
+
+def test_auto_keeps_the_costly_pieces_float_and_improves(outs):
+    d, src, seed, auto = outs
+    report = json.loads((auto / "fallback.json").read_text())
+    fa, lin = report["fa"]["picked"], report["linear"]["picked"]
+    assert fa or lin
+    assert report["target"] == {"min_agreement": 0.97, "max_ppl_delta_pct": 1.0}
+    _, types, _ = read_quantized(str(auto))
+    for i in fa:                                    # no FA3 tensors there; the seed output has them
+        assert f"model.layers.{i}.self_attn.fa_k.scale" not in types
+    assert all(types.get(f"model.layers.{i}.self_attn.fa_k.scale") == FAQUANT
+               for i in range(3) if i not in fa)
+    seed_types = read_quantized(str(seed))[1]
+    for key in lin:                                 # a name, or one pattern for experts or a q_a/kv_a pair
+        for prefix in members(key):
+            assert types[prefix + ".weight"] == FLOAT and seed_types[prefix + ".weight"] != FLOAT, key
+    a0, p0 = heldout_figures(src, seed)
+    a1, p1 = heldout_figures(src, auto)
+    assert a1 >= a0 + MIN_AGREEMENT_GAIN and a1 >= MIN_AUTO_AGREEMENT, (a0, a1)
+    assert abs(p1) < abs(p0), (p0, p1)
+
+
+def test_the_written_recipe_reproduces_the_fallback(outs):
+    d, src, _, auto = outs
+    yaml_file = next(auto.glob("*_best_practice.yaml"))
+    again = d / "again"
+    assert quantize.main(["--model-path", str(src), "--save-path", str(again), "--config-path", str(yaml_file),
+                          "--calib-data", CALIB, "--mindie-format", "--no-progress", "--no-estimate"]) == 0
+    assert same_output(auto, again)
+
+
+def test_n_picks_exactly_n(outs):
+    d, src, _, _ = outs
+    out = run(src, d / "n", "--fa_fallback", "1", "--linear_fallback", "2")
+    report = json.loads((out / "fallback.json").read_text())
+    assert len(report["fa"]["picked"]) == 1 and len(report["linear"]["picked"]) == 2
+    assert report["fa"]["picked"] == [report["fa"]["costs"][0]["key"]]
+    assert report["linear"]["picked"] == [c["key"] for c in report["linear"]["costs"][:2]]
+
+
+def test_none_is_the_job_without_the_flags(outs):
+    d, src, seed, _ = outs
+    out = run(src, d / "none", "--fa-fallback", "none", "--linear-fallback", "none")
+    assert same_output(seed, out) and not (out / "fallback.json").exists()
+    assert next(out.glob("*_best_practice.yaml")).read_bytes() == next(seed.glob("*_best_practice.yaml")).read_bytes()
+
+
+def test_q_a_and_kv_a_fall_back_together():
+    names = [f"model.layers.{i}.self_attn.{m}" for i in (0, 1) for m in ("q_a_proj", "kv_a_proj_with_mqa", "o_proj")]
+    names += [f"model.layers.1.mlp.experts.{e}.down_proj" for e in range(3)]
+    groups = fallback_groups(names)
+    assert groups["model.layers.1.self_attn.{q_a_proj,kv_a_proj_with_mqa}"] == \
+        ["model.layers.1.self_attn.q_a_proj", "model.layers.1.self_attn.kv_a_proj_with_mqa"]
+    assert groups["model.layers.0.self_attn.o_proj"] == ["model.layers.0.self_attn.o_proj"]
+    assert len(groups["model.layers.1.mlp.experts.*.down_proj"]) == 3 and len(groups) == 5
+    assert sorted(n for g in groups.values() for n in g) == sorted(names)
+    # the key is a rule pattern matching exactly its members
+    from pipeline.quant.patterns import selected
+    for key, group in groups.items():
+        assert [n for n in names if selected(n, (key,), ())] == group
+
+
+@pytest.mark.parametrize("text, want", [("auto", "auto"), ("AUTO", "auto"), ("none", None), ("3", 3), ("0", 0)])
+def test_choice_parsing(text, want):
+    assert parse_choice(text, "--fa-fallback") == want
+
+
+def test_bad_values_are_one_line(capsys, tmp_path):
+    with pytest.raises(QuantError, match=r"--fa-fallback: expected auto, none or a count such as 3, got 'abc'"):
+        parse_choice("abc", "--fa-fallback")
+    assert quantize.main(["--save-path", str(tmp_path / "x"), "--linear-fallback", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "error: --linear-fallback: expected auto, none or a count such as 3, got '-1'"
+    assert quantize.main(["--save-path", str(tmp_path / "x"), "--fa-fallback", "9", "--calib-data", CALIB,
+                          "--no-progress", "--no-estimate"]) == 2
+    assert "--fa-fallback 9: the recipe quantizes only 3 FA3 layers" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_target_parsing():
+    from pipeline.quant.fallback import TARGET, parse_target
+
+    assert parse_target("agreement=0.97,ppl=1.0") == TARGET
+    assert parse_target("agreement=0.99,ppl=0.5,kl=0.01") == Target(0.99, 0.01, 0.5)
+    for bad, msg in (("agreement=2", "min_agreement must be in"), ("foo=1", "got 'foo=1'"), ("ppl", "got 'ppl'"),
+                     ("ppl=nan", "finite number")):
+        with pytest.raises(QuantError, match=msg):
+            parse_target(bad)
