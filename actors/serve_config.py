@@ -223,10 +223,15 @@ class ServeConfig:
 def check_model_dir(config: ServeConfig) -> str:
     """The kind of ``config.model_path`` (pipeline.engine.worker.loader.dir_kind: "quantized" or "float"),
     refusing (ValueError naming the directory) one that is neither, and a float checkpoint with a sharded
-    llm or prefill layout (its engine runs in one process: the shard loader reads quantized directories)."""
-    from pipeline.engine.worker.loader import FLOAT_CHECKPOINT, dir_kind
+    llm or prefill layout (its engine runs in one process: the shard loader reads quantized directories),
+    and MTP speculative decoding (``engine.mtp``) on a model without the MTP layer (an output of
+    ``--quant_mtp none``)."""
+    from pipeline.engine.worker.loader import FLOAT_CHECKPOINT, carries_mtp, dir_kind
 
     kind = dir_kind(config.model_path)
+    if config.engine.mtp and not carries_mtp(config.model_path):
+        raise ValueError(f"--mtp: {config.model_path} carries no MTP layer (quantized with --quant_mtp none, or "
+                         "config.json has num_nextn_predict_layers 0); serve it without --mtp")
     if kind == FLOAT_CHECKPOINT:
         for name in config.deployments():
             if name != "ingress" and not config.parallel_of(name).single:

@@ -46,7 +46,7 @@ class StageWorker:
 
     def _reader(self) -> CheckpointReader:
         if self.reader is None:
-            self.reader = CheckpointReader(self.src)
+            self.reader = CheckpointReader(self.src, with_mtp=not self.recipe.drop_mtp)
         return self.reader
 
     def _stage(self) -> Stage:

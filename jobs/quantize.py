@@ -80,8 +80,9 @@ def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -
                "flex_smooth_quant, none; None: m4, as quant_deepseek_w8a8.py")
     _flag(r, "--disable-anti", action="store_true", help="legacy: no anti-outlier step (as --anti-method none)")
     _flag(r, "--rot", action="store_true", help="legacy: QuaRot (block 32) before the anti-outlier step")
-    _flag(r, "--quant-mtp", default=None, metavar="{float,mix}",
-          help="the MTP layer: float (kept in the model dtype) or mix (quantized like the other layers); "
+    _flag(r, "--quant-mtp", default=None, metavar="{float,mix,none}",
+          help="the MTP layer: float (kept in the model dtype), mix (quantized like the other layers) or none "
+               "(not read, calibrated or written, config.json the source's: msModelSlim's script default); "
                "None: float, or what the recipe says")
     fa = r.add_mutually_exclusive_group()
     _flag(fa, "--fa-quant", dest="fa_quant", action="store_true", default=None,
@@ -191,6 +192,8 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
         raise ValueError(f"--stages must be >= 1, got {args.stages} (leave it out for the single-process job)")
     if args.shard_size_gb is not None and not args.shard_size_gb > 0:
         raise ValueError(f"--shard-size-gb must be > 0, got {args.shard_size_gb}")
+    if args.quantize_mtp and args.quant_mtp not in (None, "mix"):
+        raise ValueError(f"--quantize-mtp quantizes the MTP layer, --quant-mtp {args.quant_mtp} does not: give one")
     if args.max_calib_tokens < 1:
         raise ValueError(f"--max-calib-tokens must be >= 1, got {args.max_calib_tokens}")
     if not 0 <= args.smooth_alpha <= 1:

@@ -6,6 +6,9 @@ Shapes are [out, in] for linears. The MTP layer is ``model.layers.{num_hidden_la
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Iterable
+
 from pipeline.config import DeepseekV3Config
 
 GLOBAL_PREFIX = "model."
@@ -79,6 +82,23 @@ def global_shapes(cfg: DeepseekV3Config) -> dict[str, tuple]:
 
 def all_layer_ids(cfg: DeepseekV3Config) -> list[int]:
     return list(range(cfg.num_hidden_layers)) + cfg.mtp_layer_ids
+
+
+def without_mtp(cfg: DeepseekV3Config) -> DeepseekV3Config:
+    """``cfg`` with no MTP layer (``num_nextn_predict_layers`` 0): the model a job or a reader runs when the
+    MTP layer is not read (msModelSlim's ``--quant_mtp none``)."""
+    return dataclasses.replace(cfg, num_nextn_predict_layers=0) if cfg.num_nextn_predict_layers else cfg
+
+
+def carried_config(cfg: DeepseekV3Config, names: Iterable[str]) -> DeepseekV3Config:
+    """The model a checkpoint holding tensors ``names`` carries: ``cfg``, or :func:`without_mtp` when not one
+    tensor of an MTP layer is there (an output of msModelSlim's ``--quant_mtp none``, whose config.json
+    is the source's). A checkpoint holding some of an MTP layer's tensors keeps ``cfg``: the rest are
+    then missing."""
+    mtp = set(cfg.mtp_layer_ids)
+    if not mtp or any(layer_of(n) in mtp for n in names):
+        return cfg
+    return without_mtp(cfg)
 
 
 def checkpoint_shapes(cfg: DeepseekV3Config) -> dict[str, tuple]:

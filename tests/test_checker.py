@@ -180,11 +180,28 @@ def test_q_a_and_kv_a_types_disagree(ckpt):
     assert rules(report) == {"qa-kva-type"}
 
 
-def test_mtp_layer_dropped(ckpt):
+def test_mtp_layer_not_carried(ckpt):
+    """No tensor (nor description entry) of the MTP layer, config.json unchanged: msModelSlim's
+    ``--quant_mtp none`` output, valid."""
     mtp = [n for n in load_file(str(ckpt / WEIGHTS)) if n.startswith("model.layers.3.")]
+    assert len(mtp) > 20
     rewrite(ckpt, lambda t: [t.pop(n) for n in mtp], drop=tuple(mtp) + ("model.layers.3.self_attn.quant_type",))
     report = check_dir(str(ckpt))
-    find(report, "layout-missing", "model.layers.3.eh_proj.weight", "MTP layer is never dropped")
+    assert report.ok, report.to_text()
+    assert report.mtp.startswith("not carried") and report.fa_layers == [0, 1, 2]
+    assert "MTP layer: not carried" in report.to_text() and report.to_dict()["mtp"] == report.mtp
+    assert check_dir(str(FIXTURES / "msmodelslim-v1-bf16")).mtp == "carried"
+
+
+@pytest.mark.parametrize("kept", ["model.layers.3.eh_proj.weight", "model.layers.3.input_layernorm.weight"])
+def test_mtp_layer_partly_dropped(ckpt, kept):
+    """One tensor of the MTP layer left: the layer counts as carried, so the rest are missing."""
+    mtp = [n for n in load_file(str(ckpt / WEIGHTS)) if n.startswith("model.layers.3.") and n != kept]
+    rewrite(ckpt, lambda t: [t.pop(n) for n in mtp], drop=tuple(mtp) + ("model.layers.3.self_attn.quant_type",))
+    report = check_dir(str(ckpt))
+    assert report.mtp == "carried"
+    missing = "model.layers.3.enorm.weight" if kept == "model.layers.3.eh_proj.weight" else "model.layers.3.eh_proj.weight"
+    find(report, "layout-missing", missing, "MTP layer is carried whole or not at all")
     assert rules(report) == {"layout-missing"}
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline import layout
 from pipeline.config import DeepseekV3Config
 from pipeline.format.description import ASCEND_V1, FLOAT, W8A8, W8A8_DYNAMIC
 from pipeline.quant import modelslim_yaml, presets
@@ -209,7 +210,7 @@ def test_every_preset_resolves(model_type, quant_type):
     (dict(quant_type="w8a8c8"), "--quant-type needs --model-type"),
     (dict(quant_type="w8a8", model_type="DeepSeek-V3", rot=True), "--rot: the legacy script's flags"),
     (dict(config_path="x.yaml", quant_type="w8a8", model_type="DeepSeek-V3"), "give one"),
-    (dict(quant_mtp="none"), "'none'"),
+    (dict(quant_mtp="half"), "--quant-mtp: unknown mode 'half'"),
     (dict(anti_method="m9"), "unknown method 'm9'"),
 ])
 def test_conflicting_recipe_flags_are_one_line_errors(req, message):
@@ -218,8 +219,43 @@ def test_conflicting_recipe_flags_are_one_line_errors(req, message):
 
 
 def test_the_written_recipe_runs_again_to_the_same_recipe(tmp_path):
-    for req in (dict(), dict(model_type="DeepSeek-R1", quant_type="w8a8c8"), dict(rot=True, quant_mtp="mix")):
+    for req in (dict(), dict(model_type="DeepSeek-R1", quant_type="w8a8c8"), dict(rot=True, quant_mtp="mix"),
+                dict(quant_mtp="none", fa_quant=True), dict(model_type="DeepSeek-R1-0528", quant_type="w8a8c8",
+                                                            quant_mtp="none")):
         r, _ = resolved("/models/DeepSeek-R1", **req)
         path = write(tmp_path, r.yaml_text(), r.file_name)
         again, _ = resolved("/models/DeepSeek-R1", config_path=path)
         assert again.recipe == r.recipe
+
+
+@pytest.mark.parametrize("req", [dict(), dict(rot=True, anti_method="m6"), dict(model_type="DeepSeek-R1-0528",
+                                                                                 quant_type="w8a8c8")],
+                         ids=["legacy", "legacy-rot", "preset"])
+def test_quant_mtp_none_leaves_the_mtp_layer_out_and_says_so(req):
+    """msModelSlim's ``--quant_mtp none``: ``drop_mtp`` (nothing of the MTP layer quantized); FA3 lists and
+    --fa-exclude-layers keep the main layers only (R1-0528's preset names the MTP layer 61); the written
+    recipe says so and names ``drop_mtp``; it composes with --rot and presets."""
+    r, _ = resolved("/models/DeepSeek-R1-0528", quant_mtp="none", fa_exclude_layers=(3, 61), **req)
+    rec = r.recipe
+    assert rec.drop_mtp and not rec.quantize_mtp
+    assert 61 not in rec.fa_exclude_layers and 3 in rec.fa_exclude_layers
+    assert [s.type for s in rec.steps] == (["quarot", "flex_smooth_quant"] if req else ["iter_smooth"])
+    text = r.yaml_text()
+    assert "drop_mtp: true" in text and "# mtp: none: the MTP layer (model.layers.61) is not read" in text
+    assert "61" not in r.notes.get("fa3", "")
+    float_r, _ = resolved("/models/DeepSeek-R1-0528", fa_exclude_layers=(3, 61), **req)
+    assert float_r.recipe == dataclasses.replace(rec, drop_mtp=False, quantize_mtp=float_r.recipe.quantize_mtp,
+                                                 fa_exclude_layers=float_r.recipe.fa_exclude_layers)
+    assert rec.fingerprint() != float_r.recipe.fingerprint() and "drop_mtp" not in float_r.recipe.fingerprint()
+
+
+def test_drop_mtp_in_a_recipe_file_and_its_conflicts(tmp_path):
+    doc = yaml.safe_load((FIXTURES / "recipe-w8a8-fa3.yaml").read_text())
+    doc["spec"].pop("dataset", None)
+    r, _ = resolved("/models/x", config_path=write(tmp_path, {**doc, "dsquant": {"drop_mtp": True}}))
+    assert r.recipe.drop_mtp and not r.recipe.quantize_mtp      # the file's MTP "mix" does not apply
+    assert "# mtp: none" in r.yaml_text()
+    with pytest.raises(QuantError, match="'quantize_mtp' and 'drop_mtp' are both true"):
+        Recipe(quantize_mtp=True, drop_mtp=True)
+    with pytest.raises(QuantError, match=r"fa_exclude_layers \[3\] not in the model .*MTP layer left out"):
+        Recipe(drop_mtp=True, fa_exclude_layers=(3,)).check_config(layout.without_mtp(cfg(3)))

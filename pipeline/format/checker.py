@@ -8,7 +8,9 @@ here:
 
 - ``config``: config.json present, a JSON object that parses as a DeepSeek-V3 config, no FP8
   ``quantization_config`` left; its torch_dtype is the model dtype of the dtype rules and its layout
-  gives the shapes (``layout-missing``/``layout-unknown``/``shape``).
+  gives the shapes (``layout-missing``/``layout-unknown``/``shape``). An output holding no tensor at all of
+  the MTP layer(s) config.json counts (msModelSlim's ``--quant_mtp none``, config.json the source's) is
+  valid, reported as "MTP layer not carried" (``mtp``); one holding some of them misses the others.
 - ``description``: present, a JSON object without repeated keys.
 - ``file-names``: weight files and index named as the dialect names them, shards 1..N of one N.
 - ``weights``: every ``*.safetensors`` header readable.
@@ -29,6 +31,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pipeline import layout
 from pipeline.io import storage
 from pipeline.io.checkpoint import CONFIG_NAME
 from pipeline.config import ConfigError, DeepseekV3Config
@@ -57,6 +60,7 @@ class Report:
     type_counts: dict[str, int] = field(default_factory=dict)
     fa_layers: list[int] = field(default_factory=list)
     model_quant_type: Optional[str] = None
+    mtp: str = "none in config.json"   # the MTP layer(s): "carried", "not carried", or none in config.json
     manifest: str = "none (sizes and hashes not verified)"  # what was verified against manifest.json
     violations: list[Violation] = field(default_factory=list)
 
@@ -71,7 +75,7 @@ class Report:
         return {"path": self.path, "dialect": self.dialect, "detected": self.detected, "ok": self.ok,
                 "weight_files": self.weight_files, "tensors": self.tensors, "total_bytes": self.total_bytes,
                 "type_counts": self.type_counts, "fa_layers": self.fa_layers,
-                "model_quant_type": self.model_quant_type, "manifest": self.manifest,
+                "model_quant_type": self.model_quant_type, "mtp": self.mtp, "manifest": self.manifest,
                 "violations": [{"rule": v.rule, "where": v.where, "message": v.message} for v in self.violations]}
 
     def to_text(self, per_rule: int = 8) -> str:
@@ -82,6 +86,7 @@ class Report:
                  "types: " + (", ".join(f"{t} {n}" for t, n in sorted(self.type_counts.items())) or "none"),
                  f"model_quant_type: {self.model_quant_type}",
                  f"FA3 layers: {', '.join(map(str, self.fa_layers)) or 'none'} ({len(self.fa_layers)})",
+                 f"MTP layer: {self.mtp}",
                  f"manifest: {self.manifest}"]
         if self.ok:
             return "\n".join(lines + ["OK: no violations"])
@@ -126,7 +131,11 @@ def check_dir(path: str, dialect: Optional[str] = None, verify: bool = True) -> 
         heads = cfg.num_attention_heads if cfg else None
         report.violations += check_tensors(specs, types, report.dialect, md, heads)
     if cfg is not None:
-        report.violations += check_layout(specs, cfg)
+        carried = layout.carried_config(cfg, specs)
+        if cfg.mtp_layer_ids:
+            report.mtp = "carried" if carried is cfg else \
+                f"not carried (config.json counts {len(cfg.mtp_layer_ids)}; msModelSlim's --quant_mtp none)"
+        report.violations += check_layout(specs, carried)
     _check_manifest(path, entries, report, verify, ours)
     return report
 

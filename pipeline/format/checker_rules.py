@@ -229,14 +229,16 @@ def _check_qa_kva(types: Mapping[str, str]) -> list[Violation]:
 
 
 def check_layout(specs: Mapping[str, TensorSpec], cfg: DeepseekV3Config) -> list[Violation]:
-    """Tensors against config.json: every float tensor of the model (MTP layer included) is there with its
-    shape (a quantized weight keeps [n, k]), and nothing is there that the model does not have."""
+    """Tensors against ``cfg`` (config.json's, or without the MTP layer when the output carries none of it:
+    pipeline.layout.carried_config): every float tensor of the model is there with its shape (a quantized
+    weight keeps [n, k]), and nothing is there that the model does not have."""
     out = []
     expected = layout.checkpoint_shapes(cfg)
     for name, shape in expected.items():
         if name not in specs:
             lid = layout.layer_of(name)
-            mtp = " (the MTP layer is never dropped)" if lid is not None and lid >= cfg.num_hidden_layers else ""
+            mtp = " (an MTP layer is carried whole or not at all)" if lid is not None and lid >= cfg.num_hidden_layers \
+                else ""
             out.append(Violation("layout-missing", name, f"missing: config.json's model has it{mtp}"))
         elif tuple(specs[name].shape) != tuple(shape):
             out.append(Violation("shape", name, f"shape {list(specs[name].shape)}; config.json gives {list(shape)}"))

@@ -21,19 +21,32 @@ def fa_scales(tensors: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
     return {layout.layer_of(k): v for k, v in tensors.items() if k.endswith("self_attn.fa_k.scale")}
 
 
+def read_types(path: str) -> dict[str, str]:
+    """Tensor name -> type, from the quantized directory's description (not validated: see check_dir)."""
+    raw = storage.read_bytes(storage.join(path, DESCRIPTION_NAME))
+    return dict(parse_description(loads_json_object(raw, DESCRIPTION_NAME)).tensors)
+
+
+def carried_model(path: str, types: Mapping[str, str]) -> DeepseekV3Config:
+    """The model the quantized directory at ``path`` carries, its description's tensors ``types``:
+    config.json's, without the MTP layer when no tensor of it is there (pipeline.layout.carried_config)."""
+    return layout.carried_config(read_model_config(storage.join(path, "config.json")), types)
+
+
 class QuantizedSource:
     """A quantized directory validated by the checker, with its config, types and a tensor -> file index;
-    tensors are read on demand, whole or in parts (a sharded replica's rank reads only its slices)."""
+    tensors are read on demand, whole or in parts (a sharded replica's rank reads only its slices).
+    ``config`` is the model the directory carries (pipeline.layout.carried_config): config.json's, without
+    the MTP layer when the output left it out (msModelSlim's ``--quant_mtp none``), so that every reader
+    (the engine, fake-quant, the evaluation) runs the model without it and offers no MTP drafting."""
 
     def __init__(self, path: str):
         report = check_dir(path, verify=False)  # sizes only (see read_quantized)
         if not report.ok:
             raise CheckpointError(f"{path}: not a valid quantized directory:\n{report.to_text()}")
         self.path = path
-        self.config = read_model_config(storage.join(path, "config.json"))
-        desc = parse_description(loads_json_object(storage.read_bytes(storage.join(path, DESCRIPTION_NAME)),
-                                                   DESCRIPTION_NAME))
-        self.types = dict(desc.tensors)
+        self.types = read_types(path)
+        self.config = carried_model(path, self.types)
         self.headers = [read_header(storage.join(path, f)) for f in report.weight_files]
         self.where = {n: h for h in self.headers for n in h.tensors}
 

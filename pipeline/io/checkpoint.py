@@ -67,9 +67,12 @@ def _refuse_pickles(where: str, names: Iterable[str]) -> None:
 
 class CheckpointReader:
     """A checkpoint directory: ``config`` (DeepseekV3Config), ``files`` (sorted full paths) and typed,
-    validated tensor reads. Errors are :class:`CheckpointError` naming the file and the tensor."""
+    validated tensor reads. Errors are :class:`CheckpointError` naming the file and the tensor.
+    ``with_mtp=False``: the checkpoint without its MTP layer(s) (a job run with msModelSlim's ``--quant_mtp
+    none``): ``config`` says no MTP layer (:func:`pipeline.layout.without_mtp`) and the MTP layers' tensors
+    are neither listed, checked nor read, as if they were not stored."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, *, with_mtp: bool = True):
         self.path = path.rstrip("/") or path
         _refuse_pickles(self.path, [self.path])
         if not storage.isdir(self.path):
@@ -81,8 +84,12 @@ class CheckpointReader:
         self.block: tuple[int, int] = tuple(self.config.fp8_block_size or DEFAULT_BLOCK)  # type: ignore[assignment]
         self._headers: dict[str, SafetensorsHeader] = {}
         self._file_of = self._discover(entries)
-        self.files: list[str] = sorted(set(self._file_of.values()))
         check_counts(self.config, self._file_of, storage.join(self.path, CONFIG_NAME))
+        if not with_mtp:
+            dropped = set(self.config.mtp_layer_ids)
+            self.config = layout.without_mtp(self.config)
+            self._file_of = {n: f for n, f in self._file_of.items() if layout.layer_of(n) not in dropped}
+        self.files: list[str] = sorted(set(self._file_of.values()))
         self._by_layer: dict[Optional[int], list[str]] = {}
         for name in sorted(self._file_of):
             self._by_layer.setdefault(layout.layer_of(name), []).append(name)

@@ -47,7 +47,7 @@ NOT_SUPPORTED = ("smooth_quant", "awq", "flex_awq_ssz", "kv_smooth", "gptq", "au
                  "adapt_rotation", "dynamic_cache", "module_func", "load", "histogram", "laos", "pdmix", "ssz",
                  "float_sparse")
 # Recipe fields the dsquant section may set (the rest come from spec)
-DSQUANT_KEYS = ("fa_exclude_layers", "dynamic", "quantize_mtp", "smooth", "q_ratio", "k_ratio", "v_ratio",
+DSQUANT_KEYS = ("fa_exclude_layers", "dynamic", "quantize_mtp", "drop_mtp", "smooth", "q_ratio", "k_ratio", "v_ratio",
                 "calib_products", "dialect", "calibration")
 
 
@@ -245,6 +245,8 @@ def parse(raw: Any, path: Optional[str] = None, base: Recipe = Recipe()) -> Reci
     if bad:
         raise _err(f"{where}: dsquant", f"unknown key(s) {bad} (known: {list(DSQUANT_KEYS)})")
     fields.update({k: tuple(v) if isinstance(v, list) else v for k, v in own.items()})
+    if own.get("drop_mtp") is True and "quantize_mtp" not in own:  # the MTP layer left out: nothing to quantize
+        fields["quantize_mtp"] = False
     recipe = dataclasses.replace(base, **fields)
     metadata = raw.get("metadata") or {}
     return RecipeFile(recipe, path, dataset, saver, part, dict(metadata) if isinstance(metadata, Mapping) else {})

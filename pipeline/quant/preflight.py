@@ -57,7 +57,7 @@ def check_job(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions, *, resu
     for path in (src, dst):
         storage.check_reachable(path)
     existing_output(dst, opts.overwrite or resumable, src)
-    reader = CheckpointReader(src)
+    reader = CheckpointReader(src, with_mtp=not recipe.drop_mtp)
     reader.check_headers()      # every tensor's name, dtype, shape and FP8 scale, from the headers alone
     cfg = reader.config
     recipe.check_config(cfg)

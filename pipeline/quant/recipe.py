@@ -17,8 +17,11 @@ format. ``fa_include`` / ``fa_exclude`` (``fa3_quant``'s patterns) match the att
 
 The MTP layer (id >= num_hidden_layers) follows the same rules when ``quantize_mtp``, else it is all
 FLOAT (and gets no FA3). Its MTP-only modules (embed_tokens, enorm, hnorm, eh_proj, shared_head.*) are
-always FLOAT. ``smooth`` (the exact per-channel fold of the latent, docs/deepseek.md) changes only FLOAT
-tensors and is applied to the float weights before calibration, not here.
+always FLOAT. ``drop_mtp`` (msModelSlim's ``--quant_mtp none``) leaves the MTP layer out altogether: the job
+reads its source without it (``CheckpointReader(..., with_mtp=False)``), so it is neither loaded,
+calibrated nor written, and no description entry names it; config.json stays the source's.
+``smooth`` (the exact per-channel fold of the latent, docs/deepseek.md) changes only FLOAT tensors and is
+applied to the float weights before calibration, not here.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class Recipe:
     dynamic: bool = False
     fa_exclude_layers: tuple[int, ...] = ()
     quantize_mtp: bool = False
+    drop_mtp: bool = False          # the MTP layer not read, calibrated or written (``--quant_mtp none``)
     dialect: str = "seed"
     smooth: bool = False
     q_ratio: float = 0.9999
@@ -81,9 +85,12 @@ class Recipe:
             v = getattr(self, f)
             if isinstance(v, str) or not all(isinstance(x, str) and x for x in v):
                 raise QuantError(f"recipe: field '{f}' must be a list of module-name patterns, got {v!r}")
-        for f in ("fa_quant", "dynamic", "quantize_mtp", "smooth"):
+        for f in ("fa_quant", "dynamic", "quantize_mtp", "drop_mtp", "smooth"):
             if not isinstance(getattr(self, f), bool):
                 raise QuantError(f"recipe: field '{f}' must be a boolean, got {getattr(self, f)!r}")
+        if self.quantize_mtp and self.drop_mtp:
+            raise QuantError("recipe: fields 'quantize_mtp' and 'drop_mtp' are both true: the MTP layer is either "
+                             "quantized or left out")
         if self.dialect not in DIALECTS:
             raise QuantError(f"recipe: field 'dialect' must be one of {DIALECTS}, got {self.dialect!r}")
         for f in ("q_ratio", "k_ratio", "v_ratio"):
@@ -113,14 +120,14 @@ class Recipe:
 
     def fingerprint(self) -> dict:
         """What a rerun compares (pipeline.quant.job_state): ``to_dict`` without ``calib_products`` when it is
-        ``auto``, and without the rule, pattern and step fields while they hold their defaults. Auto resolves
+        ``auto``, and without the rule, pattern, step and ``drop_mtp`` fields while they hold their defaults. Auto resolves
         per machine anyway (the same recipe gives fp32 products on one CPU and bf16 on another, both valid),
         and outputs written before a field existed then stay up to date: a scheduled requantize after an
         upgrade rewrites nothing. Anything else that changes (a step, a rule, a pattern) is compared."""
         d = self.to_dict()
         if d["calib_products"] == AUTO:
             del d["calib_products"]
-        for f in ("linear_rules", "fa_include", "fa_exclude", "steps"):
+        for f in ("linear_rules", "fa_include", "fa_exclude", "steps", "drop_mtp"):
             if getattr(self, f) == getattr(Recipe, f):
                 del d[f]
         return d
@@ -161,8 +168,8 @@ class Recipe:
         ids = layout.all_layer_ids(cfg)
         bad = [i for i in self.fa_exclude_layers if i not in ids]
         if bad:
-            raise QuantError(f"recipe: fa_exclude_layers {bad} not in the model "
-                             f"(layers 0..{ids[-1]}, MTP included)")
+            mtp = "the MTP layer left out (drop_mtp)" if self.drop_mtp else "MTP included"
+            raise QuantError(f"recipe: fa_exclude_layers {bad} not in the model (layers 0..{ids[-1]}, {mtp})")
 
     def fa_layer(self, cfg: DeepseekV3Config, layer_id: int) -> bool:
         """Does ``layer_id`` get FA3 tensors?"""

@@ -5,8 +5,9 @@ with this project's own options on top (docs/msmodelslim.md).
 The legacy form follows ``quant_deepseek_w8a8.py``: anti-outlier m4 (iter_smooth, alpha 0.5, a shift on the
 norm-linear subgraphs) unless ``--disable_anti`` or ``--anti_method none``; m6 is flex_smooth_quant; ``--rot``
 runs QuaRot first; FA3 stays off the model's list of layers (pipeline.quant.presets), the model named by
-``--model-type`` or read from the path. Whatever the form, the job writes the recipe it ran next to the
-weights as ``<model_type>_best_practice.yaml``.
+``--model-type`` or read from the path. ``--quant_mtp none`` leaves the MTP layer out of the job and its
+output (``Recipe.drop_mtp``; FA3 lists then name main layers only). Whatever the form, the job writes the
+recipe it ran next to the weights as ``<model_type>_best_practice.yaml``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pipeline.quant.recipe import Recipe
 from pipeline.quant.steps import PRESET_SUBGRAPHS, FlexSmooth, IterSmooth, QuaRot
 
 ANTI_METHODS = ("m4", "m6", "none")
-QUANT_MTP = ("float", "mix")
+QUANT_MTP = ("float", "mix", "none")
 LEGACY_QUAROT_BLOCK = 32
 DEFAULT_MODEL_TYPE = "DeepSeek-V3"
 RECIPE_SUFFIX = "_best_practice.yaml"
@@ -39,7 +40,7 @@ class RecipeRequest:
     anti_method: Optional[str] = None      # legacy default m4
     disable_anti: bool = False
     rot: bool = False
-    quant_mtp: Optional[str] = None        # float | mix; legacy default float here (see docs/msmodelslim.md)
+    quant_mtp: Optional[str] = None        # float | mix | none; legacy default float here (docs/msmodelslim.md)
     fa_quant: Optional[bool] = None        # default on
     dynamic: bool = False
     smooth: bool = False
@@ -84,13 +85,17 @@ def _legacy_steps(req: RecipeRequest) -> tuple:
     return tuple(steps)
 
 
+def _carried(ids: list[int], cfg: DeepseekV3Config, drop_mtp: bool) -> list[int]:
+    """The layers of ``ids`` the output carries: all, or the main ones when the MTP layer is left out."""
+    return [i for i in ids if not (drop_mtp and i >= cfg.num_hidden_layers)]
+
+
 def resolve(req: RecipeRequest, model_path: Optional[str], cfg: DeepseekV3Config,
             log: Callable[[str], None] = print) -> ResolvedRecipe:
     """The job's recipe from ``req`` for the checkpoint at ``model_path`` (None: the embedded model, whose
     directory name is not read as a model name) with config ``cfg``."""
     if req.quant_mtp is not None and req.quant_mtp not in QUANT_MTP:
-        raise QuantError(f"--quant-mtp: {req.quant_mtp!r} is not supported (known: {', '.join(QUANT_MTP)}; 'none', "
-                         "which drops the MTP layer from the output, is not: this format always carries it)")
+        raise QuantError(f"--quant-mtp: unknown mode {req.quant_mtp!r} (known: {', '.join(QUANT_MTP)})")
     if req.model_type is not None:
         presets.check_model_type(req.model_type)
     ids = layout.all_layer_ids(cfg)
@@ -114,13 +119,15 @@ def resolve(req: RecipeRequest, model_path: Optional[str], cfg: DeepseekV3Config
             rf = modelslim_yaml.load(path, base)
             source = f"preset {req.model_type} {req.quant_type} ({path.rsplit('/', 1)[-1]})"
         recipe = rf.recipe
+        drop = recipe.drop_mtp if req.quant_mtp is None else req.quant_mtp == "none"
+        kept = _carried(ids, cfg, drop)
         listed = presets.pattern_layers(recipe.fa_exclude)
         missing = [i for i in listed if i not in ids]
         if recipe.fa_quant and missing:
             log(f"warning: the recipe's fa3_quant exclude names layers {missing} that this checkpoint does not have "
                 f"(layers 0..{ids[-1]}); FA3 stays off {[i for i in listed if i in ids]} where they exist")
         if recipe.fa_quant and listed:
-            notes["fa3"] = f"FA3 off layers {[i for i in listed if i in ids]} ({source})"
+            notes["fa3"] = f"FA3 off layers {[i for i in listed if i in kept]} ({source})"
         meta_types = rf.metadata.get("verified_model_types") if isinstance(rf.metadata, dict) else None
         model_type = req.model_type or (meta_types[0] if meta_types else None) \
             or (presets.model_type_from_path(model_path) if model_path else None) or DEFAULT_MODEL_TYPE
@@ -129,13 +136,15 @@ def resolve(req: RecipeRequest, model_path: Optional[str], cfg: DeepseekV3Config
         if req.fa_quant is False:
             recipe = dataclasses.replace(recipe, fa_quant=False)
         if req.quant_mtp is not None:
-            recipe = dataclasses.replace(recipe, quantize_mtp=req.quant_mtp == "mix")
+            recipe = dataclasses.replace(recipe, quantize_mtp=req.quant_mtp == "mix", drop_mtp=drop)
     else:
-        fa = presets.existing_layers(presets.legacy_fa3_list(model_path, req.model_type), ids, log)
+        drop = req.quant_mtp == "none"
+        kept = _carried(ids, cfg, drop)
+        fa = presets.existing_layers(presets.legacy_fa3_list(model_path, req.model_type), kept, log)
         fa_quant = req.fa_quant if req.fa_quant is not None else True
         recipe = dataclasses.replace(base, steps=_legacy_steps(req), fa_quant=fa_quant,
                                      fa_exclude_layers=fa.layers if fa_quant else (),
-                                     quantize_mtp=req.quant_mtp == "mix")
+                                     quantize_mtp=req.quant_mtp == "mix", drop_mtp=drop)
         if fa_quant:
             notes["fa3"] = fa.describe()
             log(fa.describe())
@@ -144,7 +153,11 @@ def resolve(req: RecipeRequest, model_path: Optional[str], cfg: DeepseekV3Config
         source = f"legacy flags (anti-outlier {anti}{', QuaRot' if req.rot else ''}, MTP " \
                  f"{req.quant_mtp or 'float'})"
         calib, dataset, part = req.calib_data, None, None
-    extra = tuple(sorted(set(recipe.fa_exclude_layers) | set(req.fa_exclude_layers)))
+    extra = tuple(sorted(i for i in set(recipe.fa_exclude_layers) | set(req.fa_exclude_layers)
+                         if i in kept or i not in ids))   # an MTP layer the output leaves out: nothing to exclude
+    if drop:
+        notes["mtp"] = (f"none: the MTP layer (model.layers.{cfg.num_hidden_layers}) is not read, calibrated or "
+                        "written; config.json is the source's")
     recipe = dataclasses.replace(recipe, fa_exclude_layers=extra, smooth=req.smooth or recipe.smooth,
                                  dynamic=req.dynamic or recipe.dynamic,
                                  dialect=req.dialect or (recipe.dialect if req.config_path or req.quant_type

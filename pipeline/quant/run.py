@@ -61,7 +61,7 @@ def prepare_float_model(src: str, recipe: Recipe, samples: list[list[int]], opts
     """The float model in the model dtype, smoothed when the recipe says so. Returns (model,
     smoothing statistics or None)."""
     reader_cfg = CheckpointReader(src).config
-    model = load_model(src, dtype=model_dtype(reader_cfg), device=opts.device or "cpu")
+    model = load_model(src, dtype=model_dtype(reader_cfg), device=opts.device or "cpu", with_mtp=not recipe.drop_mtp)
     smooth_stats = None
     if recipe.smooth:
         layers = None if recipe.quantize_mtp else range(reader_cfg.num_hidden_layers)

@@ -71,7 +71,7 @@ class Stage:
     """The weights of one :class:`StageSpec`, loaded from ``src`` in the model dtype (FP8 dequantized)."""
 
     def __init__(self, src: Union[str, CheckpointReader], spec: StageSpec, recipe: Recipe, device: str = "cpu"):
-        reader = src if isinstance(src, CheckpointReader) else CheckpointReader(src)
+        reader = src if isinstance(src, CheckpointReader) else CheckpointReader(src, with_mtp=not recipe.drop_mtp)
         cfg = reader.config
         recipe.check_config(cfg)
         self.spec, self.recipe, self.device, self.config = spec, recipe, device, cfg

@@ -121,6 +121,20 @@ def dir_kind(path: str) -> str:
                      f"); it holds {shown or 'nothing'}")
 
 
+def carries_mtp(path: str) -> bool:
+    """Whether the model directory at ``path`` has an MTP layer to draft with, from config.json and the
+    description alone (a quantized output of ``--quant_mtp none`` has none). A directory whose files cannot
+    be read counts as having one: loading it then says what is wrong."""
+    from pipeline.format.reader import carried_model, read_types
+
+    try:
+        if dir_kind(path) == QUANTIZED:
+            return bool(carried_model(path, read_types(path)).mtp_layer_ids)
+        return bool(read_model_config(storage.join(path, "config.json")).mtp_layer_ids)
+    except (OSError, ValueError):
+        return True
+
+
 def resolve_float_dtype(dtype, cfg: DeepseekV3Config, device: str) -> torch.dtype:
     """A float checkpoint's compute dtype: a torch dtype or its name; None / "auto": FLOAT_CPU_DTYPE on
     the CPU, the checkpoint's torch_dtype elsewhere (an FP8 release's is bfloat16)."""

@@ -73,7 +73,8 @@ class ModelRunner:
         ids = list(range(self.cfg.num_hidden_layers))
         if mtp:
             if not self.model.mtp_layers:
-                raise ValueError(f"{loaded.path}: speculative decoding needs the MTP layer, which this model lacks")
+                raise ValueError(f"{loaded.path}: MTP speculative decoding (--mtp) needs the MTP layer, which this "
+                                 "checkpoint does not carry; run without --mtp")
             ids.append(self.model.mtp_layers[0].layer_id)
         self.mtp_id = ids[-1] if mtp else None
         kernels = loaded.kernels            # chosen when the model was loaded (pipeline.engine.config)
