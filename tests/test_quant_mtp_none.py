@@ -117,7 +117,7 @@ def test_mtp_drafting_asked_of_it_is_one_line(none_out, embedded_quantized, caps
 def test_generate_cli_runs_it(none_out, capsys):
     from jobs import generate
 
-    assert generate.main(["--model-path", none_out, "--prompt", "What is a list?", "--max-new-tokens", "4"]) == 0
+    assert generate.main(["--model-path", none_out, "--max-new-tokens", "4", "What is a list?"]) == 0
     err = capsys.readouterr().err
     assert "int8 linears" in err and "MTP acceptance" not in err
 
@@ -145,7 +145,7 @@ def tiny_cli(tmp_path_factory):
     for mode in ("none", "float"):
         out[mode] = str(root / mode)
         argv = ["--model-path", str(TINY_FIXTURE), "--save-path", out[mode], "--calib-data", str(calib),
-                "--quant_mtp", mode, "--fa_quant", "--no-progress", "--no-estimate", "--rot"]
+                "--quant_mtp", mode, "--fa_quant", "--no-progress", "--no-estimate"]
         assert quantize.main(argv) == 0
     return out, calib
 
@@ -158,7 +158,7 @@ def test_cli_none_output_reruns_from_its_recipe(tiny_cli, tmp_path):
     assert check_dir(out["none"]).ok
     recipe = next(Path(out["none"]).glob(f"*{RECIPE_SUFFIX}"))
     text = recipe.read_text()
-    assert "drop_mtp: true" in text and "MTP none" in text and "quarot" in text
+    assert "drop_mtp: true" in text and "MTP none" in text and "iter_smooth" in text
     job = json.loads((Path(out["none"]) / MANIFEST_NAME).read_text())["job"]["recipe"]
     assert job["drop_mtp"] is True and job["quantize_mtp"] is False
     again = str(tmp_path / "again")
@@ -169,6 +169,20 @@ def test_cli_none_output_reruns_from_its_recipe(tiny_cli, tmp_path):
         for name in [n for n in t if n.endswith(RECIPE_SUFFIX)]:
             del t[name]
     assert sorted(a) == sorted(b) and all(a[n] == b[n] for n in b)
+
+
+def test_evaluate_compares_it_without_mtp_figures(tiny_cli, tmp_path):
+    """jobs.evaluate runs the output by fake-quant: its row has no MTP figure (the float model's has)."""
+    from jobs import evaluate
+
+    out, calib = tiny_cli
+    assert evaluate.main(["--model-path", str(TINY_FIXTURE), "--compare", out["none"], "--dataset", str(calib),
+                          "--seq", "64", "--max-tokens", "128", "--variants", "full", "--no-progress",
+                          "--no-linears", "--out", str(tmp_path / "eval")]) == 0
+    doc = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
+    rows = {s["output"]: s for s in doc["summary"]}
+    assert "mtp_perplexity" in rows["float"] and not [k for k in rows["none"] if k.startswith("mtp")]
+    assert rows["none"]["agreement"] > 0.5 and {r["layer"] for r in doc["layers"]} == {0, 1, 2}
 
 
 def test_cli_refuses_quantize_mtp_with_none(tmp_path, capsys):
