@@ -185,6 +185,27 @@ def test_evaluate_compares_it_without_mtp_figures(tiny_cli, tmp_path):
     assert rows["none"]["agreement"] > 0.5 and {r["layer"] for r in doc["layers"]} == {0, 1, 2}
 
 
+def test_fallback_composes_with_it(tiny_cli, tmp_path):
+    """--fa-fallback / --linear-fallback on a ``none`` job: the probe and the output leave the MTP layer out,
+    the picks are main-layer pieces, and the written recipe records both."""
+    from jobs import quantize
+
+    _, calib = tiny_cli
+    src = tmp_path / "model"            # a path naming no DeepSeek release: FA3 on every layer
+    src.symlink_to(TINY_FIXTURE, target_is_directory=True)
+    dst = tmp_path / "q"
+    assert quantize.main(["--model-path", str(src), "--save-path", str(dst), "--calib-data", str(calib),
+                          "--quant_mtp", "none", "--disable_anti", "--fa-fallback", "1", "--linear-fallback", "1",
+                          "--no-progress", "--no-estimate"]) == 0
+    report = check_dir(str(dst))
+    assert report.ok and report.mtp.startswith("not carried") and len(report.fa_layers) == 2, report.to_text()
+    picked = json.loads((dst / "fallback.json").read_text())
+    assert picked["fa"]["picked"][0] in (0, 1, 2) and not picked["linear"]["picked"][0].startswith(MTP)
+    assert not [k for k in description(dst) if k.startswith(MTP)]
+    text = next(dst.glob(f"*{RECIPE_SUFFIX}")).read_text()
+    assert "drop_mtp: true" in text and f"fa_exclude_layers:\n  - {picked['fa']['picked'][0]}" in text
+
+
 def test_cli_refuses_quantize_mtp_with_none(tmp_path, capsys):
     from jobs import quantize
 
