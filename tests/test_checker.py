@@ -200,7 +200,7 @@ def test_mtp_layer_partly_dropped(ckpt, kept):
     rewrite(ckpt, lambda t: [t.pop(n) for n in mtp], drop=tuple(mtp) + ("model.layers.3.self_attn.quant_type",))
     report = check_dir(str(ckpt))
     assert report.mtp == "carried"
-    missing = "model.layers.3.enorm.weight" if kept == "model.layers.3.eh_proj.weight" else "model.layers.3.eh_proj.weight"
+    missing = next(n for n in ("model.layers.3.enorm.weight", "model.layers.3.eh_proj.weight") if n != kept)
     find(report, "layout-missing", missing, "MTP layer is carried whole or not at all")
     assert rules(report) == {"layout-missing"}
 

@@ -237,8 +237,8 @@ def check_layout(specs: Mapping[str, TensorSpec], cfg: DeepseekV3Config) -> list
     for name, shape in expected.items():
         if name not in specs:
             lid = layout.layer_of(name)
-            mtp = " (an MTP layer is carried whole or not at all)" if lid is not None and lid >= cfg.num_hidden_layers \
-                else ""
+            in_mtp = lid is not None and lid >= cfg.num_hidden_layers
+            mtp = " (an MTP layer is carried whole or not at all)" if in_mtp else ""
             out.append(Violation("layout-missing", name, f"missing: config.json's model has it{mtp}"))
         elif tuple(specs[name].shape) != tuple(shape):
             out.append(Violation("shape", name, f"shape {list(specs[name].shape)}; config.json gives {list(shape)}"))

@@ -47,8 +47,8 @@ NOT_SUPPORTED = ("smooth_quant", "awq", "flex_awq_ssz", "kv_smooth", "gptq", "au
                  "adapt_rotation", "dynamic_cache", "module_func", "load", "histogram", "laos", "pdmix", "ssz",
                  "float_sparse")
 # Recipe fields the dsquant section may set (the rest come from spec)
-DSQUANT_KEYS = ("fa_exclude_layers", "dynamic", "quantize_mtp", "drop_mtp", "smooth", "q_ratio", "k_ratio", "v_ratio",
-                "calib_products", "dialect", "calibration")
+DSQUANT_KEYS = ("fa_exclude_layers", "dynamic", "quantize_mtp", "drop_mtp", "smooth", "q_ratio", "k_ratio",
+                "v_ratio", "calib_products", "dialect", "calibration")
 
 
 @dataclass(frozen=True)

@@ -120,10 +120,10 @@ class Recipe:
 
     def fingerprint(self) -> dict:
         """What a rerun compares (pipeline.quant.job_state): ``to_dict`` without ``calib_products`` when it is
-        ``auto``, and without the rule, pattern, step and ``drop_mtp`` fields while they hold their defaults. Auto resolves
-        per machine anyway (the same recipe gives fp32 products on one CPU and bf16 on another, both valid),
-        and outputs written before a field existed then stay up to date: a scheduled requantize after an
-        upgrade rewrites nothing. Anything else that changes (a step, a rule, a pattern) is compared."""
+        ``auto``, and without the rule, pattern, step and ``drop_mtp`` fields while they hold their defaults.
+        Auto resolves per machine anyway (the same recipe gives fp32 products on one CPU and bf16 on another,
+        both valid), and outputs written before a field existed then stay up to date: a scheduled requantize
+        after an upgrade rewrites nothing. Anything else that changes (a step, a rule, a pattern) is compared."""
         d = self.to_dict()
         if d["calib_products"] == AUTO:
             del d["calib_products"]
