@@ -37,17 +37,18 @@ FALLBACK = ["--fa-fallback", "auto", "--linear-fallback", "auto"]
 C8 = ["--model-type", "DeepSeek-V3.1", "--quant-type", "w8a8c8"]
 RECIPES = {"seed": SEED, "seed+fallback": SEED + FALLBACK, "w8a8c8": C8, "w8a8c8+fallback": C8 + FALLBACK,
            "dynamic+fallback": SEED + ["--dynamic"] + FALLBACK,
-           "w8a8c8+fallback@0.99": C8 + FALLBACK + ["--fallback-target", "agreement=0.99,ppl=0.3"]}
+           "w8a8c8+fallback@0.99": C8 + FALLBACK + ["--fallback-target", "agreement=0.99,ppl=0.3"],
+           "w8a8c8-dynamic": C8 + ["--dynamic"]}
 FIELDS = ("agreement", "perplexity", "perplexity_delta_pct", "kl_mean", "kl_p99", "min_attn_sqnr_db",
           "min_attn_layer", "min_latent_sqnr_db", "mtp_agreement")
 
 
-def make_models(work: Path, seeds, channels: int, log2: tuple[int, int]) -> dict[str, str]:
+def make_models(work: Path, seeds, channels: int, log2: tuple[int, int], embedded: bool = True) -> dict[str, str]:
     from pipeline.assets import EMBEDDED_MODEL_DIR
     from pipeline.quant.outlier_variant import NORMS, VariantSpec
     from pipeline.quant.variant_writer import write_variant
 
-    models = {"embedded": EMBEDDED_MODEL_DIR}
+    models = {"embedded": EMBEDDED_MODEL_DIR} if embedded else {}
     for s in seeds:
         dst = work / f"variant-s{s}"
         write_variant(EMBEDDED_MODEL_DIR, str(dst), VariantSpec(seed=s, channels=dict.fromkeys(NORMS, channels),
@@ -163,6 +164,9 @@ def main(argv=None) -> int:
     ap.add_argument("--proxy-samples", type=int, default=0)
     ap.add_argument("--work", default="/tmp/dsquant-accuracy")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--no-embedded", action="store_true", help="the variants only")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep --out's other rows: this run's (model, recipe) rows replace theirs, the rest stay")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "accuracy_variants.json"))
     args = ap.parse_args(argv)
 
@@ -182,7 +186,7 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     load0 = loadavg()
-    models = make_models(work, seeds, args.channels, parse_log2_range(args.factor_log2))
+    models = make_models(work, seeds, args.channels, parse_log2_range(args.factor_log2), not args.no_embedded)
     tok = Tokenizer.from_dir(EMBEDDED_MODEL_DIR)
     windows = windows_of(token_stream(tok, [d.text for d in corpus.load_heldout(EMBEDDED_MODEL_DIR)[1]]), 256,
                          args.max_windows)
@@ -204,6 +208,13 @@ def main(argv=None) -> int:
             proxy[name] = proxies(src, dirs["seed"], args.proxy_samples)
             print(name, "proxy rho: fa", proxy[name]["fa_rho"], "linear (sqnr, residual)",
                   proxy[name]["linear_rho_sqnr"], proxy[name]["linear_rho_residual"], flush=True)
+    if args.merge and Path(args.out).exists():
+        old = json.loads(Path(args.out).read_text())
+        mine = {(r["model"], r["recipe"]) for r in rows}
+        rows = [r for r in old["rows"] if (r["model"], r["recipe"]) not in mine] + rows
+        recipes = list(dict.fromkeys([r["recipe"] for r in rows]))
+        seeds = sorted(set(old["setup"]["seeds"]) | set(seeds))
+        proxy = {**old.get("proxies", {}), **proxy}
     result = {
         "what": "jobs.quantize recipes on the embedded model and outlier variants of it (same float function), "
                 "evaluated by fake-quant from the written files",
