@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 import sys
@@ -136,13 +137,14 @@ def plot(rows: list[dict], path: Path) -> None:
     width = 0.8 / len(models)
     for k, m in enumerate(models):
         xs = [i + (k - (len(models) - 1) / 2) * width for i in range(len(recipes))]
-        get = {r["recipe"]: r for r in rows if r["model"] == m}
-        ax_a.bar(xs, [100 * get[r]["agreement"] for r in recipes], width, label=m)
-        ax_p.bar(xs, [get[r]["perplexity_delta_pct"] for r in recipes], width, label=m)
+        get = {r["recipe"]: r for r in rows if r["model"] == m}     # a recipe not run on m: no bar
+        ax_a.bar(xs, [100 * get[r]["agreement"] if r in get else math.nan for r in recipes], width, label=m)
+        ax_p.bar(xs, [get[r]["perplexity_delta_pct"] if r in get else math.nan for r in recipes], width, label=m)
     for ax in (ax_a, ax_p):
-        ax.set_xticks(range(len(recipes)), recipes)
+        ax.set_xticks(range(len(recipes)), recipes, rotation=20, ha="right", fontsize=8)
     ax_a.set_ylim(min(100 * r["agreement"] for r in rows) - 5, 100.5)
     ax_a.axhline(95, color="black", lw=0.8, ls=":")
+    ax_a.axhline(98, color="black", lw=0.8, ls="--")
     ax_a.set_ylabel("top-1 agreement with float (%)")
     ax_a.set_title("Agreement")
     ax_a.legend(fontsize=7)
