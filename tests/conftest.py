@@ -5,12 +5,14 @@ node-death detection), this process connected as the driver; stopped at the end 
 
 The fast tier, ``pytest -m "not slow"``, starts no Ray, no Serve and no server: every test that uses the
 ``ray_cluster`` or ``s3`` fixture, or sits in a module (or is a test) that starts one itself
-(STARTS_SERVERS), is marked ``slow`` here, besides the tests marked ``slow`` for their time."""
+(STARTS_SERVERS), is marked ``slow`` here, and so is every test listed in tests/slow_for_time.txt (those
+over 1.5 s in a fast-tier run: scripts/slow_tests.py keeps the list)."""
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -28,12 +30,18 @@ STARTS_SERVERS = frozenset((
 ))
 
 
+#: Tests slow for their time (module::function), kept by scripts/slow_tests.py.
+SLOW_FOR_TIME = frozenset(s for line in (Path(__file__).parent / "slow_for_time.txt").read_text().splitlines()
+                          if (s := line.split("#")[0].strip()))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
         test = f"{module}::{item.name.split('[')[0]}"
-        if SERVER_FIXTURES & set(item.fixturenames) or module in STARTS_SERVERS or test in STARTS_SERVERS:
+        if SERVER_FIXTURES & set(item.fixturenames) or module in STARTS_SERVERS or test in STARTS_SERVERS \
+                or test in SLOW_FOR_TIME:
             item.add_marker(pytest.mark.slow)
 
 
