@@ -20,7 +20,8 @@ from pathlib import Path
 
 LIST = Path(__file__).resolve().parents[1] / "tests" / "slow_for_time.txt"
 HEADER = ("# Tests marked slow for their time (module::function, every parameter), out of the fast tier\n"
-          "# (pytest -m \"not slow\"). Made by scripts/slow_tests.py from a fast-tier run's JUnit XML.\n")
+          "# (pytest -m \"not slow\"); a bare module name marks the whole module (its shared fixture is the\n"
+          "# cost). Made by scripts/slow_tests.py from a fast-tier run's JUnit XML.\n")
 
 
 def function_times(junit: Path) -> dict[str, float]:

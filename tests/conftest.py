@@ -30,7 +30,8 @@ STARTS_SERVERS = frozenset((
 ))
 
 
-#: Tests slow for their time (module::function), kept by scripts/slow_tests.py.
+#: Tests slow for their time (module::function, or a whole module whose fixture is the cost), kept by
+#: scripts/slow_tests.py.
 SLOW_FOR_TIME = frozenset(s for line in (Path(__file__).parent / "slow_for_time.txt").read_text().splitlines()
                           if (s := line.split("#")[0].strip()))
 
@@ -41,7 +42,7 @@ def pytest_collection_modifyitems(config, items):
         module = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
         test = f"{module}::{item.name.split('[')[0]}"
         if SERVER_FIXTURES & set(item.fixturenames) or module in STARTS_SERVERS or test in STARTS_SERVERS \
-                or test in SLOW_FOR_TIME:
+                or test in SLOW_FOR_TIME or module in SLOW_FOR_TIME:
             item.add_marker(pytest.mark.slow)
 
 
