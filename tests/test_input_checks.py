@@ -20,23 +20,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from jobs import quantize as quantize_job
+from test_job_safety import edit_config, source  # noqa: F401 (the fixture is shared with those tests)
 from tiny import FIXTURES, TINY_FIXTURE
 
 REPO = Path(__file__).resolve().parents[1]
 CALIB = str(FIXTURES / "calib.json")
 
-
-@pytest.fixture
-def source(tmp_path) -> Path:
-    src = tmp_path / "src"
-    shutil.copytree(TINY_FIXTURE, src)
-    return src
-
-
-def edit_config(src: Path, **changes) -> None:
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(changes)
-    (src / "config.json").write_text(json.dumps(cfg))
 
 
 def edit_tensors(src: Path, edit) -> None:
