@@ -95,9 +95,10 @@ def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -
     _flag(ap, "--linear-fallback", default="none", metavar="auto|N|none",
           help="quantized linears kept float by measured cost, as --fa-fallback (routed experts per layer and "
                "projection)")
-    _flag(ap, "--fallback-target", default="agreement=0.97,ppl=1.0", metavar="agreement=A,ppl=P[,kl=K]",
+    _flag(ap, "--fallback-target", default=None, metavar="agreement=A,ppl=P[,kl=K][,sqnr=S]",
           help="what auto fallback meets on the calibration samples: top-1 agreement with float >= A, perplexity "
-               "change <= P %%, mean KL <= K")
+               "change <= P %%, mean KL <= K, every layer's attention SQNR >= S dB (default "
+               "agreement=0.97,ppl=1,sqnr=32)")
     _flag(ap, "--dynamic", action="store_true", help="every quantized linear W8A8_DYNAMIC")
     _flag(ap, "--mindie-format", action="store_true", help="add MindIE's config.json keys (and model_type deepseekv2)")
     _flag(ap, "--smooth", action="store_true", help="anti-outlier smoothing (SmoothQuant + latent), format unchanged")
@@ -199,10 +200,10 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
     if not 0 <= args.smooth_alpha <= 1:
         raise ValueError(f"--smooth-alpha must be in [0, 1], got {args.smooth_alpha}")
     check_device(args.device)           # an unknown device, or CUDA without it: before anything loads
-    from pipeline.quant.fallback import parse_choice, parse_target
+    from pipeline.quant.fallback import TARGET, parse_choice, parse_target
 
     fallback = (parse_choice(args.fa_fallback, "--fa-fallback"), parse_choice(args.linear_fallback, "--linear-fallback"))
-    target = parse_target(args.fallback_target)
+    target = parse_target(args.fallback_target) if args.fallback_target is not None else TARGET
     if fallback != (None, None) and args.stages:
         raise ValueError("--fa-fallback / --linear-fallback run in the one-process job (drop --stages)")
     if args.s3_endpoint:

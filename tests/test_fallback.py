@@ -18,7 +18,7 @@ from pipeline.format.description import FAQUANT, FLOAT
 from pipeline.format.reader import read_quantized
 from pipeline.model.loading import load_model
 from pipeline.model.perplexity import token_stream
-from pipeline.quant.evaluate import windows_of
+from pipeline.quant.evaluate import Candidate, compare, windows_of
 from pipeline.quant.fakequant import load_fakequant_model
 from pipeline.quant.fallback import fallback_groups, parse_choice
 from pipeline.quant.outlier_variant import VariantSpec
@@ -33,6 +33,8 @@ CALIB = str(FIXTURES / "calib.json")
 SEED_FLAGS = ["--fa_quant", "--mindie_format", "--calib-data", CALIB, "--no-progress", "--no-estimate"]
 MIN_AGREEMENT_GAIN = 0.05          # auto's held-out agreement over the seed command's, at least
 MIN_AUTO_AGREEMENT = 0.93          # and at least this much in absolute terms
+ATTN_SQNR_GOAL_DB = 30.0           # auto's lowest per-layer attention SQNR on held-out text (its target: 32 dB
+                                   # on the calibration samples)
 WEIGHT_FILES = ("quant_model_description.json", "config.json")
 
 
@@ -56,12 +58,16 @@ def same_output(a: Path, b: Path) -> bool:
         and all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
 
 
+def heldout_windows() -> torch.Tensor:
+    tok = Tokenizer.from_dir(EMBEDDED_MODEL_DIR)
+    return windows_of(token_stream(tok, [d.text for d in corpus.load_heldout(EMBEDDED_MODEL_DIR)[1]]), 128,
+                      max_windows=8)
+
+
 @torch.no_grad()
 def heldout_figures(src: Path, out: Path) -> tuple[float, float]:
     """Teacher-forced agreement with float and perplexity change (%) on held-out windows, computed here."""
-    tok = Tokenizer.from_dir(EMBEDDED_MODEL_DIR)
-    win = windows_of(token_stream(tok, [d.text for d in corpus.load_heldout(EMBEDDED_MODEL_DIR)[1]]), 128,
-                     max_windows=8)
+    win = heldout_windows()
     ref, q = load_model(str(src), dtype=torch.float32, device="cpu"), load_fakequant_model(str(out))
     agree, nll_f, nll_q = 0, 0.0, 0.0
     for x in win:
@@ -87,7 +93,8 @@ def test_auto_keeps_the_costly_pieces_float_and_improves(outs):
     report = json.loads((auto / "fallback.json").read_text())
     fa, lin = report["fa"]["picked"], report["linear"]["picked"]
     assert fa or lin
-    assert report["target"] == {"min_agreement": 0.97, "max_ppl_delta_pct": 1.0}
+    assert report["target"] == {"min_agreement": 0.97, "max_ppl_delta_pct": 1.0, "min_attn_sqnr_db": 32.0}
+    assert report["with_fallback"]["min_attn_sqnr_db"] >= 32.0 > report["quantized"]["min_attn_sqnr_db"]
     _, types, _ = read_quantized(str(auto))
     for i in fa:                                    # no FA3 tensors there; the seed output has them
         assert f"model.layers.{i}.self_attn.fa_k.scale" not in types
@@ -101,6 +108,10 @@ def test_auto_keeps_the_costly_pieces_float_and_improves(outs):
     a1, p1 = heldout_figures(src, auto)
     assert a1 >= a0 + MIN_AGREEMENT_GAIN and a1 >= MIN_AUTO_AGREEMENT, (a0, a1)
     assert abs(p1) < abs(p0), (p0, p1)
+    res = compare(load_model(str(src), dtype=torch.float32, device="cpu"),
+                  [Candidate("auto", "W8A8 + FA3", load_fakequant_model(str(auto), dtype=torch.float32))],
+                  heldout_windows(), per_linear=False)
+    assert res.summary[1]["min_attn_sqnr_db"] >= ATTN_SQNR_GOAL_DB, res.layers
 
 
 def test_the_written_recipe_reproduces_the_fallback(outs):
@@ -161,9 +172,12 @@ def test_bad_values_are_one_line(capsys, tmp_path):
 
 
 def test_target_parsing():
-    from pipeline.quant.fallback import TARGET, parse_target
+    from pipeline.quant.fallback import TARGET, parse_target, target_text
 
-    assert parse_target("agreement=0.97,ppl=1.0") == TARGET
+    assert parse_target("agreement=0.97,ppl=1.0,sqnr=32") == TARGET
+    assert parse_target(target_text(TARGET)) == TARGET and f"default {target_text(TARGET)})" in \
+        " ".join(quantize.build_parser().format_help().split())          # the job's help says the default
+    assert parse_target("sqnr=30") == Target(min_attn_sqnr_db=30.0)
     assert parse_target("agreement=0.99,ppl=0.5,kl=0.01") == Target(0.99, 0.01, 0.5)
     for bad, msg in (("agreement=2", "min_agreement must be in"), ("foo=1", "got 'foo=1'"), ("ppl", "got 'ppl'"),
                      ("ppl=nan", "finite number")):

@@ -25,6 +25,7 @@ from tiny import FIXTURES, TINY_FIXTURE
 CALIB = str(FIXTURES / "calib.json")
 HARD_LAYER = 1      # its kv_a_layernorm gets outliers: its int8 latent must cost the most
 HARD_INPUT = 2      # its input_layernorm gets outliers: its q_a / kv_a (static W8A8) must top the linears
+SQNR_TOL_DB = 0.01  # one sample per forward against the evaluation's batch of them, float32
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +134,7 @@ def test_smallest_fallback(setup):
 def test_bad_arguments(setup):
     _, dst, _, _, _, ref = setup
     params = FakeQuantParams.from_dir(dst)
-    with pytest.raises(ValueError, match="target: give at least one"):
+    with pytest.raises(ValueError, match="target: give at least one of .*min_attn_sqnr_db"):
         Target()
     with pytest.raises(ValueError, match=r"min_agreement must be in \[0, 1\]"):
         Target(min_agreement=95)
@@ -143,3 +144,36 @@ def test_bad_arguments(setup):
         linear_costs(ref, params, "sqnr", {"g": ["model.layers.0.mlp.gate"]})
     with pytest.raises(ValueError, match="kind: 'both'"):
         smallest_fallback(ref, params, [], Target(max_kl=1), "both")
+
+
+def test_attention_sqnr_is_the_evaluations(setup):
+    """With the attention captured, each measurement's lowest per-layer attention SQNR is what
+    pipeline.quant.evaluate reports as min_attn_sqnr_db for the written output on the same tokens."""
+    from pipeline.quant.evaluate import Candidate, compare
+
+    _, dst, _, _, model, ref = setup
+    params = FakeQuantParams.from_dir(dst)
+    samples = [x[0].tolist() for x in ref.ids]
+    att = FloatReference(model, samples, attention=True)
+    got = att.measure(params)
+    assert ref.measure(params).min_attn_sqnr_db is None          # not captured: not reported
+    windows = torch.stack([x[0] for x in ref.ids])
+    res = compare(model, [Candidate("q", "W8A8 + FA3", load_fakequant_model(dst, dtype=torch.float32))], windows,
+                  per_linear=False)
+    want = res.summary[1]
+    assert got.min_attn_layer == want["min_attn_layer"] == HARD_LAYER       # its latent outliers
+    assert got.min_attn_sqnr_db == pytest.approx(want["min_attn_sqnr_db"], abs=SQNR_TOL_DB)
+    assert got.agreement == pytest.approx(want["agreement"], rel=1e-6)      # the rows keep 7 digits
+    # a fallback judged on the attention SQNR: the shortest ranked prefix lifting every layer to the bound
+    ranked = linear_costs(att, params, "residual", expert_groups(list(params.linears)))
+    floor = att.measure(params.without(linears=list(params.linears))).min_attn_sqnr_db
+    goal = Target(min_attn_sqnr_db=(got.min_attn_sqnr_db + floor) / 2)
+    groups = expert_groups(list(params.linears))
+    pick = smallest_fallback(att, params, ranked, goal, "linear", groups)
+    tried = dict(pick.tried)
+    n = len(pick.keys)
+    assert pick.met and pick.metrics.min_attn_sqnr_db >= goal.min_attn_sqnr_db and 0 < n < len(ranked)
+    assert not goal.met(tried[n - 1])
+    assert pick.to_dict()["metrics"]["min_attn_sqnr_db"] == pytest.approx(pick.metrics.min_attn_sqnr_db)
+    with pytest.raises(ValueError, match="min_attn_sqnr_db asks for the attention SQNR"):
+        goal.met(ref.measure(params))

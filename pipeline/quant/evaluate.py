@@ -159,7 +159,7 @@ def compare(float_model: DeepseekV3ForCausalLM, candidates: Sequence[Candidate],
         for k in range(0, len(windows), batch):
             w = windows[k:k + batch]
             ids, targets = w[:, :-1], w[:, 1:]
-            cap = _FloatCapture(float_model)
+            cap = FloatCapture(float_model)
             with cap:
                 logits, hidden = float_model(ids, return_hidden=True)
                 mtp_logits = float_model.mtp(hidden[:, :-1], ids[:, 1:])[0] if _mtp(float_model) else None
@@ -190,7 +190,20 @@ def _mtp(model) -> bool:
     return bool(model.mtp_layers)
 
 
-class _FloatCapture:
+def unrotate(h: torch.Tensor, rot: Optional[torch.Tensor]) -> torch.Tensor:
+    """A residual-stream tensor of a QuaRot model (``h @ rot``) back in the float model's basis."""
+    return h if rot is None else (h.float() @ rot.T).to(h.dtype)
+
+
+def isolated_attention(layer, h_in: torch.Tensor, rope: tuple, rot: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``layer``'s attention block (input norm + MLA) of a quantized model on the float model's residual input
+    ``h_in`` and (cos, sin) ``rope`` (what :class:`FloatCapture` holds), its output in the float model's basis
+    (``rot``: the quantized model's global rotation, None when it has none)."""
+    x = h_in if rot is None else (h_in.float() @ rot).to(h_in.dtype)
+    return unrotate(layer.self_attn(layer.input_layernorm(x), *rope), rot)
+
+
+class FloatCapture:
     """While active: per layer (MTP's included), the residual entering its input norm, the attention's
     (cos, sin) and its output, for the current batch."""
 
@@ -264,13 +277,10 @@ class _CandidateState:
                 self.lin[name].add(self.refs[name](args[0]), out)
         return hook
 
-    def _rotate(self, h: torch.Tensor) -> torch.Tensor:
-        return h if self.rot is None else (h.float() @ self.rot).to(h.dtype)
-
     def _unrotate(self, h: torch.Tensor) -> torch.Tensor:
-        return h if self.rot is None else (h.float() @ self.rot.T).to(h.dtype)
+        return unrotate(h, self.rot)
 
-    def run(self, ids, w, f_logits, f_mtp, cap: _FloatCapture) -> None:
+    def run(self, ids, w, f_logits, f_mtp, cap: FloatCapture) -> None:
         m = self.c.model
         self.float_attn = cap.attn
         self.recording = True
@@ -292,12 +302,11 @@ class _CandidateState:
                 hs.append(kv.register_forward_hook(lambda mod, a, out: seen.__setitem__("c", out), prepend=True))
                 hs.append(kv.register_forward_hook(lambda mod, a, out: seen.__setitem__("q", out)))
             try:
-                cos, sin = cap.rope[i]
-                out = layer.self_attn(layer.input_layernorm(self._rotate(cap.h_in[i])), cos, sin)
+                out = isolated_attention(layer, cap.h_in[i], cap.rope[i], self.rot)
             finally:
                 for h in hs:
                     h.remove()
-            self.iso[i].add(cap.attn[i], self._unrotate(out))
+            self.iso[i].add(cap.attn[i], out)
             if i in self.latent:
                 self.latent[i].add(seen["c"], seen["q"])
 

@@ -21,9 +21,10 @@ and compared with the source's float model on the calibration samples (pipeline.
   quantized); the pick is judged on the whole model with the FA3 pick applied.
 
 ``auto`` takes the shortest ranked prefix that meets :data:`TARGET` or ``--fallback-target`` (the module doc of
-pipeline.quant.sensitivity says how it searches); ``N`` the N costliest; ``none`` nothing. The target is
-stricter than the project's goal (agreement >= 95%, perplexity within +2% on held-out text) because the
-calibration texts are not the evaluation texts and the final output is calibrated again.
+pipeline.quant.sensitivity says how it searches); ``N`` the N costliest; ``none`` nothing. The default target
+(agreement >= 97%, perplexity within +1%, every layer's attention output SQNR >= 32 dB) is stricter than the
+project's goals (agreement >= 95%, perplexity within +2%, attention SQNR >= 30 dB on held-out text) because
+the calibration texts are not the evaluation texts and the final output is calibrated again.
 ``fallback.json`` in the output records the picks, each piece's cost, the target and the figures measured.
 """
 
@@ -45,7 +46,7 @@ from pipeline.quant.sensitivity import (Cost, FakeQuantParams, FloatReference, T
 
 AUTO = "auto"
 Choice = Union[str, int, None]       # "auto", N >= 0, or None (no fallback)
-TARGET = Target(min_agreement=0.97, max_ppl_delta_pct=1.0)
+TARGET = Target(min_agreement=0.97, max_ppl_delta_pct=1.0, min_attn_sqnr_db=32.0)
 REPORT_NAME = "fallback.json"
 
 
@@ -61,12 +62,13 @@ def parse_choice(text: str, flag: str) -> Choice:
     raise QuantError(f"{flag}: expected auto, none or a count such as 3, got {text!r}")
 
 
-TARGET_KEYS = {"agreement": "min_agreement", "ppl": "max_ppl_delta_pct", "kl": "max_kl"}
+TARGET_KEYS = {"agreement": "min_agreement", "ppl": "max_ppl_delta_pct", "kl": "max_kl", "sqnr": "min_attn_sqnr_db"}
 
 
 def parse_target(text: str, flag: str = "--fallback-target") -> Target:
-    """``agreement=0.99,ppl=0.5[,kl=0.01]`` (agreement as a fraction, ppl in percent, kl the mean KL) as a
-    Target; a one-line error naming ``flag`` otherwise."""
+    """``agreement=0.99,ppl=0.5[,kl=0.01][,sqnr=30]`` (agreement as a fraction, ppl in percent, kl the mean
+    KL, sqnr the lowest per-layer attention SQNR in dB) as a Target; a one-line error naming ``flag``
+    otherwise."""
     fields = {}
     for item in str(text).split(","):
         key, sep, value = item.partition("=")
@@ -81,6 +83,12 @@ def parse_target(text: str, flag: str = "--fallback-target") -> Target:
         return Target(**fields)
     except ValueError as e:
         raise QuantError(f"{flag}: {e}") from None
+
+
+def target_text(target: Target) -> str:
+    """``target`` as ``--fallback-target`` spells it."""
+    names = {v: k for k, v in TARGET_KEYS.items()}
+    return ",".join(f"{names[k]}={v:g}" for k, v in vars(target).items() if v is not None)
 
 
 def with_fallback(recipe: Recipe, fa_layers, linears) -> Recipe:
@@ -135,7 +143,8 @@ def choose(src: str, probe: str, samples: list[list[int]], fa: Choice, linear: C
 
     with torch.no_grad():
         base = load_fakequant_model(probe, w8a8=False, fa3=False)
-        ref = FloatReference(base, samples, reference=load_model(src, dtype=torch.float32, device="cpu"))
+        ref = FloatReference(base, samples, reference=load_model(src, dtype=torch.float32, device="cpu"),
+                             attention=True)
     params = FakeQuantParams.from_dir(probe)
     groups = fallback_groups(list(params.linears))
     report: dict = {"target": {k: v for k, v in vars(target).items() if v is not None},

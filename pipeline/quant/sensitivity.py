@@ -29,8 +29,9 @@ and its outlier variants.
 The fallback pick (:func:`smallest_fallback`): the pieces in ranked order, the shortest prefix whose
 fallback (those pieces left float / their latent bf16, every other piece quantized) meets a
 :class:`Target`: agreement >= ``min_agreement``, mean KL <= ``max_kl``, perplexity change <=
-``max_ppl_delta_pct``, every given bound at once. It assumes the figure improves as more pieces fall back
-(true of the ranked prefixes in practice, not guaranteed): it checks none and all, then bisects, about
+``max_ppl_delta_pct``, every layer's attention SQNR >= ``min_attn_sqnr_db``, every given bound at once. It
+assumes the figure improves as more pieces fall back (true of the ranked prefixes in practice, not
+guaranteed): it checks none and all, then bisects, about
 log2(n) + 2 full passes over the samples, and returns every evaluation it made. When even all falling back
 misses the target (the other kind's pieces may be the problem), ``met`` is False and the set is all of them.
 """
@@ -132,47 +133,87 @@ def quantized(model: DeepseekV3ForCausalLM, params: FakeQuantParams) -> Iterator
 # ----- the float reference and end-to-end figures ---------------------------------------------------
 @dataclass
 class Metrics:
+    """End-to-end figures of one measurement; with the attention captured (FloatReference), the lowest
+    per-layer attention SQNR (``min_attn_sqnr_db``, inf when no layer has any error) and its layer."""
+
     agreement: float
     kl_mean: float
     kl_p99: float
     ppl_delta_pct: float
     tokens: int
+    min_attn_sqnr_db: Optional[float] = None
+    min_attn_layer: Optional[int] = None
 
     def to_dict(self) -> dict:
-        return {"agreement": self.agreement, "kl_mean": self.kl_mean, "kl_p99": self.kl_p99,
-                "ppl_delta_pct": self.ppl_delta_pct, "tokens": self.tokens}
+        out = {"agreement": self.agreement, "kl_mean": self.kl_mean, "kl_p99": self.kl_p99,
+               "ppl_delta_pct": self.ppl_delta_pct, "tokens": self.tokens}
+        if self.min_attn_sqnr_db is not None:      # JSON has no inf: no error is written as null
+            out["min_attn_sqnr_db"] = self.min_attn_sqnr_db if math.isfinite(self.min_attn_sqnr_db) else None
+            out["min_attn_layer"] = self.min_attn_layer
+        return out
 
 
 class FloatReference:
     """The float model's next-token log-probabilities on each sample (kept: every measurement compares
     with them; memory tokens x vocab x 4 bytes). ``model`` is what the pieces are installed on; the
     log-probabilities come from ``reference`` when given (the source's float model, where ``model`` is a
-    written output's dequantized model: pipeline.quant.fallback), else from ``model`` itself."""
+    written output's dequantized model: pipeline.quant.fallback), else from ``model`` itself.
+
+    With ``attention``, the float model's residual input, (cos, sin) and output of every attention block
+    (the MTP layer's too, when both models have one) are kept as well (memory 2 x tokens x hidden x 4 bytes
+    per layer), and each measurement adds the per-layer attention SQNR that pipeline.quant.evaluate reports
+    as ``attn_sqnr_db``: the float residual input through the measured model's block, against the float
+    block's output."""
 
     def __init__(self, model: DeepseekV3ForCausalLM, samples: Sequence[Sequence[int]],
-                 reference: Optional[DeepseekV3ForCausalLM] = None):
+                 reference: Optional[DeepseekV3ForCausalLM] = None, attention: bool = False):
+        from pipeline.quant.evaluate import FloatCapture
+
         if not samples or any(len(s) < 2 for s in samples):
             raise ValueError("samples: need at least one sample, each of two tokens or more")
         self.model = model
         self.ids = [torch.tensor([list(s)], device=model.lm_head.weight.device) for s in samples]
+        ref_model = model if reference is None else reference
+        mtp = bool(model.mtp_layers) and bool(ref_model.mtp_layers)
+        self.logp, self.attn = [], []
         with torch.no_grad():
-            self.logp = [(model if reference is None else reference)(x[:, :-1]).float().log_softmax(-1) for x in self.ids]
+            for x in self.ids:
+                cap = FloatCapture(ref_model)
+                with ExitStack() as stack:
+                    if attention:
+                        stack.enter_context(cap)
+                    logits, hidden = ref_model(x[:, :-1], return_hidden=True)
+                    if attention and mtp and x.shape[1] > 2:
+                        ref_model.mtp(hidden[:, :-1], x[:, 1:-1])
+                self.logp.append(logits.float().log_softmax(-1))
+                if attention:
+                    self.attn.append({i: (cap.h_in[i], cap.rope[i], cap.attn[i]) for i in cap.attn})
         self.nll = sum(-lp.gather(-1, x[:, 1:, None]).sum().item() for lp, x in zip(self.logp, self.ids))
         self.tokens = sum(x.shape[1] - 1 for x in self.ids)
 
     @torch.no_grad()
     def measure(self, params: FakeQuantParams) -> Metrics:
         """Agreement, KL and perplexity change of the model with ``params`` installed."""
+        from pipeline.quant.evaluate import isolated_attention
+
         kls, agree, nll = [], 0, 0.0
+        sqnr: dict[int, list] = {}
+        rot = getattr(self.model, "global_rotation", None)
+        layers = {layer.layer_id: layer for layer in self.model.model.layers}
         with quantized(self.model, params) as m:
-            for x, ref in zip(self.ids, self.logp):
+            for k, (x, ref) in enumerate(zip(self.ids, self.logp)):
                 lp = m(x[:, :-1]).float().log_softmax(-1)
                 kls.append((ref.exp() * (ref - lp)).sum(-1).flatten().clamp_min(0))
                 agree += (lp.argmax(-1) == ref.argmax(-1)).sum().item()
                 nll -= lp.gather(-1, x[:, 1:, None]).sum().item()
+                for i, (h, rope, out) in (self.attn[k].items() if self.attn else ()):
+                    if i in layers:
+                        _acc(sqnr.setdefault(i, [0.0, 0.0]), out, isolated_attention(layers[i], h, rope, rot))
         kl = torch.cat(kls).double()
+        worst = min(sqnr, key=lambda i: (_db(sqnr[i]), i)) if sqnr else None
         return Metrics(agree / self.tokens, kl.mean().item(), torch.quantile(kl, 0.99).item(),
-                       100 * (math.exp((nll - self.nll) / self.tokens) - 1), self.tokens)
+                       100 * (math.exp((nll - self.nll) / self.tokens) - 1), self.tokens,
+                       _db(sqnr[worst]) if sqnr else None, worst)
 
 
 # ----- costs ---------------------------------------------------------------------------------------------
@@ -388,17 +429,23 @@ class Target:
     min_agreement: Optional[float] = None
     max_kl: Optional[float] = None
     max_ppl_delta_pct: Optional[float] = None
+    min_attn_sqnr_db: Optional[float] = None
 
     def __post_init__(self):
-        if self.min_agreement is None and self.max_kl is None and self.max_ppl_delta_pct is None:
-            raise ValueError("target: give at least one of min_agreement, max_kl, max_ppl_delta_pct")
+        if all(v is None for v in vars(self).values()):
+            raise ValueError("target: give at least one of min_agreement, max_kl, max_ppl_delta_pct, "
+                             "min_attn_sqnr_db")
         if self.min_agreement is not None and not 0 <= self.min_agreement <= 1:
             raise ValueError(f"target: min_agreement must be in [0, 1], got {self.min_agreement}")
 
     def met(self, m: Metrics) -> bool:
+        if self.min_attn_sqnr_db is not None and m.min_attn_sqnr_db is None:
+            raise ValueError("target: min_attn_sqnr_db asks for the attention SQNR; measure with a "
+                             "FloatReference(..., attention=True)")
         return ((self.min_agreement is None or m.agreement >= self.min_agreement)
                 and (self.max_kl is None or m.kl_mean <= self.max_kl)
-                and (self.max_ppl_delta_pct is None or m.ppl_delta_pct <= self.max_ppl_delta_pct))
+                and (self.max_ppl_delta_pct is None or m.ppl_delta_pct <= self.max_ppl_delta_pct)
+                and (self.min_attn_sqnr_db is None or m.min_attn_sqnr_db >= self.min_attn_sqnr_db))
 
 
 @dataclass
