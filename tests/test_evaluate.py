@@ -43,6 +43,9 @@ MIN_MATCHED_WEIGHT_DB = 35.0
 DEQUANT_WITH_BIASES_DB = 45.0
 # The target for the trained embedded model: W8A8 + FA3 perplexity within 2% of float.
 PPL_TARGET_PCT = 2.0
+# the KL of a near-float output is ~1e-5: float32 log-softmax rounding, which differs between the
+# evaluation's batches and one direct batch (and between AVX2 and AVX-512 kernels), moves it by ~1e-9
+KL_ABS_TOL = 1e-8
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +140,8 @@ def test_figures_against_a_direct_computation(tiny_float, fixture_windows):
     assert math.isclose(row["perplexity"], math.exp(nll(lq)), rel_tol=1e-5)
     assert math.isclose(res.summary[0]["perplexity"], math.exp(nll(lf)), rel_tol=1e-5)
     assert row["agreement"] == pytest.approx((lf.argmax(-1) == lq.argmax(-1)).double().mean().item(), abs=1e-6)
-    assert row["kl_mean"] == pytest.approx(kl.mean().item(), rel=1e-4)
-    assert row["kl_p99"] == pytest.approx(torch.quantile(kl, 0.99).item(), rel=1e-4)
+    assert row["kl_mean"] == pytest.approx(kl.mean().item(), rel=1e-4, abs=KL_ABS_TOL)
+    assert row["kl_p99"] == pytest.approx(torch.quantile(kl, 0.99).item(), rel=1e-4, abs=KL_ABS_TOL)
     assert res.linears == []
 
 
