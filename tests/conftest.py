@@ -10,6 +10,7 @@ over 1.5 s in a fast-tier run: scripts/slow_tests.py keeps the list)."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,31 @@ def embedded_quantized(tmp_path_factory) -> str:
 
     dst = str(tmp_path_factory.mktemp("embedded-quantized") / "q")
     quantize_checkpoint(str(EMBEDDED_MODEL_DIR), dst, Recipe(), QuantizeOptions(), log=lambda m: None)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def calib4(tmp_path_factory) -> str:
+    """The first four texts of tests/fixtures/calib.json as a calibration file, for the tests whose property
+    (an equality of two runs on the same texts, a format, a failure) holds for any texts; read-only."""
+    from tiny import first_texts
+
+    path = tmp_path_factory.mktemp("calib4") / "calib.json"
+    path.write_text(json.dumps(first_texts(4)))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_quantized(tmp_path_factory) -> str:
+    """tests/fixtures' tiny checkpoint quantized with the default recipe and options on
+    tests/fixtures/calib.json, once per session; read-only (copy it where a test writes)."""
+    from pipeline.quant.recipe import Recipe
+    from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+    from tiny import FIXTURES, TINY_FIXTURE
+
+    dst = str(tmp_path_factory.mktemp("tiny-quantized") / "q")
+    quantize_checkpoint(str(TINY_FIXTURE), dst, Recipe(), QuantizeOptions(calib_path=str(FIXTURES / "calib.json")),
+                        log=lambda m: None)
     return dst
 
 

@@ -10,17 +10,12 @@ from pipeline.engine.worker.loader import load_quantized
 from pipeline.engine.layers.moe import Int8MoE, can_fuse
 from pipeline.engine.layers.qlinear import EXACT, FAST
 from pipeline.model.ffn import MoE
-from pipeline.quant.recipe import Recipe
-from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
-from tiny import FIXTURES, TINY_FIXTURE
 
 
 @pytest.fixture(scope="module")
-def qdir(tmp_path_factory):
-    dst = tmp_path_factory.mktemp("moe") / "q"
-    quantize_checkpoint(str(TINY_FIXTURE), str(dst), Recipe(),
-                        QuantizeOptions(calib_path=str(FIXTURES / "calib.json")), log=lambda m: None)
-    return str(dst)
+def qdir(tiny_quantized):
+    """The tiny fixture quantized with the default recipe (conftest's session copy; read-only)."""
+    return tiny_quantized
 
 
 def _moes(model) -> dict[str, torch.nn.Module]:

@@ -27,7 +27,7 @@ from pipeline.quant.qparams import fa_scale, static_activation_params
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
 from pipeline.io.safetensors_io import itemsize
-from tiny import FIXTURES, TINY_FIXTURE
+from tiny import TINY_FIXTURE
 
 
 def FloatRecipe(**kw) -> Recipe:
@@ -35,7 +35,6 @@ def FloatRecipe(**kw) -> Recipe:
     two-pass reference; msModelSlim's layer-by-layer passes are tests/test_msmodelslim_recipes.py's."""
     return Recipe(calibration="float", **kw)
 
-CALIB = str(FIXTURES / "calib.json")
 TIMINGS = ("calibration_s", "quantize_write_s", "bytes_read", "rchar")  # what may differ between the modes
 
 
@@ -99,13 +98,13 @@ def test_every_recipe_family_on_the_embedded_model(tmp_path, small_calib, recipe
 
 
 @pytest.mark.parametrize("recipe", [FloatRecipe(), FloatRecipe(smooth=True, quantize_mtp=True)], ids=["default", "smooth-mtp"])
-def test_fp8_source(tmp_path, recipe):
+def test_fp8_source(tmp_path, recipe, calib4):
     """One read feeds both uses of an FP8 layer: its deferred weights dequantized for the forward, and
-    quantized straight from their codes by the weight phase."""
+    quantized straight from their codes by the weight phase (both modes on the same four texts)."""
     fp8 = tmp_path / "fp8"
     write_fp8_copy(str(TINY_FIXTURE), str(fp8), shards=2)
     assert any(CheckpointReader(str(fp8)).header(n)[0] == "F8_E4M3" for n in CheckpointReader(str(fp8)).tensor_names())
-    sa, sb = both(fp8, tmp_path, recipe, QuantizeOptions(calib_path=CALIB))
+    sa, sb = both(fp8, tmp_path, recipe, QuantizeOptions(calib_path=calib4))
     assert sb["bytes_read"] == stored_bytes(fp8) and sa["bytes_read"] == 2 * sb["bytes_read"]
 
 

@@ -33,8 +33,8 @@ def run(args, env, timeout=300):
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
 
-def test_quantize_stages_2_without_address_runs_on_a_private_ray_beside_a_users_head(head, tmp_path):
-    r = run(["-m", "jobs.quantize", "--no-progress", "--model-path", str(TINY_FIXTURE),
+def test_quantize_stages_2_without_address_runs_on_a_private_ray_beside_a_users_head(head, tmp_path, calib4):
+    r = run(["-m", "jobs.quantize", "--no-progress", "--model-path", str(TINY_FIXTURE), "--calib-data", calib4,
              "--save-path", str(tmp_path / "q"), "--stages", "2"], head.env())
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "ray: started a private local Ray for this job" in r.stdout

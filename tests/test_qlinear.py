@@ -34,8 +34,7 @@ from pipeline.quant import qparams
 from pipeline.format.description import W8A8, W8A8_DYNAMIC
 from pipeline.format.reader import read_quantized
 from pipeline.quant.fakequant import QuantLinear
-from pipeline.quant.recipe import Recipe
-from pipeline.quant.run import QuantizeOptions, calibration_samples, quantize_checkpoint
+from pipeline.quant.run import QuantizeOptions, calibration_samples
 from tiny import FIXTURES, TINY_FIXTURE
 
 OUTPUT_ULPS = 0                 # reference mode vs fake-quant reference: bit-identical (module docstring)
@@ -51,11 +50,10 @@ DYNAMIC_NAME = "model.layers.0.mlp.gate_proj"
 
 # ----- fixtures: one real quantized directory, real activations ------------------------------------
 @pytest.fixture(scope="module")
-def quantized(tmp_path_factory):
-    """(types, tensors) of the tiny fixture quantized by the project's quantizer (seed dialect, bf16)."""
-    dst = tmp_path_factory.mktemp("qlinear") / "q"
-    quantize_checkpoint(str(TINY_FIXTURE), str(dst), Recipe(), OPTS, log=lambda m: None)
-    _, types, tensors = read_quantized(str(dst))
+def quantized(tiny_quantized):
+    """(types, tensors) of the tiny fixture quantized by the project's quantizer (seed dialect, bf16, on
+    OPTS's texts: conftest's session copy)."""
+    _, types, tensors = read_quantized(tiny_quantized)
     return types, tensors
 
 

@@ -49,7 +49,7 @@ def test_job_reproduces_msmodelslim_integers(tmp_path):
         assert ours[k].dtype == ref[k].dtype and torch.equal(ours[k], ref[k]), k
 
 
-def test_fp8_source_gives_the_same_output_as_its_bf16_dequantization(tmp_path):
+def test_fp8_source_gives_the_same_output_as_its_bf16_dequantization(tmp_path, calib4):
     fp8 = tmp_path / "fp8"
     write_fp8_copy(str(TINY_FIXTURE), str(fp8), shards=2)
     # the same weights as a plain bf16 checkpoint: dequantize the FP8 copy and save it
@@ -62,8 +62,9 @@ def test_fp8_source_gives_the_same_output_as_its_bf16_dequantization(tmp_path):
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(deq / "model.safetensors"))
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (deq / f).write_bytes((TINY_FIXTURE / f).read_bytes())
-    quantize_checkpoint(str(fp8), str(tmp_path / "a"), Recipe(), OPTS, log=lambda m: None)
-    quantize_checkpoint(str(deq), str(tmp_path / "b"), Recipe(), OPTS, log=lambda m: None)
+    opts = dataclasses.replace(OPTS, calib_path=calib4)  # both on the same texts: any texts
+    quantize_checkpoint(str(fp8), str(tmp_path / "a"), Recipe(), opts, log=lambda m: None)
+    quantize_checkpoint(str(deq), str(tmp_path / "b"), Recipe(), opts, log=lambda m: None)
     a, b = weights(tmp_path / "a"), weights(tmp_path / "b")
     assert set(a) == set(b)
     for k in a:
@@ -71,10 +72,11 @@ def test_fp8_source_gives_the_same_output_as_its_bf16_dequantization(tmp_path):
     assert "quantization_config" not in (tmp_path / "a" / "config.json").read_text()
 
 
-def test_smoothing_keeps_the_format(tmp_path):
+def test_smoothing_keeps_the_format(tmp_path, calib4):
     plain, smooth = tmp_path / "plain", tmp_path / "smooth"
-    quantize_checkpoint(str(TINY_FIXTURE), str(plain), Recipe(), OPTS, log=lambda m: None)
-    quantize_checkpoint(str(TINY_FIXTURE), str(smooth), Recipe(smooth=True), OPTS, log=lambda m: None)
+    opts = dataclasses.replace(OPTS, calib_path=calib4)  # both on the same texts: any texts
+    quantize_checkpoint(str(TINY_FIXTURE), str(plain), Recipe(), opts, log=lambda m: None)
+    quantize_checkpoint(str(TINY_FIXTURE), str(smooth), Recipe(smooth=True), opts, log=lambda m: None)
     assert check_dir(str(smooth)).ok
     a, b = weights(plain), weights(smooth)
     assert {k: (v.dtype, v.shape) for k, v in a.items()} == {k: (v.dtype, v.shape) for k, v in b.items()}
@@ -83,12 +85,12 @@ def test_smoothing_keeps_the_format(tmp_path):
                            b["model.layers.1.self_attn.kv_a_layernorm.weight"])
 
 
-def test_crash_mid_run_leaves_nothing_that_looks_complete(tmp_path, monkeypatch):
+def test_crash_mid_run_leaves_nothing_that_looks_complete(tmp_path, monkeypatch, calib4):
     dst = tmp_path / "q"
     fail_quantize_layer(monkeypatch, 2)
     with pytest.raises(RuntimeError, match="injected failure"):
-        quantize_checkpoint(str(TINY_FIXTURE), str(dst), Recipe(), dataclasses.replace(OPTS, shard_bytes=200_000),
-                            log=lambda m: None)
+        quantize_checkpoint(str(TINY_FIXTURE), str(dst), Recipe(),
+                            dataclasses.replace(OPTS, calib_path=calib4, shard_bytes=200_000), log=lambda m: None)
     left = sorted(p.name for p in dst.iterdir()) if dst.exists() else []
     assert not any(n.endswith(".index.json") or n == "quant_model_description.json" or
                    n.startswith("quant_model_weight") for n in left), left
@@ -100,9 +102,9 @@ def run_job(*args):
                           capture_output=True, text=True, timeout=600)
 
 
-def test_cli_msmodelslim_spellings_and_errors(tmp_path):
+def test_cli_msmodelslim_spellings_and_errors(tmp_path, calib4):
     dst = tmp_path / "out"
-    r = run_job("--model_path", str(TINY_FIXTURE), "--save_path", str(dst), "--calib_file", CALIB, "--fa_quant",
+    r = run_job("--model_path", str(TINY_FIXTURE), "--save_path", str(dst), "--calib_file", calib4, "--fa_quant",
                 "--mindie_format", "--fa_exclude_layers", "0", "--batch_size", "4")
     assert r.returncode == 0, r.stderr
     # the seed's command keeps msModelSlim's FA3 list of the model its path names: "V3" is in

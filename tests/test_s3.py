@@ -43,6 +43,12 @@ def upload(local_dir, url: str) -> str:
 
 
 @pytest.fixture(scope="module")
+def opts(calib4) -> QuantizeOptions:
+    """OPTS on four texts: each test compares runs on the same texts (or a failure), which any texts show."""
+    return dataclasses.replace(OPTS, calib_path=calib4)
+
+
+@pytest.fixture(scope="module")
 def s3_tiny(s3) -> str:
     """The tiny fixture checkpoint, uploaded: ``s3://<bucket>/tiny``."""
     return upload(TINY_FIXTURE, storage.join(s3.bucket("src"), "tiny"))
@@ -202,12 +208,12 @@ def _comparable(files: dict[str, bytes]) -> dict:
     return out
 
 
-def test_quantize_to_and_from_s3_equals_local(s3, s3_tiny, tmp_path):
+def test_quantize_to_and_from_s3_equals_local(s3, s3_tiny, tmp_path, opts):
     ref, from_s3 = tmp_path / "ref", tmp_path / "from_s3"
     to_s3 = storage.join(s3.bucket("quant"), "out")
-    quantize_checkpoint(str(TINY_FIXTURE), str(ref), Recipe(), OPTS, log=quiet)
-    quantize_checkpoint(str(TINY_FIXTURE), to_s3, Recipe(), OPTS, log=quiet)
-    quantize_checkpoint(s3_tiny, str(from_s3), Recipe(), OPTS, log=quiet)
+    quantize_checkpoint(str(TINY_FIXTURE), str(ref), Recipe(), opts, log=quiet)
+    quantize_checkpoint(str(TINY_FIXTURE), to_s3, Recipe(), opts, log=quiet)
+    quantize_checkpoint(s3_tiny, str(from_s3), Recipe(), opts, log=quiet)
     want = tree(str(ref))
     assert "quant_model_weight_w8a8.safetensors.index.json" in want  # sharded: parts renamed on S3
     assert _comparable(tree(to_s3)) == _comparable(want)
@@ -217,11 +223,11 @@ def test_quantize_to_and_from_s3_equals_local(s3, s3_tiny, tmp_path):
     assert report.ok, report.to_text()
 
 
-def test_crash_mid_write_to_s3_leaves_nothing_that_looks_complete(s3, monkeypatch):
+def test_crash_mid_write_to_s3_leaves_nothing_that_looks_complete(s3, monkeypatch, opts):
     dst = storage.join(s3.bucket("crash"), "out")
     fail_quantize_layer(monkeypatch, 2)
     with pytest.raises(RuntimeError, match="injected failure"):
-        quantize_checkpoint(str(TINY_FIXTURE), dst, Recipe(), dataclasses.replace(OPTS, shard_bytes=200_000),
+        quantize_checkpoint(str(TINY_FIXTURE), dst, Recipe(), dataclasses.replace(opts, shard_bytes=200_000),
                             log=quiet)
     left = storage.listdir(dst) if storage.exists(dst) else []
     assert left == [], left  # the parts written before the failure were removed too

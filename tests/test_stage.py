@@ -14,9 +14,8 @@ from pipeline.quant.recipe import Recipe
 from pipeline.quant.run import QuantizeOptions, calibrate, calibration_samples
 from pipeline.quant.stage import SMOOTH, STATS, Stage, even_ranges, split_stages
 from pipeline.quant.smooth import ChannelAbsMax
-from tiny import FIXTURES, TINY_FIXTURE
+from tiny import TINY_FIXTURE
 
-OPTS = QuantizeOptions(calib_path=str(FIXTURES / "calib.json"))
 SRC = str(TINY_FIXTURE)
 
 
@@ -39,12 +38,36 @@ def merge_smooth(parts) -> dict[str, ChannelAbsMax]:
     return acc
 
 
-@pytest.mark.parametrize("recipe", [Recipe(), Recipe(quantize_mtp=True, smooth=True)], ids=["plain", "smooth-mtp"])
+RECIPES = {"plain": Recipe(), "smooth-mtp": Recipe(quantize_mtp=True, smooth=True)}
+
+
+@pytest.fixture(scope="module")
+def opts(calib4) -> QuantizeOptions:
+    """Four texts: the stages' statistics equal the whole model's on any texts."""
+    return QuantizeOptions(calib_path=calib4)
+
+
+@pytest.fixture(scope="module")
+def whole(opts):
+    """The whole model's calibration of a recipe (statistics, smoothing statistics), once per recipe: the
+    reference every split of that recipe must give; read-only."""
+    done: dict = {}
+
+    def get(name: str):
+        if name not in done:
+            done[name] = calibrate(SRC, RECIPES[name], opts)
+        return done[name]
+
+    return get
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("n_stages", [1, 2, 3])
-def test_stages_compose_to_the_whole_model_bit_for_bit(n_stages, recipe):
+def test_stages_compose_to_the_whole_model_bit_for_bit(n_stages, recipe, opts, whole):
     cfg = CheckpointReader(SRC).config
-    samples = calibration_samples(SRC, OPTS, cfg.max_position_embeddings)
-    want, want_smooth = calibrate(SRC, recipe, OPTS)
+    samples = calibration_samples(SRC, opts, cfg.max_position_embeddings)
+    want, want_smooth = whole(recipe)
+    recipe = RECIPES[recipe]
 
     specs = split_stages(cfg.num_hidden_layers, cfg.mtp_layer_ids, even_ranges(cfg.num_hidden_layers, n_stages))
     stages = [Stage(SRC, sp, recipe) for sp in specs]
@@ -55,7 +78,7 @@ def test_stages_compose_to_the_whole_model_bit_for_bit(n_stages, recipe):
         for k, v in smooth.items():
             assert torch.equal(v.value, want_smooth[k].value), k
         for st in stages:
-            st.apply_smoothing(smooth, OPTS.smooth_alpha)
+            st.apply_smoothing(smooth, opts.smooth_alpha)
     got = Stats({})
     for part in run_stages(stages, STATS, samples):
         got = got.merge(part)

@@ -31,6 +31,11 @@ TINY = {
 }
 
 
+def first_texts(n: int) -> list[str]:
+    """The first ``n`` calibration texts of fixtures/calib.json."""
+    return json.loads((FIXTURES / "calib.json").read_text())[:n]
+
+
 def tiny_config(**overrides) -> dict:
     cfg = copy.deepcopy(TINY)
     cfg.update(overrides)
