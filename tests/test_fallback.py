@@ -183,3 +183,36 @@ def test_target_parsing():
                      ("ppl=nan", "finite number")):
         with pytest.raises(QuantError, match=msg):
             parse_target(bad)
+
+
+def test_float_weights_are_what_the_probe_quantized(tmp_path):
+    """The probe's on_layer hook keeps each quantized linear's float weight as the recipe quantizes it
+    (smoothed, not the source's): quantized per channel again, it gives the written int8 weight exactly;
+    installed, it replaces the dequantized placeholder, so a linear that falls back is measured in float."""
+    from pipeline.io.checkpoint import CheckpointReader
+    from pipeline.quant.fallback import FloatWeights
+    from pipeline.quant.qparams import quantize_weight_per_channel
+    from pipeline.quant.recipe import Recipe
+    from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+    from pipeline.quant.steps import IterSmooth
+
+    src, dst = tmp_path / "variant", tmp_path / "q"
+    write_variant(EMBEDDED_MODEL_DIR, str(src), VariantSpec(seed=12), log=lambda m: None, check=False)
+    recipe = Recipe(steps=(IterSmooth(alpha=0.5, symmetric=False, enable_subgraph_type=("norm-linear", "ov")),))
+    weights = FloatWeights(CheckpointReader(str(src)).config, recipe)
+    quantize_checkpoint(str(src), str(dst), recipe, QuantizeOptions(calib_path=CALIB, estimate=False),
+                        log=lambda m: None, on_layer=weights)
+    _, types, tensors = read_quantized(str(dst))
+    quantized = sorted(n for n, k in types.items() if n.endswith(".weight") and k not in (FLOAT, FAQUANT))
+    assert quantized and sorted(n for n in weights.tensors if n.endswith(".weight")) == quantized
+    source = load_model(str(src), dtype=torch.bfloat16, device="cpu").state_dict()
+    moved = 0
+    for name in quantized:
+        q, ws, _ = quantize_weight_per_channel(weights.tensors[name], name)
+        assert torch.equal(q, tensors[name]), name
+        moved += not torch.equal(weights.tensors[name], source[name])
+    assert moved > 0                                      # the smoothing is in them
+    model = load_fakequant_model(str(dst), w8a8=False, fa3=False)
+    weights.install(model)
+    for name in quantized:
+        assert torch.equal(model.get_parameter(name), weights.tensors[name].float()), name

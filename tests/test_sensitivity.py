@@ -17,7 +17,7 @@ from pipeline.quant.recipe import FLOAT_PASS, Recipe
 from pipeline.quant.run import QuantizeOptions, calibrate, quantize_checkpoint
 from pipeline.quant.sensitivity import (
     FakeQuantParams, FloatReference, Target, expert_groups, fa3_costs, linear_costs, quantized,
-    rank_correlation, smallest_fallback,
+    attention_layer, rank_correlation, smallest_fallback,
 )
 from pipeline.quant.variant_writer import write_variant
 from tiny import FIXTURES, TINY_FIXTURE
@@ -169,11 +169,21 @@ def test_attention_sqnr_is_the_evaluations(setup):
     floor = att.measure(params.without(linears=list(params.linears))).min_attn_sqnr_db
     goal = Target(min_attn_sqnr_db=(got.min_attn_sqnr_db + floor) / 2)
     groups = expert_groups(list(params.linears))
+    assert min(att.attention_sqnr(params).values()) == pytest.approx(got.min_attn_sqnr_db, abs=1e-9)
     pick = smallest_fallback(att, params, ranked, goal, "linear", groups)
-    tried = dict(pick.tried)
     n = len(pick.keys)
     assert pick.met and pick.metrics.min_attn_sqnr_db >= goal.min_attn_sqnr_db and 0 < n < len(ranked)
-    assert not goal.met(tried[n - 1])
+    # the attention bound alone is met from the blocks: the pick is what it forced, attention pieces only,
+    # per layer the shortest ranked prefix of that layer's own pieces that lifts it to the bound
+    assert pick.keys == pick.forced and all(attention_layer(k, "linear", groups) is not None for k in pick.keys)
+    for i in {attention_layer(k, "linear", groups) for k in pick.keys}:
+        mine = [c.key for c in ranked if attention_layer(c.key, "linear", groups) == i]
+        kept = [k for k in pick.keys if k in mine]
+        assert kept == mine[:len(kept)]
+        fewer = [m for k in pick.keys if k != kept[-1] for m in groups[k]]
+        assert att.attention_sqnr(params.without(linears=fewer), [i])[i] < goal.min_attn_sqnr_db
+    assert [k for k in ranked if attention_layer(k.key, "linear", groups) is None] and \
+        not any(attention_layer(k, "linear", groups) is None for k in pick.keys)     # no MLP piece was needed
     assert pick.to_dict()["metrics"]["min_attn_sqnr_db"] == pytest.approx(pick.metrics.min_attn_sqnr_db)
     with pytest.raises(ValueError, match="min_attn_sqnr_db asks for the attention SQNR"):
         goal.met(ref.measure(params))

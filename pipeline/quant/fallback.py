@@ -12,19 +12,23 @@ and quantizes again with the recipe amended; that amended recipe is what the out
   ``kv_a_proj_with_mqa`` fall back together (``model.layers.5.self_attn.{q_a_proj,kv_a_proj_with_mqa}``),
   since runtimes fuse the two and the format wants one type for both.
 
-What is measured: on the probe's own model (its float tensors, biases and rotation, each quantized linear
-computing with its dequantized weight on float activations), each piece is put back to its quantized form
-and compared with the source's float model on the calibration samples (pipeline.quant.sensitivity):
+What is measured: on the probe's own model (its float tensors, biases and rotation, and each quantized
+linear with the float weight it was quantized from, smoothed and rotated as the recipe has it, kept while
+the probe is written: :class:`FloatWeights`), each piece is put back to its quantized form and compared with
+the source's float model on the calibration samples (pipeline.quant.sensitivity). A linear that falls back
+is then measured as the output writes it (its float weight), not as its dequantized int8 weight, whose
+error is large where smoothing has scaled outlier columns up:
 - FA3 layers, ranked by the ``sqnr`` proxy (the attention output with the int8 latent against the residual
   stream it joins); the pick is judged with the linears unquantized, so it is the latent's share alone;
 - linears (and expert groups), ranked by the ``residual`` proxy (their block rerun with only them
   quantized); the pick is judged on the whole model with the FA3 pick applied.
 
-``auto`` takes the shortest ranked prefix that meets :data:`TARGET` or ``--fallback-target`` (the module doc of
-pipeline.quant.sensitivity says how it searches); ``N`` the N costliest; ``none`` nothing. The default target
-(agreement >= 97%, perplexity within +1%, every layer's attention output SQNR >= 32 dB) is stricter than the
-project's goals (agreement >= 95%, perplexity within +2%, attention SQNR >= 30 dB on held-out text) because
-the calibration texts are not the evaluation texts and the final output is calibrated again.
+``auto`` takes what each layer's attention bound needs, then the shortest ranked prefix of the rest that
+meets :data:`TARGET` or ``--fallback-target`` (the module doc of pipeline.quant.sensitivity says how it
+searches); ``N`` the N costliest; ``none`` nothing. The default target (agreement >= 97%, perplexity
+within +1%, every layer's attention output SQNR >= 32 dB) is stricter than the project's goals (agreement
+>= 95%, perplexity within +2%, attention SQNR >= 30 dB on held-out text) because the calibration texts are
+not the evaluation texts and the final output is calibrated again.
 ``fallback.json`` in the output records the picks, each piece's cost, the target and the figures measured.
 """
 
@@ -133,9 +137,40 @@ def fallback_groups(names: list[str]) -> dict[str, list[str]]:
     return out
 
 
+class FloatWeights:
+    """``on_layer`` hook of the probe's quantize_checkpoint: keeps the float weight (and bias) of each linear
+    the recipe quantizes, as it is quantized; :meth:`install` puts them in the probe's model."""
+
+    def __init__(self, cfg, recipe: Recipe):
+        self.cfg, self.recipe = cfg, recipe
+        self.tensors: dict = {}
+
+    def __call__(self, layer_id: int, tensors: dict) -> None:
+        from pipeline.format.description import QUANT_KINDS
+        from pipeline.io.fp8 import BlockRows
+
+        for p, kind in self.recipe.layer_types(self.cfg, layer_id).items():
+            if kind in QUANT_KINDS:
+                for name in (p + ".weight", p + ".bias"):
+                    t = tensors.get(name)
+                    if t is not None:
+                        self.tensors[name] = t.materialize() if isinstance(t, BlockRows) else t.detach().clone()
+
+    def install(self, model) -> None:
+        import torch
+
+        for name, t in self.tensors.items():
+            parent, leaf = name.rsplit(".", 1)
+            mod = model.get_submodule(parent)
+            like = mod.weight
+            setattr(mod, leaf, torch.nn.Parameter(t.to(like.device, like.dtype), requires_grad=False))
+
+
 def choose(src: str, probe: str, samples: list[list[int]], fa: Choice, linear: Choice, target: Target = TARGET,
-           log: Callable[[str], None] = print) -> dict:
-    """Measure the probe output ``probe`` of ``src`` on ``samples`` and pick (module doc): the report."""
+           log: Callable[[str], None] = print, float_weights: Optional[FloatWeights] = None) -> dict:
+    """Measure the probe output ``probe`` of ``src`` on ``samples`` and pick (module doc): the report.
+    ``float_weights``: the probe's quantized linears' float weights (without them, a linear that falls back
+    is measured with its dequantized int8 weight)."""
     import torch
 
     from pipeline.model.loading import load_model
@@ -143,6 +178,8 @@ def choose(src: str, probe: str, samples: list[list[int]], fa: Choice, linear: C
 
     with torch.no_grad():
         base = load_fakequant_model(probe, w8a8=False, fa3=False)
+        if float_weights is not None:
+            float_weights.install(base)
         ref = FloatReference(base, samples, reference=load_model(src, dtype=torch.float32, device="cpu"),
                              attention=True)
     params = FakeQuantParams.from_dir(probe)
@@ -189,9 +226,11 @@ def quantize_with_fallback(src: str, dst: str, recipe: Recipe, opts, fa: Choice,
     try:
         probe = os.path.join(tmp, "probe")
         log("fallback: quantizing a probe with the recipe as given")
+        weights = FloatWeights(cfg, recipe)
         quantize_checkpoint(src, probe, recipe, replace(opts, overwrite=False, estimate=False, recipe_file=None),
-                            log=lambda m: None)
-        report = choose(src, probe, samples, fa, linear, target, log)
+                            log=lambda m: None, on_layer=weights)
+        report = choose(src, probe, samples, fa, linear, target, log, weights)
+        del weights
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     final = with_fallback(recipe, report.get("fa", {}).get("picked", []), report.get("linear", {}).get("picked", []))

@@ -57,6 +57,9 @@ from pipeline.quant.layerwise import calibrate_layerwise
 from pipeline.quant.writer import QuantizedWriter
 from pipeline.io.safetensors_io import TensorSpec
 
+LayerHook = Callable[[int, dict], None]     # (layer id, its float tensors as quantized): quantize_checkpoint's on_layer
+
+
 def prepare_float_model(src: str, recipe: Recipe, samples: list[list[int]], opts: QuantizeOptions):
     """The float model in the model dtype, smoothed when the recipe says so. Returns (model,
     smoothing statistics or None)."""
@@ -83,22 +86,25 @@ def calibrate(src: str, recipe: Recipe, opts: QuantizeOptions, samples: Optional
 
 
 def quantize_checkpoint(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions = QuantizeOptions(),
-                        log: Callable[[str], None] = print) -> dict:
+                        log: Callable[[str], None] = print, on_layer: Optional[LayerHook] = None) -> dict:
     """Quantize ``src`` into ``dst`` (any fsspec locations); returns the job summary (also in the
     manifest). Every input is checked first (:func:`pipeline.quant.preflight.check_job`); nothing in
     ``dst`` looks complete until the very end, and an earlier output there (``opts.overwrite``) stays
     whole until the new shards are all written. The job holds ``dst``'s lock (:mod:`pipeline.io.dest_lock`)
     from the end of the checks to the end: a second job on the same destination stops with
-    :class:`~pipeline.io.dest_lock.DestinationBusy` and writes nothing."""
+    :class:`~pipeline.io.dest_lock.DestinationBusy` and writes nothing. ``on_layer(layer_id, tensors)``, when
+    given, sees each layer's float tensors as they are quantized (smoothed and rotated as the recipe has
+    them; FP8 weights still as BlockRows)."""
     t0 = time.time()
     rchar0 = _rchar()
     job = check_job(src, dst, recipe, opts)
     with DestinationLock(dst) as lock:  # one job per destination: a second one stops here, naming this one
-        return _quantize_checked(src, dst, recipe, opts, log, job, lock, t0, rchar0)
+        return _quantize_checked(src, dst, recipe, opts, log, job, lock, t0, rchar0, on_layer)
 
 
 def _quantize_checked(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions, log: Callable[[str], None],
-                      job, lock: DestinationLock, t0: float, rchar0: Optional[int]) -> dict:
+                      job, lock: DestinationLock, t0: float, rchar0: Optional[int],
+                      on_layer: Optional[LayerHook] = None) -> dict:
     reader, cfg, md = job.reader, job.reader.config, job.model_dtype
     layerwise = job.needs_calibration and opts.layerwise
     est = announce(reader, recipe, job.samples, opts.device, log, dst=dst, single_read=layerwise) \
@@ -125,13 +131,13 @@ def _quantize_checked(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions,
     with QuantizedWriter(dst, recipe.dialect, model_dtype=md, shard_bytes=opts.shard_bytes,
                          overwrite=opts.overwrite, src=src, guard=lock.ensure) as writer:
         if layerwise:
-            res = quantize_layerwise(reader, writer, recipe, job.samples, opts)
+            res = quantize_layerwise(reader, writer, recipe, job.samples, opts, on_layer)
             summary["calibration_s"] = round(t1 - t0 + res["calibration_s"], 3)
             summary["quantize_write_s"] = round(time.time() - t1 - res["calibration_s"], 3)
             summary["bytes_read"] = res["bytes_read"]
         else:
             quantize_weights(reader, writer, stats, recipe, smooth_stats, opts.smooth_alpha, prefetch=opts.prefetch,
-                             progress=opts.progress)
+                             progress=opts.progress, on_layer=on_layer)
             summary["quantize_write_s"] = round(time.time() - t1, 3)
             summary["bytes_read"] = source_bytes * (2 if job.needs_calibration else 1)  # the float model, then phase 2
         r = _rchar()
@@ -165,7 +171,7 @@ def _rchar() -> Optional[int]:
 
 
 def quantize_layerwise(reader: CheckpointReader, writer: QuantizedWriter, recipe: Recipe,
-                       samples: list[list[int]], opts: QuantizeOptions) -> dict:
+                       samples: list[list[int]], opts: QuantizeOptions, on_layer: Optional[LayerHook] = None) -> dict:
     """The one-read job into an open ``writer`` (not finished here): the globals, then each layer read,
     calibrated and quantized (:func:`pipeline.quant.layerwise.calibrate_layerwise`). Returns its
     {"calibration_s", "bytes_read"}."""
@@ -184,6 +190,8 @@ def quantize_layerwise(reader: CheckpointReader, writer: QuantizedWriter, recipe
         _advance(bar, spec_of[None], done[0], len(units))
 
     def quantize(i: int, tensors: dict, stats: Stats) -> None:
+        if on_layer is not None:
+            on_layer(i, tensors)
         # quantize_layer_pieces looked up here at each call (tests replace it to inject a failure)
         for piece in quantize_layer_pieces(cfg, i, tensors, stats, recipe):
             writer.add(*piece)
@@ -205,7 +213,7 @@ def output_specs(reader: CheckpointReader, recipe: Recipe) -> list[TensorSpec]:
 
 def quantize_weights(reader: CheckpointReader, writer: QuantizedWriter, stats: Stats, recipe: Recipe,
                      smooth_stats: Optional[dict[str, ChannelAbsMax]] = None, smooth_alpha: float = 0.5, *,
-                     prefetch: bool = True, progress: bool = False) -> None:
+                     prefetch: bool = True, progress: bool = False, on_layer: Optional[LayerHook] = None) -> None:
     """Phase 2 into an open ``writer`` (not finished here): the globals, then each layer read,
     smoothed when ``smooth_stats`` is given, quantized and written. The writer is given every output
     tensor first, so it writes each one as it comes. With ``prefetch``, layer i+1 is read and
@@ -224,6 +232,8 @@ def quantize_weights(reader: CheckpointReader, writer: QuantizedWriter, stats: S
     try:
         with closing(prefetched(layer_ids, load, prefetch)) as layers:
             for k, (i, tensors) in enumerate(layers, start=2):
+                if on_layer is not None:
+                    on_layer(i, tensors)
                 for piece in quantize_layer_pieces(cfg, i, tensors, stats, recipe):
                     writer.add(*piece)  # written on the writer's thread while the next piece is computed
                 del tensors  # before the next layer arrives

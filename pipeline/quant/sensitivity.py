@@ -26,14 +26,18 @@ Both return :class:`Cost` lists, most costly first. The proxy's ranking can be c
 :func:`rank_correlation` (Spearman); benchmarks/accuracy_variants.json reports it for the embedded model
 and its outlier variants.
 
-The fallback pick (:func:`smallest_fallback`): the pieces in ranked order, the shortest prefix whose
-fallback (those pieces left float / their latent bf16, every other piece quantized) meets a
-:class:`Target`: agreement >= ``min_agreement``, mean KL <= ``max_kl``, perplexity change <=
-``max_ppl_delta_pct``, every layer's attention SQNR >= ``min_attn_sqnr_db``, every given bound at once. It
-assumes the figure improves as more pieces fall back (true of the ranked prefixes in practice, not
-guaranteed): it checks none and all, then bisects, about
-log2(n) + 2 full passes over the samples, and returns every evaluation it made. When even all falling back
-misses the target (the other kind's pieces may be the problem), ``met`` is False and the set is all of them.
+The fallback pick (:func:`smallest_fallback`) meets a :class:`Target`: agreement >= ``min_agreement``,
+mean KL <= ``max_kl``, perplexity change <= ``max_ppl_delta_pct``, every layer's attention SQNR >=
+``min_attn_sqnr_db``, every given bound at once. The attention bound is per layer and a layer's attention
+output (measured on the float residual) depends on that layer's pieces alone, so it is met first, layer by
+layer, from the attention blocks (:func:`attention_fallback`: each layer below the bound gives up its own
+pieces in ranked order until it meets it). Then the other pieces in ranked order: the shortest prefix whose
+fallback, with those the attention asked for (pieces left float / their latent bf16, every other piece
+quantized), meets the whole target. It assumes the figures improve as more pieces fall back (true of the
+ranked prefixes in practice, not guaranteed): it checks the forced set alone and everything, then bisects,
+about log2(n) + 2 full passes over the samples, and returns every evaluation it made. When even all falling
+back misses the target (the other kind's pieces may be the problem), ``met`` is False and the set is all of
+them.
 """
 
 from __future__ import annotations
@@ -194,26 +198,42 @@ class FloatReference:
     @torch.no_grad()
     def measure(self, params: FakeQuantParams) -> Metrics:
         """Agreement, KL and perplexity change of the model with ``params`` installed."""
-        from pipeline.quant.evaluate import isolated_attention
-
         kls, agree, nll = [], 0, 0.0
-        sqnr: dict[int, list] = {}
-        rot = getattr(self.model, "global_rotation", None)
-        layers = {layer.layer_id: layer for layer in self.model.model.layers}
         with quantized(self.model, params) as m:
-            for k, (x, ref) in enumerate(zip(self.ids, self.logp)):
+            for x, ref in zip(self.ids, self.logp):
                 lp = m(x[:, :-1]).float().log_softmax(-1)
                 kls.append((ref.exp() * (ref - lp)).sum(-1).flatten().clamp_min(0))
                 agree += (lp.argmax(-1) == ref.argmax(-1)).sum().item()
                 nll -= lp.gather(-1, x[:, 1:, None]).sum().item()
-                for i, (h, rope, out) in (self.attn[k].items() if self.attn else ()):
-                    if i in layers:
-                        _acc(sqnr.setdefault(i, [0.0, 0.0]), out, isolated_attention(layers[i], h, rope, rot))
+            sqnr = self._attention_errors()
         kl = torch.cat(kls).double()
         worst = min(sqnr, key=lambda i: (_db(sqnr[i]), i)) if sqnr else None
         return Metrics(agree / self.tokens, kl.mean().item(), torch.quantile(kl, 0.99).item(),
                        100 * (math.exp((nll - self.nll) / self.tokens) - 1), self.tokens,
                        _db(sqnr[worst]) if sqnr else None, worst)
+
+    @torch.no_grad()
+    def attention_sqnr(self, params: FakeQuantParams, layers: Optional[Sequence[int]] = None) -> dict[int, float]:
+        """Per decoder layer (``layers``, default every one): the attention SQNR :meth:`measure` reports, from
+        the attention blocks alone (no full pass)."""
+        if not self.attn:
+            raise ValueError("attention_sqnr: measure with a FloatReference(..., attention=True)")
+        with quantized(self.model, params):
+            return {i: _db(a) for i, a in self._attention_errors(layers).items()}
+
+    def _attention_errors(self, only: Optional[Sequence[int]] = None) -> dict[int, list]:
+        """[signal, noise] energies per layer of the isolated attention blocks, with what is installed now."""
+        from pipeline.quant.evaluate import isolated_attention
+
+        rot = getattr(self.model, "global_rotation", None)
+        layers = {layer.layer_id: layer for layer in self.model.model.layers
+                  if only is None or layer.layer_id in only}
+        out: dict[int, list] = {}
+        for per_sample in self.attn:
+            for i, (h, rope, ref) in per_sample.items():
+                if i in layers:
+                    _acc(out.setdefault(i, [0.0, 0.0]), ref, isolated_attention(layers[i], h, rope, rot))
+        return out
 
 
 # ----- costs ---------------------------------------------------------------------------------------------
@@ -451,16 +471,52 @@ class Target:
 @dataclass
 class Pick:
     """The fallback chosen: ``keys`` (layer ids or module names), whether the target is ``met``, the
-    figures with that fallback, and every (fallback size, figures) evaluated on the way."""
+    figures with that fallback, every (fallback size, figures) evaluated on the way, and the keys the
+    attention bound alone asked for (``forced``: the first ones of ``keys``)."""
 
     keys: list
     met: bool
     metrics: Metrics
     tried: list = field(default_factory=list)
+    forced: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"keys": self.keys, "met": self.met, "metrics": self.metrics.to_dict(),
+        return {"keys": self.keys, "met": self.met, "metrics": self.metrics.to_dict(), "forced": self.forced,
                 "tried": [{"n": n, **m.to_dict()} for n, m in self.tried]}
+
+
+def attention_layer(key: Key, kind: str, groups: Optional[Mapping[str, Sequence[str]]] = None) -> Optional[int]:
+    """The layer whose attention output ``key`` changes: an FA3 layer's id; for a linear or a group, the
+    layer whose ``self_attn`` holds all its members; else None (an MLP piece)."""
+    if kind == "fa":
+        return int(key)
+    names = groups[key] if groups else [key]
+    layers = {int(n.split(".")[2]) for n in names if ".self_attn." in n}
+    return layers.pop() if len(layers) == 1 and all(".self_attn." in n for n in names) else None
+
+
+def attention_fallback(ref: FloatReference, keys: Sequence[Key], target: Target, kind: str,
+                       without: Callable[[list], FakeQuantParams],
+                       groups: Optional[Mapping[str, Sequence[str]]] = None) -> list:
+    """The pieces the per-layer attention bound (``target.min_attn_sqnr_db``) asks for, before any search:
+    a layer's attention output depends on its own pieces only (the float residual goes in), so for each
+    layer below the bound its pieces fall back in ranked order (``keys``) until it meets it, or all of them
+    have. Blocks alone, no full passes. [] when the target sets no such bound."""
+    bound = target.min_attn_sqnr_db
+    if bound is None:
+        return []
+    per_layer: dict[int, list] = {}
+    for k in keys:
+        i = attention_layer(k, kind, groups)
+        if i is not None:
+            per_layer.setdefault(i, []).append(k)
+    out: list = []
+    for i, mine in sorted(per_layer.items()):
+        n = 0
+        while n < len(mine) and ref.attention_sqnr(without(mine[:n]), [i]).get(i, math.inf) < bound:
+            n += 1
+        out.extend(mine[:n])
+    return [k for k in keys if k in out]
 
 
 def smallest_fallback(ref: FloatReference, params: FakeQuantParams, ranked: Sequence[Cost], target: Target,
@@ -469,27 +525,30 @@ def smallest_fallback(ref: FloatReference, params: FakeQuantParams, ranked: Sequ
     fallback meets ``target``, all other pieces of ``params`` quantized (module doc)."""
     if kind not in ("fa", "linear"):
         raise ValueError(f"kind: {kind!r}, expected 'fa' or 'linear'")
-    keys = [c.key for c in ranked]
+    def without(chosen) -> FakeQuantParams:
+        if kind == "fa":
+            return params.without(fa=chosen)
+        return params.without(linears=[m for k in chosen for m in (groups[k] if groups else [k])])
+
+    every = [c.key for c in ranked]
+    forced = attention_fallback(ref, every, target, kind, without, groups)
+    keys = forced + [k for k in every if k not in forced]
     tried: dict[int, Metrics] = {}
 
     def figures(n: int) -> Metrics:
         if n not in tried:
-            chosen = keys[:n]
-            if kind == "fa":
-                p = params.without(fa=chosen)
-            else:
-                p = params.without(linears=[m for k in chosen for m in (groups[k] if groups else [k])])
-            tried[n] = ref.measure(p)
+            tried[n] = ref.measure(without(keys[:n]))
         return tried[n]
 
     def pick(n: int, met: bool) -> Pick:
-        return Pick(keys[:n], met, figures(n), sorted(tried.items()))
+        return Pick(keys[:n], met, figures(n), sorted(tried.items()), forced)
 
-    if target.met(figures(0)):
-        return pick(0, True)
+    lo = len(forced)
+    if target.met(figures(lo)):
+        return pick(lo, True)
     if not target.met(figures(len(keys))):
         return pick(len(keys), False)
-    lo, hi = 0, len(keys)          # lo misses, hi meets
+    hi = len(keys)                 # lo misses, hi meets
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if target.met(figures(mid)):
