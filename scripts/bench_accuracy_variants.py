@@ -74,13 +74,23 @@ def quantize(src: str, dst: Path, flags: list[str]) -> float:
 
 
 def fallback_picks(out: Path) -> dict:
-    """What fell back (fallback.json), or {} without a fallback."""
+    """What fell back (fallback.json), or {} without a fallback; ``fallback_weight_share``: the share of the
+    weights the recipe quantizes (elements) that the fallback keeps bf16."""
+    from pipeline.format.description import QUANT_KINDS
+    from pipeline.format.reader import read_quantized
+    from pipeline.quant.patterns import selected
+
     f = out / "fallback.json"
     if not f.exists():
         return {}
     r = json.loads(f.read_text())
-    return {"fa_fallback_layers": (r.get("fa") or {}).get("picked"),
-            "linear_fallback": (r.get("linear") or {}).get("picked")}
+    picked = (r.get("linear") or {}).get("picked") or []
+    _, types, tensors = read_quantized(str(out))
+    weights = {n[: -len(".weight")]: tensors[n].numel() for n in types if n.endswith(".weight")}
+    quantized = sum(v for n, v in weights.items() if types[n + ".weight"] in QUANT_KINDS)
+    kept = sum(v for n, v in weights.items() if picked and selected(n, tuple(picked), ()))
+    return {"fa_fallback_layers": (r.get("fa") or {}).get("picked"), "linear_fallback": picked,
+            "fallback_weight_share": round(kept / (kept + quantized), 4) if kept + quantized else 0.0}
 
 
 def proxies(src: str, qdir: Path, n_samples: int) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,16 @@ def test_none_is_the_job_without_the_flags(outs):
     out = run(src, d / "none", "--fa-fallback", "none", "--linear-fallback", "none")
     assert same_output(seed, out) and not (out / "fallback.json").exists()
     assert next(out.glob("*_best_practice.yaml")).read_bytes() == next(seed.glob("*_best_practice.yaml")).read_bytes()
+
+
+def test_overwrite_replaces_a_fallback_output(outs):
+    """fallback.json belongs to the output it sits in: --overwrite replaces it, and an output written
+    without the flags leaves none behind."""
+    d, src, seed, auto = outs
+    again = d / "over"
+    shutil.copytree(auto, again)
+    run(src, again, "--overwrite")
+    assert same_output(seed, again) and not (again / "fallback.json").exists()
 
 
 def test_q_a_and_kv_a_fall_back_together():

@@ -43,6 +43,7 @@ from dataclasses import replace
 from typing import Callable, Optional, Union
 
 from pipeline.quant.linear_rules import LinearRule, default_rules
+from pipeline.quant.output_files import FALLBACK_REPORT
 from pipeline.quant.qparams import QuantError
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.sensitivity import (Cost, FakeQuantParams, FloatReference, Target, expert_groups, fa3_costs,
@@ -51,7 +52,7 @@ from pipeline.quant.sensitivity import (Cost, FakeQuantParams, FloatReference, T
 AUTO = "auto"
 Choice = Union[str, int, None]       # "auto", N >= 0, or None (no fallback)
 TARGET = Target(min_agreement=0.97, max_ppl_delta_pct=1.0, min_attn_sqnr_db=32.0)
-REPORT_NAME = "fallback.json"
+REPORT_NAME = FALLBACK_REPORT
 
 
 def parse_choice(text: str, flag: str) -> Choice:

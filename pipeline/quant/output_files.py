@@ -133,12 +133,13 @@ STATE_ENTRIES = (".dsquant", "job_summary.json")  # the distributed job's state 
 
 RECIPE_SUFFIX = "_best_practice.yaml"  # the recipe a job ran, as msModelSlim names it: <model_type>_best_practice.yaml
 OPTIONAL_DIR = "optional"  # ascendV1's optional files (QuaRot's global rotation)
+FALLBACK_REPORT = "fallback.json"  # what --fa-fallback / --linear-fallback picked and why (pipeline.quant.fallback)
 
 
 def is_companion_entry(name: str) -> bool:
     """Whether a finished output holds ``name`` beside its weights: config.json, the copied files, the
-    recipe it was made with, the distributed job's state and summary."""
-    return (name == CONFIG_NAME or name in COPIED_NAMES or name in STATE_ENTRIES or name == OPTIONAL_DIR
+    recipe it was made with, its fallback report, the distributed job's state and summary."""
+    return (name in (CONFIG_NAME, OPTIONAL_DIR, FALLBACK_REPORT) or name in COPIED_NAMES or name in STATE_ENTRIES
             or (not name.startswith(".") and name.endswith((".py", RECIPE_SUFFIX))))
 
 
