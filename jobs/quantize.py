@@ -98,7 +98,7 @@ def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -
     _flag(ap, "--fallback-target", default=None, metavar="agreement=A,ppl=P[,kl=K][,sqnr=S]",
           help="what auto fallback meets on the calibration samples: top-1 agreement with float >= A, perplexity "
                "change <= P %%, mean KL <= K, every layer's attention SQNR >= S dB (default "
-               "agreement=0.97,ppl=1,sqnr=32)")
+               "agreement=0.98,ppl=1,sqnr=32)")
     _flag(ap, "--dynamic", action="store_true", help="every quantized linear W8A8_DYNAMIC")
     _flag(ap, "--mindie-format", action="store_true", help="add MindIE's config.json keys (and model_type deepseekv2)")
     _flag(ap, "--smooth", action="store_true", help="anti-outlier smoothing (SmoothQuant + latent), format unchanged")
