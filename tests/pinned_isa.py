@@ -12,7 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-PINNED_ISA = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+# MKL_CBWR: MKL's conditional numerical reproducibility, AVX2 code path in strict mode; MKL_ENABLE_INSTRUCTIONS
+# alone leaves some float32 GEMMs on an AMX (Sapphire Rapids) machine with other bits than AVX2 machines give
+PINNED_ISA = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+              "MKL_CBWR": "AVX2,STRICT"}
 TESTS = Path(__file__).resolve().parent
 
 
