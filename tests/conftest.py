@@ -6,7 +6,12 @@ node-death detection), this process connected as the driver; stopped at the end 
 The fast tier, ``pytest -m "not slow"``, starts no Ray, no Serve and no server: every test that uses the
 ``ray_cluster`` or ``s3`` fixture, or sits in a module (or is a test) that starts one itself
 (STARTS_SERVERS), is marked ``slow`` here, and so is every test listed in tests/slow_for_time.txt (those
-over 1.5 s in a fast-tier run: scripts/slow_tests.py keeps the list)."""
+over 1.5 s in a fast-tier run: scripts/slow_tests.py keeps the list).
+
+The modules run in their file order, but those that use the ``ray_cluster`` fixture come after all the
+others, and those that use Serve (the ``serve_http`` fixture) last: the cluster (GCS, raylets, agents:
+~8% of a core while idle) and Serve (another ~5%) then run only while they are used, not beside every
+test after the first that started them."""
 
 from __future__ import annotations
 
@@ -45,6 +50,12 @@ def pytest_collection_modifyitems(config, items):
         if SERVER_FIXTURES & set(item.fixturenames) or module in STARTS_SERVERS or test in STARTS_SERVERS \
                 or test in SLOW_FOR_TIME or module in SLOW_FOR_TIME:
             item.add_marker(pytest.mark.slow)
+    order = {}   # module -> 0 (no Ray), 1 (the session's Ray cluster), 2 (Serve on it)
+    for item in items:
+        uses = set(item.fixturenames)
+        group = 2 if "serve_http" in uses else 1 if "ray_cluster" in uses else 0
+        order[getattr(item, "module", None)] = max(order.get(getattr(item, "module", None), 0), group)
+    items.sort(key=lambda item: order[getattr(item, "module", None)])  # stable: file order within each group
 
 
 @dataclass
@@ -93,9 +104,9 @@ def ray_cluster():
 
     from distributed import FAST_HEALTH, RAY_WORKER
 
-    c = Cluster(initialize_head=True, connect=False,
+    c = Cluster(initialize_head=True, connect=False,   # no dashboard: no test reads it (2-4% of a core idle)
                 head_node_args={"num_cpus": 0, "object_store_memory": RAY_WORKER["object_store_memory"],
-                                "_system_config": FAST_HEALTH})
+                                "include_dashboard": False, "_system_config": FAST_HEALTH})
     try:
         for _ in range(3):
             c.add_node(**RAY_WORKER)
@@ -105,6 +116,23 @@ def ray_cluster():
     finally:
         ray.shutdown()
         c.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_http(ray_cluster) -> str:
+    """Ray Serve on the session's cluster, HTTP on a free 127.0.0.1 port (one proxy, on the head), started
+    once for the modules that serve; yields its base URL. Each module deploys its own apps on it and deletes
+    them when it ends (``serve_apps.deployed``), so the next finds Serve as it was; shut down at the end."""
+    from ray import serve
+
+    from ray_head import free_port
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -19,8 +19,8 @@ from engine_ref import drain, replica_engine, submit, torch_threads  # noqa: E40
 from pipeline.engine.config import EngineConfig  # noqa: E402
 from pipeline.engine.protocol import SamplingParams  # noqa: E402
 from pipeline.serving.logprobs import TokenStrings  # noqa: E402
-from serve_apps import deploy  # noqa: E402
-from test_serve import free_port, http  # noqa: E402
+from serve_apps import deployed  # noqa: E402
+from test_serve import http  # noqa: E402
 
 MODEL = "tiny-w8a8"
 KEY = "sk-fields"
@@ -37,21 +37,14 @@ AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, qdir):
+def server(serve_http, qdir):
     """``keyed`` (colocated, API key, 8 in flight) at / (disaggregated serving's fields: tests/test_serve.py)."""
-    from ray import serve
-
     from actors.serve_app import DeploymentOptions, ServeConfig
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-    try:
-        cpu, small = DeploymentOptions(1, {"num_cpus": 0.5}), DeploymentOptions(1, {"num_cpus": 0.1})
-        keyed = ServeConfig(qdir, MODEL, ENGINE, api_key=KEY, max_in_flight=MAX_IN_FLIGHT, llm=cpu, ingress=small)
-        deploy({"keyed": (keyed, "/")})
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
+    cpu, small = DeploymentOptions(1, {"num_cpus": 0.5}), DeploymentOptions(1, {"num_cpus": 0.1})
+    keyed = ServeConfig(qdir, MODEL, ENGINE, api_key=KEY, max_in_flight=MAX_IN_FLIGHT, llm=cpu, ingress=small)
+    with deployed({"keyed": (keyed, "/")}):
+        yield serve_http
 
 
 def client(server: str, prefix: str = "", key: str = KEY) -> "openai.OpenAI":

@@ -24,6 +24,7 @@ def test_default_is_the_embedded_models_texts():
 def test_msmodelslim_fixture_calib_json():
     texts = load_texts(str(FIXTURES / "calib.json"))
     assert len(texts) == 16
+    assert load_texts(str(FIXTURES / "calib8.json")) == texts[:8]   # the distributed tests' texts
 
 
 def test_formats_agree(tmp_path):

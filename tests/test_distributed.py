@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from actors.quantize_job import quantize_distributed
 from actors.ray_session import DistOptions, JobFailed
-from distributed import OPTS, PLAIN, SMOOTH_MTP, assert_same_output, quiet, reference
+from distributed import CALIB_TEXTS, OPTS, PLAIN, SMOOTH_MTP, assert_same_output, quiet, reference
 from jobs import requantize
 from pipeline.io import storage
 from pipeline.format.description import DESCRIPTION_NAME, MANIFEST_NAME, NAMING
@@ -47,7 +47,7 @@ def test_output_is_the_single_process_output(tmp_path, refs, stages, replicas, r
     assert_same_output(dst, str(refs[recipe]))
     assert len(s["stages"]) == stages and s["units_written"] == 5 and s["units_kept"] == 0
     passes = 2 if r.smooth else 1
-    assert len([e for e in events if e[0] == "sample"]) == passes * 16 * stages  # each (sample, stage) once
+    assert len([e for e in events if e[0] == "sample"]) == passes * CALIB_TEXTS * stages  # each (sample, stage) once
     summary = json.loads((tmp_path / "q" / SUMMARY_NAME).read_text())
     assert len(summary["actors"]) == stages * replicas
     assert all(a["peak_rss"] > 0 and "node_id" in a for a in summary["actors"])
@@ -120,7 +120,8 @@ def test_unrecoverable_failure_names_every_failed_shard_and_resume_finishes(tmp_
     failing = sorted({f for n, f in index.items() if n.startswith(("model.layers.3.", "model.embed", "model.norm", "lm_head"))})
 
     def remove_after_calibration(kind, info):
-        if kind == "sample" and info["pass"] == "stats" and info["sample"] == 15 and info["stage"] == 1:
+        if kind == "sample" and info["pass"] == "stats" and info["sample"] == CALIB_TEXTS - 1 \
+                and info["stage"] == 1:
             for f in gone:
                 shutil.move(src / f, hidden / f)
 

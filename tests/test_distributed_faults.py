@@ -45,7 +45,7 @@ def test_actor_killed_mid_calibration_and_mid_weights(cluster, tmp_path, refs):
     name, logs, kills = f"kill{uuid.uuid4().hex[:4]}", [], []
 
     def on_event(kind, info):
-        if kind == "sample" and info["pass"] == "stats" and info["sample"] == 5 and info["stage"] == 0 and not kills:
+        if kind == "sample" and info["pass"] == "stats" and info["sample"] == 2 and info["stage"] == 0 and not kills:
             ray.kill(actor(name, "stage1-r0"), no_restart=False)  # Ray restarts it; its queued samples are lost
             kills.append("calibration")
         if kind == "unit" and len(kills) == 1:
@@ -95,7 +95,7 @@ def test_node_removed_mid_run(cluster, tmp_path, refs):
     name, removed, logs = f"node{uuid.uuid4().hex[:4]}", [], []
 
     def on_event(kind, info):
-        if kind == "sample" and info["pass"] == "stats" and info["sample"] == 4 and info["stage"] == 0 and not removed:
+        if kind == "sample" and info["pass"] == "stats" and info["sample"] == 2 and info["stage"] == 0 and not removed:
             node_id = ray.get(actor(name, "stage1-r0").info.remote())["node_id"]
             node = next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
             cluster.remove_node(node, allow_graceful=False)  # the spare node takes its actor

@@ -14,7 +14,7 @@ import pytest
 
 from actors.quantize_job import quantize_distributed
 from actors.ray_session import DistOptions, JobFailed
-from distributed import OPTS as OPTS16
+from distributed import OPTS as DIST_OPTS
 from distributed import assert_same_output, quiet, reference
 from jobs import requantize
 from pipeline.format.description import DESCRIPTION_NAME
@@ -40,7 +40,7 @@ def cluster(ray_cluster):
 @pytest.fixture(scope="module")
 def opts(calib4):
     """tests/distributed.py's options on four texts: every test compares runs on the same texts."""
-    return dataclasses.replace(OPTS16, calib_path=calib4)
+    return dataclasses.replace(DIST_OPTS, calib_path=calib4)
 
 
 @pytest.fixture(scope="module")

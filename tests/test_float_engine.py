@@ -16,7 +16,6 @@ cached generation (pipeline.engine.core.reference.generate_ids, absorbed form) a
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -245,28 +244,17 @@ def test_generate_job_runs_the_float_checkpoint_in_the_engine(capsys, f32, tok):
 SERVED_ENGINE = EngineConfig(num_blocks=64, block_size=16, max_num_seqs=8, max_batched_tokens=256, nz=True, mtp=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def float_server(ray_cluster):
-    """The colocated app on the float checkpoint (the name clients see: the directory's)."""
-    from ray import serve
+def float_server(serve_http):
+    """The colocated app on the float checkpoint (the name clients see: the directory's), on the session's
+    Serve (conftest's ``serve_http``)."""
+    from actors.serve_app import DeploymentOptions, ServeConfig
+    from serve_apps import deployed
 
-    from actors.serve_app import DeploymentOptions, ServeConfig, build_app
-
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-    try:
-        cfg = ServeConfig(EMBEDDED_MODEL_DIR, engine=SERVED_ENGINE, llm=DeploymentOptions(1, {"num_cpus": 0.5}),
-                          ingress=DeploymentOptions(1, {"num_cpus": 0.1}))
-        serve.run(build_app(cfg), name="float", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
+    cfg = ServeConfig(EMBEDDED_MODEL_DIR, engine=SERVED_ENGINE, llm=DeploymentOptions(1, {"num_cpus": 0.5}),
+                      ingress=DeploymentOptions(1, {"num_cpus": 0.1}))
+    with deployed({"float": (cfg, "/")}):
+        yield serve_http
 
 
 @pytest.mark.slow

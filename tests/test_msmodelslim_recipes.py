@@ -11,6 +11,8 @@ step of the method."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from pinned_isa import TESTS, run_pinned
@@ -31,10 +33,29 @@ CASES = {                 # fixture, recipe, products, model dtype -> tensors th
 }
 
 
+#: Children run at once: each runs one torch thread (msmodelslim_recipe_parity.py), so two use two cores
+#: while this process waits; each child's output does not depend on what runs beside it.
+CHILDREN_AT_ONCE = 2
+
+
+@pytest.fixture(scope="module")
+def runs(request):
+    """Every selected case's child, started up front (CHILDREN_AT_ONCE at a time, in the cases' order):
+    case name -> a future of its result."""
+    wanted = sorted({item.callspec.params["case"] for item in request.session.items
+                     if hasattr(item, "callspec") and "case" in item.callspec.params
+                     and item.module is request.module})
+    pool = ThreadPoolExecutor(max_workers=CHILDREN_AT_ONCE)
+    try:
+        yield {name: pool.submit(run_pinned, TESTS / "msmodelslim_recipe_parity.py", *CASES[name][:4])
+               for name in wanted}
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
-def case(request):
-    fixture, recipe, products, md, floor = CASES[request.param]
-    return request.param, run_pinned(TESTS / "msmodelslim_recipe_parity.py", fixture, recipe, products, md), floor
+def case(request, runs):
+    return request.param, runs[request.param].result(), CASES[request.param][4]
 
 
 def test_same_tensors_as_msmodelslim(case):

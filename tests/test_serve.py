@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -19,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 openai = pytest.importorskip("openai")
 
-from serve_apps import deploy  # noqa: E402
+from serve_apps import deployed  # noqa: E402
 from engine_ref import SLOW_STEP_S, replica_engine, slowed, torch_threads  # noqa: E402
 from pipeline.engine.config import EngineConfig  # noqa: E402
 from pipeline.engine.core.engine import LLMEngine  # noqa: E402
@@ -36,48 +35,35 @@ RAW = "The os module provides"    # plain text: the model continues it for long 
 ANSWER_LIMIT = 64 * 1024          # the keyed app's ingress believes its proxy passes answers up to this
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(ray_cluster, qdir):
-    """Serve on a free port with these apps: ``main`` (colocated, no key, 32 in flight; the ingress replica
-    owns the engine) at /, ``keyed`` (API key, 2 in flight) at /keyed, ``disagg`` (prefill and decode
-    deployments apart) at /disagg, ``slowprefill`` (its prefill always too late), ``split`` (main with the
-    engine in an LLMServer deployment behind the ingress) at /split. Only ``main`` and ``disagg`` run their
-    engines in a core process of their own (each costs a process start); the others on a thread. Yields
-    the base URL."""
-    from ray import serve
-
+def server(serve_http, qdir):
+    """The session's Serve (conftest's ``serve_http``) with these apps: ``main`` (colocated, no key, 32 in
+    flight; the ingress replica owns the engine) at /, ``keyed`` (API key, 2 in flight) at /keyed,
+    ``disagg`` (prefill and decode deployments apart) at /disagg, ``slowprefill`` (its prefill always too
+    late), ``split`` (main with the engine in an LLMServer deployment behind the ingress) at /split. Only
+    ``main`` and ``disagg`` run their engines in a core process of their own (each costs a process start);
+    the others on a thread. Yields the base URL."""
     from actors.serve_app import DeploymentOptions, ServeConfig
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-    try:
-        cpu = DeploymentOptions(1, {"num_cpus": 0.5})  # both apps fit one 2-CPU worker node
-        small = DeploymentOptions(1, {"num_cpus": 0.1})
-        # the apps whose tests need a request still running (a time-out, an abort, backpressure) step slowly
-        main = ServeConfig(qdir, MODEL, ENGINE, max_in_flight=32, llm=cpu, ingress=small, step_delay_s=SLOW_STEP_S)
-        # keyed's ingress sees what a replica behind a gRPC proxy with a small message limit sees
-        behind_grpc = DeploymentOptions(1, {"num_cpus": 0.1, "runtime_env": {"env_vars": {
-            "RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(ANSWER_LIMIT)}}})
-        keyed = ServeConfig(qdir, MODEL, EngineConfig(num_blocks=64, block_size=16, nz=True), api_key=KEY,
-                            max_in_flight=2, llm=cpu, ingress=behind_grpc, engine_process=False,
-                            step_delay_s=SLOW_STEP_S)
-        disagg = ServeConfig(qdir, MODEL, ENGINE, max_in_flight=32, llm=cpu, ingress=small, mode="disaggregated",
-                             prefill=cpu)
-        slow = dataclasses.replace(disagg, prefill_timeout_s=0.001, prefill=small, llm=small,  # prefill always late
-                                   engine_process=False)
-        split = dataclasses.replace(main, engine_in_ingress=False, llm=small,  # an LLMServer deployment apart
-                                    engine_process=False)
-        deploy({"main": (main, "/"), "keyed": (keyed, "/keyed"), "disagg": (disagg, "/disagg"),
-                "slowprefill": (slow, "/slowprefill"), "split": (split, "/split")})
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
+    cpu = DeploymentOptions(1, {"num_cpus": 0.5})  # both apps fit one 2-CPU worker node
+    small = DeploymentOptions(1, {"num_cpus": 0.1})
+    # the apps whose tests need a request still running (a time-out, an abort, backpressure) step slowly
+    main = ServeConfig(qdir, MODEL, ENGINE, max_in_flight=32, llm=cpu, ingress=small, step_delay_s=SLOW_STEP_S)
+    # keyed's ingress sees what a replica behind a gRPC proxy with a small message limit sees
+    behind_grpc = DeploymentOptions(1, {"num_cpus": 0.1, "runtime_env": {"env_vars": {
+        "RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(ANSWER_LIMIT)}}})
+    keyed = ServeConfig(qdir, MODEL, EngineConfig(num_blocks=64, block_size=16, nz=True), api_key=KEY,
+                        max_in_flight=2, llm=cpu, ingress=behind_grpc, engine_process=False,
+                        step_delay_s=SLOW_STEP_S)
+    disagg = ServeConfig(qdir, MODEL, ENGINE, max_in_flight=32, llm=cpu, ingress=small, mode="disaggregated",
+                         prefill=cpu)
+    slow = dataclasses.replace(disagg, prefill_timeout_s=0.001, prefill=small, llm=small,  # prefill always late
+                               engine_process=False)
+    split = dataclasses.replace(main, engine_in_ingress=False, llm=small,  # an LLMServer deployment apart
+                                engine_process=False)
+    with deployed({"main": (main, "/"), "keyed": (keyed, "/keyed"), "disagg": (disagg, "/disagg"),
+                   "slowprefill": (slow, "/slowprefill"), "split": (split, "/split")}):
+        yield serve_http
 
 
 def client(server: str, prefix: str = "", key: str = "none", timeout: float = 60) -> "openai.OpenAI":

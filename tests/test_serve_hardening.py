@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine_ref import SLOW_STEP_S  # noqa: E402
-from serve_apps import deploy  # noqa: E402
+from serve_apps import deployed  # noqa: E402
 from engine_ref import request
 from pipeline.engine.core.detokenizer import Detokenizer
 from pipeline.engine.core.engine import LLMEngine
@@ -264,28 +264,21 @@ def test_default_deployments_fit_a_two_cpu_machine_and_too_much_is_refused():
 # ----- the running app ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, qdir):
-    """Serve on a free port: ``keyed`` (colocated, API key, 64 KiB bodies, 2 s to send one) at /keyed,
-    ``disagg`` (prefill and decode apart) at /disagg, and ``slowprefill`` (its prefill always too late) at
-    /slowprefill. Yields the base URL."""
-    from ray import serve
-
+def server(serve_http, qdir):
+    """The session's Serve (conftest's ``serve_http``) with ``keyed`` (colocated, API key, 64 KiB bodies, 2 s
+    to send one) at /keyed, ``disagg`` (prefill and decode apart) at /disagg, and ``slowprefill`` (its
+    prefill always too late) at /slowprefill. Yields the base URL."""
     from actors.serve_app import DeploymentOptions, ServeConfig
     from pipeline.engine.config import EngineConfig
 
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-    try:
-        cpu, small = DeploymentOptions(1, {"num_cpus": 0.5}), DeploymentOptions(1, {"num_cpus": 0.1})
-        engine = EngineConfig(num_blocks=64, block_size=16, max_num_seqs=8, nz=True)
-        keyed = ServeConfig(qdir, MODEL, engine, api_key=KEY, llm=cpu, ingress=small, max_body_bytes=64 * 1024,
-                            body_timeout_s=2.0, step_delay_s=SLOW_STEP_S)   # a drained stream is still running
-        disagg = ServeConfig(qdir, MODEL, engine, llm=cpu, ingress=small, prefill=cpu, mode="disaggregated")
-        slow = dataclasses.replace(disagg, prefill_timeout_s=0.001, prefill=small, llm=small)  # prefill always late
-        deploy({"keyed": (keyed, "/keyed"), "disagg": (disagg, "/disagg"), "slowprefill": (slow, "/slowprefill")})
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
+    cpu, small = DeploymentOptions(1, {"num_cpus": 0.5}), DeploymentOptions(1, {"num_cpus": 0.1})
+    engine = EngineConfig(num_blocks=64, block_size=16, max_num_seqs=8, nz=True)
+    keyed = ServeConfig(qdir, MODEL, engine, api_key=KEY, llm=cpu, ingress=small, max_body_bytes=64 * 1024,
+                        body_timeout_s=2.0, step_delay_s=SLOW_STEP_S)   # a drained stream is still running
+    disagg = ServeConfig(qdir, MODEL, engine, llm=cpu, ingress=small, prefill=cpu, mode="disaggregated")
+    slow = dataclasses.replace(disagg, prefill_timeout_s=0.001, prefill=small, llm=small)  # prefill always late
+    with deployed({"keyed": (keyed, "/keyed"), "disagg": (disagg, "/disagg"), "slowprefill": (slow, "/slowprefill")}):
+        yield serve_http
 
 
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}

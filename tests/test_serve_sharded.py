@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -20,7 +19,7 @@ import pytest
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
 
-from serve_apps import deploy  # noqa: E402
+from serve_apps import deployed  # noqa: E402
 from pipeline.engine.config import EngineConfig  # noqa: E402
 from pipeline.engine.core.engine import LLMEngine  # noqa: E402
 from pipeline.engine.protocol import SamplingParams  # noqa: E402
@@ -32,12 +31,6 @@ MAX_TOKENS = 24
 REPLACED_WITHIN_S = 120      # Serve's health check (10 s period) plus a new replica's ranks loading
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def mindie_block(path: str) -> dict:
     return {"ModelConfig": [{"modelName": "tiny-sharded", "modelWeightPath": path, "worldSize": 2, "tp": 2, "dp": 1,
                              "moe_ep": 2, "moe_tp": 1, "sp": 1,
@@ -46,29 +39,22 @@ def mindie_block(path: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, embedded_quantized):
-    from ray import serve
-
+def server(serve_http, embedded_quantized):
     from actors.serve_app import DeploymentOptions, ServeConfig
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-    try:
-        rank = {"num_cpus": 0.5}
-        colo = ServeConfig.from_mindie(mindie_block(embedded_quantized), 2, cpu=True, engine=ENGINE,
-                                       llm={"ray_actor_options": rank},
-                                       ingress=DeploymentOptions(1, {"num_cpus": 0.1}))
-        assert colo.parallel == {"tp": 2, "dp": 1, "moe_ep": 2, "moe_tp": 1} and colo.engine.mtp
-        disagg = ServeConfig.from_mindie(mindie_block(embedded_quantized), 2, cpu=True, engine=ENGINE,
-                                         mode="disaggregated", prefill_parallel={"dp": 2, "moe_ep": 2},
-                                         llm={"ray_actor_options": rank}, prefill=DeploymentOptions(1, rank),
-                                         ingress=DeploymentOptions(1, {"num_cpus": 0.1}))
-        dp = ServeConfig(embedded_quantized, "tiny-sharded", EngineConfig(**ENGINE), parallel={"dp": 2, "moe_ep": 2},
-                         llm=DeploymentOptions(1, rank), ingress=DeploymentOptions(1, {"num_cpus": 0.1}))
-        deploy({"colo": (colo, "/"), "dp": (dp, "/dp"), "disagg": (disagg, "/disagg")})
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
+    rank = {"num_cpus": 0.5}
+    colo = ServeConfig.from_mindie(mindie_block(embedded_quantized), 2, cpu=True, engine=ENGINE,
+                                   llm={"ray_actor_options": rank},
+                                   ingress=DeploymentOptions(1, {"num_cpus": 0.1}))
+    assert colo.parallel == {"tp": 2, "dp": 1, "moe_ep": 2, "moe_tp": 1} and colo.engine.mtp
+    disagg = ServeConfig.from_mindie(mindie_block(embedded_quantized), 2, cpu=True, engine=ENGINE,
+                                     mode="disaggregated", prefill_parallel={"dp": 2, "moe_ep": 2},
+                                     llm={"ray_actor_options": rank}, prefill=DeploymentOptions(1, rank),
+                                     ingress=DeploymentOptions(1, {"num_cpus": 0.1}))
+    dp = ServeConfig(embedded_quantized, "tiny-sharded", EngineConfig(**ENGINE), parallel={"dp": 2, "moe_ep": 2},
+                     llm=DeploymentOptions(1, rank), ingress=DeploymentOptions(1, {"num_cpus": 0.1}))
+    with deployed({"colo": (colo, "/"), "dp": (dp, "/dp"), "disagg": (disagg, "/disagg")}):
+        yield serve_http
 
 
 @pytest.fixture(scope="module")
