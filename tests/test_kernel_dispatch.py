@@ -56,13 +56,23 @@ def test_cpu_kernels_are_chosen_and_said(embedded_quantized, monkeypatch, native
 def test_triton_path_through_the_interpreter_gives_the_same_greedy_tokens(embedded_quantized):
     pytest.importorskip("triton")
 
-    def run(**env):
-        r = subprocess.run([sys.executable, "-c", SCRIPT, embedded_quantized], capture_output=True, text=True,
-                           timeout=600, env={**os.environ, **env})
-        assert r.returncode == 0, r.stderr[-3000:]
-        return json.loads(r.stdout.strip().splitlines()[-1])
+    def start(**env) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", SCRIPT, embedded_quantized], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
 
-    torch_path = run(DSQUANT_KERNELS="torch")
-    triton_path = run(DSQUANT_KERNELS="triton", TRITON_INTERPRET="1")
+    def result(p: subprocess.Popen) -> dict:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        return json.loads(out.strip().splitlines()[-1])
+
+    # the two independent processes side by side (the interpreter's is the long one)
+    procs = [start(DSQUANT_KERNELS="torch"), start(DSQUANT_KERNELS="triton", TRITON_INTERPRET="1")]
+    try:
+        torch_path, triton_path = map(result, procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     assert (torch_path["kernels"], triton_path["kernels"]) == ("torch", "triton")
     assert triton_path["out"] == torch_path["out"] and len(torch_path["out"]) == 3
