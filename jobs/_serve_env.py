@@ -22,12 +22,12 @@ cluster's (set them where its raylets start).
   (``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S``, Ray's default 30 s, cut to the app's 2.5 s
   graceful-shutdown bound) is set to 0 for a private Ray: nothing but this process routes to its
   replicas, and HAProxy retries a refused connection on another replica (a stop 5.1-5.3 -> 3.5 s).
-  HAProxy runs through :mod:`actors.serve_haproxy` (``RAY_SERVE_HAPROXY_BINARY_PATH`` names its shim):
+  HAProxy runs through :mod:`actors.serving.app.serve_haproxy` (``RAY_SERVE_HAPROXY_BINARY_PATH`` names its shim):
   its Prometheus and stats frontends bind the serving host, not every interface, its admin socket is
   mode 600, and it dies with the Ray worker that starts it; its files (configuration, sockets, logs) are
   in a private directory of the job's (:func:`haproxy_files`), removed when it stops.
   Caveat: HAProxy waits for a request head up to its client timeout (``RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S``,
-  3600 s) instead of the 10 s header limit ``actors.serve_proxy`` puts on Serve's proxy; slow heads hold
+  3600 s) instead of the 10 s header limit ``actors.serving.app.serve_proxy`` puts on Serve's proxy; slow heads hold
   HAProxy connections (up to its maxconn, 4096) while normal requests keep answering; and ``/-/routes``
   (Serve's route table) answers without the API key (the guard sits in Serve's proxy).
 Variables already set in the environment win over these.
@@ -49,7 +49,7 @@ THROUGHPUT = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
     # a non-streamed answer is one gRPC message from the replica to the proxy: gRPC's 4 MiB default would
-    # turn a large one into a 500 after the whole generation (actors.serve_limits); gRPC's largest instead
+    # turn a large one into a 500 after the whole generation (actors.serving.app.serve_limits); gRPC's largest instead
     "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2 ** 31 - 1),
 }
 
@@ -93,9 +93,9 @@ def resolve_http_proxy(http_proxy: str, api_key: str | None) -> str:
 
 def haproxy_files(real: str, host: str) -> tuple[str, dict[str, str]]:
     """(a new private directory, the variables that put HAProxy's files in it and run it through
-    actors.serve_haproxy for the binary ``real``, its admin frontends bound to ``host``). The caller
+    actors.serving.app.serve_haproxy for the binary ``real``, its admin frontends bound to ``host``). The caller
     sets the variables (the binary's over any set: the shim runs that one) and removes the directory."""
-    from actors.serve_haproxy import HOST_ENV, write_shim
+    from actors.serving.app.serve_haproxy import HOST_ENV, write_shim
 
     d = tempfile.mkdtemp(prefix="dsq-hap-")       # mode 700: nobody else reaches the sockets in it
     return d, {"RAY_SERVE_HAPROXY_BINARY_PATH": write_shim(d, real), HOST_ENV: host,

@@ -19,7 +19,7 @@ DESCRIPTION = ("Serve a quantized model or a float checkpoint with an OpenAI-com
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags; each one overrides the --config file's value (the defaults stated are ServeConfig's)."""
-    from actors.serve_config import DEFAULT_ENGINE as E, ServeConfig
+    from actors.serving.serve_config import DEFAULT_ENGINE as E, ServeConfig
 
     dd = ServeConfig(model_path="-")   # its defaults, stated in the help
     ap = argparse.ArgumentParser(prog="python -m jobs.serve", description=DESCRIPTION)
@@ -140,7 +140,7 @@ def api_key(args: argparse.Namespace):
 
 def make_config(args: argparse.Namespace):
     """The ServeConfig: the file's (if any), then the flags given on top."""
-    from actors.serve_app import DeploymentOptions, ServeConfig
+    from actors.serving.app.serve_app import DeploymentOptions, ServeConfig
 
     if args.mindie_config:
         import torch

@@ -1,7 +1,7 @@
 """What ``jobs.serve`` does around the app: check the port, start (or join) Ray off the main thread, turn
 SIGINT, SIGTERM and SIGHUP into one clean stop, wait for the front door to route, and stop within ``STOP_S`` of
 the signal: drain the app, then the private Ray, then kill whatever of that Ray is left (its processes
-carry a mark: actors.ray_reaper). When the signal went to a whole process group or service (``timeout``,
+carry a mark: actors.cluster.ray_reaper). When the signal went to a whole process group or service (``timeout``,
 ``kill -TERM -PGID``, systemd's ``KillMode=control-group``), the private Ray's GCS and raylet were
 signalled too: there is nothing left to drain through, so the stop skips to that last step."""
 
@@ -22,7 +22,7 @@ MiB = 1024 ** 2
 
 def connect_ray(address, object_store_mb: int) -> bool:
     """Join the cluster at ``address`` / RAY_ADDRESS, else start a private local Ray; True when private."""
-    from actors.ray_start import init_ray
+    from actors.cluster.ray_start import init_ray
 
     return init_ray(address, num_cpus=max(2, os.cpu_count() or 1), object_store_memory=object_store_mb * MiB,
                     log=lambda m: print(m, file=sys.stderr, flush=True), logging_level="ERROR")
@@ -210,8 +210,8 @@ def stop(app_name: str, private: bool, since: float | None = None) -> bool:
     (os._exit), as Ray may still hold this process."""
     import ray
 
-    from actors.ray_reaper import sweep
-    from actors.ray_start import private_ray
+    from actors.cluster.ray_reaper import sweep
+    from actors.cluster.ray_start import private_ray
 
     if not ray.is_initialized():
         return True

@@ -12,7 +12,7 @@ DIR/smooth, and those are compared (every variant: as written, W8A8 only, FA3 on
 Text: --dataset (.json list of strings, .jsonl with a "text" field, .parquet with a "text" column;
 default: the embedded model's held-out texts), cut into windows of --seq tokens. Writes into DIR:
 evaluation.json (all of it), summary/layers/linears.parquet, report.md, report.png and report.html
-(pipeline/quant/evaluate.py says what each figure means). Exit status: 0 done, 2 bad input (one line).
+(pipeline/quant/evaluation/evaluate.py says what each figure means). Exit status: 0 done, 2 bad input (one line).
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def parse_args(argv=None):
 def eval_texts(path, text_field: str = "text"):
     """(texts, label) of ``path`` (calibration-data formats), default the embedded held-out texts."""
     from pipeline.assets import EMBEDDED_MODEL_DIR
-    from pipeline.quant.calib_data import load_texts
-    from pipeline.quant.eval_report import model_label
+    from pipeline.quant.calibration.calib_data import load_texts
+    from pipeline.quant.evaluation.eval_report import model_label
     from pipeline.text import corpus
 
     if path:
@@ -85,7 +85,7 @@ def _variants(args) -> tuple[str, ...]:
 
 
 def _labels(args) -> list[str]:
-    from pipeline.quant.eval_report import model_label
+    from pipeline.quant.evaluation.eval_report import model_label
 
     if args.labels is not None:
         if len(args.labels) != len(args.compare or ()):
@@ -118,7 +118,7 @@ def run(args) -> tuple[str, object, str]:
     from pipeline.assets import EMBEDDED_MODEL_DIR
     from pipeline.model.loading import load_model
     from pipeline.model.perplexity import token_stream
-    from pipeline.quant.evaluate import compare, evaluate, load_candidates, windows_of
+    from pipeline.quant.evaluation.evaluate import compare, evaluate, load_candidates, windows_of
     from pipeline.text.tokenizer import Tokenizer
 
     check_args(args)
@@ -140,8 +140,8 @@ def run(args) -> tuple[str, object, str]:
             res = compare(float_model, cands, windows_of(stream, args.seq), per_linear=not args.no_linears,
                           progress=not args.no_progress)
         else:
-            from pipeline.quant.recipe import Recipe
-            from pipeline.quant.run import QuantizeOptions
+            from pipeline.quant.recipe.recipe import Recipe
+            from pipeline.quant.job.run import QuantizeOptions
 
             recipe = Recipe(fa_exclude_layers=args.fa_exclude_layers, dynamic=args.dynamic,
                             quantize_mtp=args.quantize_mtp, fa_quant=not args.no_fa_quant)
@@ -166,8 +166,8 @@ def check_same_model(ref, cfg, path: str) -> None:
 
 def write_outputs(out: str, src: str, res, data_label: str) -> str:
     from pipeline.io import storage
-    from pipeline.quant.eval_report import model_label, write_report
-    from pipeline.quant.evaluate import write_parquet
+    from pipeline.quant.evaluation.eval_report import model_label, write_report
+    from pipeline.quant.evaluation.evaluate import write_parquet
 
     for name, rows in (("summary", res.summary), ("layers", res.layers), ("linears", res.linears)):
         if rows:

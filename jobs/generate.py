@@ -144,8 +144,8 @@ def _sharded_engine(path, parallel, args, tok, stack: contextlib.ExitStack):
 
     import ray
 
-    from actors.rank_group import build_sharded_engine
-    from actors.ray_start import init_ray
+    from actors.serving.engine.rank_group import build_sharded_engine
+    from actors.cluster.ray_start import init_ray
     from pipeline.engine.config import EngineConfig
     from pipeline.format.reader import QuantizedSource
 

@@ -6,7 +6,7 @@
 
 Per layer and per RMSNorm, K channels of the norm's weight are multiplied by 2^e (e drawn from the
 --factor-log2 range) and the matching input columns of every linear reading that norm divided by 2^e
-(pipeline/quant/outlier_variant.py says which). The variant is checked against the source (logits and MTP
+(pipeline/quant/evaluation/outlier_variant.py says which). The variant is checked against the source (logits and MTP
 logits, float32 and the model dtype, bit for bit) before it is moved into DST, with outlier_variant.json
 recording every change. SRC: any DeepSeek-V3-format checkpoint (bf16, fp16, fp32, or FP8, written
 dequantized); default: the embedded model. Exit status: 0 written, 2 bad input (one line naming it).
@@ -44,8 +44,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     from jobs.quantize import error_line, job_errors
     from pipeline.assets import EMBEDDED_MODEL_DIR
-    from pipeline.quant.outlier_variant import VariantSpec, parse_log2_range, parse_norms
-    from pipeline.quant.variant_writer import RECORD_NAME, write_variant
+    from pipeline.quant.evaluation.outlier_variant import VariantSpec, parse_log2_range, parse_norms
+    from pipeline.quant.evaluation.variant_writer import RECORD_NAME, write_variant
 
     src = args.model_path or EMBEDDED_MODEL_DIR
     try:

@@ -19,13 +19,13 @@ from typing import Any, Optional, Sequence
 
 from pipeline.config import ConfigError
 from pipeline.assets import EMBEDDED_MODEL_DIR
-from pipeline.plan.planner import plan
-from pipeline.plan.report import plan_to_dict, plan_to_text
-from pipeline.plan.resources import check_resources
-from pipeline.plan.types import DEFAULT_CALIB_SAMPLES, DEFAULT_SEQ_LEN, MEMORY_MODELS, GiB, PlanError
-from pipeline.plan.timing import Cluster, estimate_wall_time
+from pipeline.quant.plan.planner import plan
+from pipeline.quant.plan.report import plan_to_dict, plan_to_text
+from pipeline.quant.plan.resources import check_resources
+from pipeline.quant.plan.types import DEFAULT_CALIB_SAMPLES, DEFAULT_SEQ_LEN, MEMORY_MODELS, GiB, PlanError
+from pipeline.quant.plan.timing import Cluster, estimate_wall_time
 from pipeline.format.description import DIALECTS
-from pipeline.quant.recipe import Recipe
+from pipeline.quant.recipe.recipe import Recipe
 from pipeline.io.safetensors_io import CheckpointError
 
 CHECK_OBJECT_STORE = 80 * 2**20   # bytes: a private Ray for --check-ray local stores nothing
@@ -36,8 +36,8 @@ def ray_resources(address: str) -> dict:
     one this machine runs), or a private local Ray started here for the check ('local')."""
     import ray
 
-    from actors.ray_session import cluster_resources
-    from actors.ray_start import init_ray
+    from actors.quantize.ray_session import cluster_resources
+    from actors.cluster.ray_start import init_ray
 
     init_ray(address, num_cpus=os.cpu_count() or 1, object_store_memory=CHECK_OBJECT_STORE, flag="--check-ray",
              log=lambda m: print(m, file=sys.stderr), logging_level="ERROR", log_to_driver=False)
@@ -137,7 +137,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(out, indent=1) if args.json else plan_to_text(p) + (f"\n{wall.to_text()}" if wall else ""))
         available = None
         if args.check_ray:
-            from actors.ray_start import NoCluster
+            from actors.cluster.ray_start import NoCluster
 
             try:
                 available = ray_resources(args.check_ray)

@@ -5,15 +5,15 @@
 
 msModelSlim's flags are kept (underscore spellings too). ``--fa-fallback`` / ``--linear-fallback`` auto|N|none
 keep the FA3 layers and linears whose quantization costs most, measured on a probe, in bf16, and record
-them in the written recipe (pipeline/quant/fallback.py, docs/accuracy.md). With no arguments it quantizes the embedded
+them in the written recipe (pipeline/quant/evaluation/fallback.py, docs/accuracy.md). With no arguments it quantizes the embedded
 model into ./out/dsv3-tiny-pydoc-w8a8-fa3. SRC and DST may be local paths or fsspec URLs (s3://...).
 
-With ``--stages N`` the job runs distributed on Ray (actors.quantize_job): N pipeline stages (times
+With ``--stages N`` the job runs distributed on Ray (actors.quantize.quantize_job): N pipeline stages (times
 ``--replicas``), on the cluster of ``--ray-address`` / RAY_ADDRESS (``ray job submit`` sets it), or on a
 local Ray started for the job. That form is resumable: a rerun skips what is committed and verified, and
 a rerun of a finished job with the same source, recipe and data does nothing. Same files either way.
 
-The single-process job reads the checkpoint once: layer-wise calibration (pipeline.quant.layerwise), each
+The single-process job reads the checkpoint once: layer-wise calibration (pipeline.quant.calibration.layerwise), each
 layer read, calibrated and quantized from the same tensors; ``--two-pass`` runs the reference (the whole
 float model, then the weights read again), with the same files.
 
@@ -59,7 +59,7 @@ def _layers(text: str) -> tuple[int, ...]:
 
 
 def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -> argparse.ArgumentParser:
-    from pipeline.quant.presets import MODEL_TYPES, QUANT_TYPES, presets_help
+    from pipeline.quant.recipe.presets import MODEL_TYPES, QUANT_TYPES, presets_help
 
     ap = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n")[0])
     _flag(ap, "--model-path", default=None, help="source checkpoint; None: the embedded model")
@@ -90,7 +90,7 @@ def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -
     _flag(fa, "--no-fa-quant", dest="fa_quant", action="store_false", help="W8A8 only, no FA3 (default: FA3 on)")
     _flag(ap, "--fa-exclude-layers", type=_layers, default=(), help="layers kept out of FA3, e.g. 0,1,2,46")
     _flag(ap, "--fa-fallback", default="none", metavar="auto|N|none",
-          help="FA3 layers kept bf16 by measured cost (pipeline/quant/fallback.py): auto, the fewest meeting its "
+          help="FA3 layers kept bf16 by measured cost (pipeline/quant/evaluation/fallback.py): auto, the fewest meeting its "
                "target; N, the N costliest; none. Recorded in the written recipe, reported in fallback.json")
     _flag(ap, "--linear-fallback", default="none", metavar="auto|N|none",
           help="quantized linears kept float by measured cost, as --fa-fallback (routed experts per layer and "
@@ -116,7 +116,7 @@ def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -
           help="how the calibration forward multiplies bf16/fp16 operands: fp32 (the fp32 GEMM of the upcast "
                "operands, rounded once: a bf16 GEMM's arithmetic, summed in another order), model (torch's "
                "matmuls in the model dtype, the reference mode), auto: fp32 where torch has no native kernel "
-               "for the dtype (CPUs without AVX-512 BF16 or AMX), else model; see pipeline/quant/products.py")
+               "for the dtype (CPUs without AVX-512 BF16 or AMX), else model; see pipeline/quant/numerics/products.py")
     _flag(ap, "--calibration", choices=("msmodelslim", "float"), default="msmodelslim",
           help="msmodelslim: layer by layer, each layer on the previous layers' fake-quantized outputs, with "
                "DeepSeek's modeling arithmetic (msModelSlim's v1 runner: its activation parameters); float: the "
@@ -178,8 +178,8 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
     from pipeline.engine.device import check_device
     from pipeline.model.loading import default_device
     from pipeline.io.checkpoint import CheckpointReader
-    from pipeline.quant.recipe_source import RecipeRequest, resolve
-    from pipeline.quant.run import QuantizeOptions
+    from pipeline.quant.recipe.recipe_source import RecipeRequest, resolve
+    from pipeline.quant.job.run import QuantizeOptions
 
     SHARD_UNLIMITED = 1 << 62  # part_file_size 0: no split (msModelSlim's single file)
 
@@ -200,7 +200,7 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
     if not 0 <= args.smooth_alpha <= 1:
         raise ValueError(f"--smooth-alpha must be in [0, 1], got {args.smooth_alpha}")
     check_device(args.device)           # an unknown device, or CUDA without it: before anything loads
-    from pipeline.quant.fallback import TARGET, parse_choice, parse_target
+    from pipeline.quant.evaluation.fallback import TARGET, parse_choice, parse_target
 
     fallback = (parse_choice(args.fa_fallback, "--fa-fallback"), parse_choice(args.linear_fallback, "--linear-fallback"))
     target = parse_target(args.fallback_target) if args.fallback_target is not None else TARGET
@@ -234,8 +234,8 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
                            estimate=not args.no_estimate, layerwise=not args.two_pass, calib_batch=args.calib_batch)
     dist = None
     if args.stages:
-        from actors.ray_session import DistOptions
-        from actors.ray_start import check_address
+        from actors.quantize.ray_session import DistOptions
+        from actors.cluster.ray_start import check_address
 
         check_address(args.ray_address, "--ray-address")   # before anything is written: no cluster, no .dsquant/
 
@@ -254,9 +254,9 @@ def job_errors() -> tuple:
     a file that cannot be read (a directory, a symlink loop), a full disk, an unreachable store."""
     from pipeline.io.checkpoint import CheckpointError
     from pipeline.config import ConfigError
-    from pipeline.plan.types import PlanError
-    from pipeline.quant.calib_data import CalibDataError
-    from pipeline.quant.qparams import QuantError
+    from pipeline.quant.plan.types import PlanError
+    from pipeline.quant.calibration.calib_data import CalibDataError
+    from pipeline.quant.numerics.qparams import QuantError
 
     return (CheckpointError, ConfigError, CalibDataError, QuantError, PlanError, *JOB_ERRORS)
 
@@ -285,7 +285,7 @@ def failures(dist) -> tuple:
     """The distributed job's failure type when ``dist`` is set (imports Ray only then)."""
     if dist is None:
         return ()
-    from actors.ray_session import JobFailed
+    from actors.quantize.ray_session import JobFailed
 
     return (JobFailed,)
 
@@ -297,15 +297,15 @@ def main(argv=None) -> int:
         return rc
     src, dst, recipe, opts, dist = job
     if dist is None and args.fallback:
-        from pipeline.quant.fallback import quantize_with_fallback
+        from pipeline.quant.evaluation.fallback import quantize_with_fallback
 
         rc, _ = run_guarded(lambda: quantize_with_fallback(src, dst, recipe, opts, *args.fallback))
     elif dist is None:
-        from pipeline.quant.run import quantize_checkpoint
+        from pipeline.quant.job.run import quantize_checkpoint
 
         rc, _ = run_guarded(lambda: quantize_checkpoint(src, dst, recipe, opts))
     else:
-        from actors.quantize_job import quantize_distributed
+        from actors.quantize.quantize_job import quantize_distributed
 
         rc, _ = run_guarded(lambda: quantize_distributed(src, dst, recipe, opts, dist), failures(dist))
     if rc == 0:

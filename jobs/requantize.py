@@ -5,7 +5,7 @@
 Fingerprints the source (each file's size and ETag/mtime: no weight is read; ``--source-check sha256``:
 each file's content hash instead, which also sees an in-place edit that keeps size and mtime), the recipe
 and the calibration data, and compares them with the destination's manifest. Unchanged: nothing is done. Changed:
-the job reruns through actors.quantize_job, which recalibrates and rewrites only the units (the globals,
+the job reruns through actors.quantize.quantize_job, which recalibrates and rewrites only the units (the globals,
 layers) whose source files or statistics changed, keeping the others' committed shards. Prints one line
 either way and exits 0; 2 for bad input, 1 when the job failed. Runs on Ray with ``--stages`` (default
 1 here), on the cluster of ``--ray-address`` / RAY_ADDRESS or a local one.
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
         return rc
     src, dst, recipe, opts, dist = job
     dist = dataclasses.replace(dist, ray_logs=args.verbose)
-    from actors.quantize_job import quantize_distributed
+    from actors.quantize.quantize_job import quantize_distributed
 
     with redirect_stdout(io.StringIO()) if not args.verbose else nullcontext():
         rc, s = run_guarded(lambda: quantize_distributed(src, dst, recipe, opts, dist, log=log), failures(dist))

@@ -10,7 +10,7 @@ stopped on exit. SIGINT and SIGTERM stop it within 5 s (``jobs._serve_lifecycle.
 or port behind, also when they go to its whole process group or service (``timeout``, ``kill -TERM -PGID``,
 systemd). The API key (``--api-key``) is better given in ``DSQUANT_API_KEY`` or ``--api-key-file``:
 a command line is visible to every user of the machine. ``--config FILE`` (JSON or YAML, see
-``actors.serve_app.ServeConfig``) gives every option; flags given on the command line override it.
+``actors.serving.app.serve_app.ServeConfig``) gives every option; flags given on the command line override it.
 
     python -m jobs.serve --port 8000 --api-key sk-local --max-in-flight 32 --num-blocks 512 --mtp
     python -m jobs.serve --model-path pipeline/assets/dsv3-tiny-pydoc --port 8001     # the float model
@@ -42,8 +42,8 @@ def ensure_default_model(path: str) -> None:
     """Quantize the embedded model into ``path`` when it has no complete output (no description file)."""
     from pipeline.assets import EMBEDDED_MODEL_DIR
     from pipeline.format.description import DESCRIPTION_NAME
-    from pipeline.quant.recipe import Recipe
-    from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+    from pipeline.quant.recipe.recipe import Recipe
+    from pipeline.quant.job.run import QuantizeOptions, quantize_checkpoint
 
     if (Path(path) / DESCRIPTION_NAME).exists():
         return
@@ -62,9 +62,9 @@ def main(argv=None) -> int:
     except (ValueError, TypeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from actors.ray_start import check_address, join_address
+    from actors.cluster.ray_start import check_address, join_address
 
-    from actors import serve_proxy
+    from actors.serving.app import serve_proxy
 
     try:  # before anything starts or is built: a cluster that is not there, a port already taken
         check_address(args.address, "--address")
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     elif "://" not in cfg.model_path and not Path(cfg.model_path).is_dir():
         print(f"error: --model-path {cfg.model_path} is not a directory", file=sys.stderr)
         return 2
-    from actors.serve_config import check_model_dir
+    from actors.serving.serve_config import check_model_dir
     from pipeline.io import storage
 
     try:
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
         stopper.arm()
         from ray import serve
 
-        from actors.serve_app import build_app
+        from actors.serving.app.serve_app import build_app
 
         t0 = time.time()
         serve.start(http_options={"host": cfg.host, "port": cfg.port})

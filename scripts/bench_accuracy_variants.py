@@ -8,10 +8,10 @@ Each variant (jobs.make_outlier_variant's maker, every norm, --channels channels
 one per seed) computes the embedded model's logits bit for bit. Each model is quantized with each recipe
 (RECIPES: the flags of ``python -m jobs.quantize``; seed = the legacy script's ``--fa_quant --mindie_format``,
 w8a8c8 = the DeepSeek-V3.1 preset; +fallback = ``--fa-fallback auto --linear-fallback auto``) and evaluated
-from the written files against its float model (pipeline/quant/evaluate.py) on the first --max-windows
+from the written files against its float model (pipeline/quant/evaluation/evaluate.py) on the first --max-windows
 windows of 256 tokens of the embedded held-out texts: agreement, perplexity change, KL mean / p99 and the
 minimum per-layer attention SQNR, and what fell back. For the seed recipe it also checks the sensitivity proxies
-(pipeline/quant/sensitivity.py) against the end-to-end costs on --proxy-samples calibration samples:
+(pipeline/quant/evaluation/sensitivity.py) against the end-to-end costs on --proxy-samples calibration samples:
 Spearman's rho of the FA3 layer ranking and of the linear rankings, "sqnr" and "residual" (routed experts
 grouped per projection).
 Writes the JSON and a PNG beside it (agreement and perplexity change per recipe and model).
@@ -46,8 +46,8 @@ FIELDS = ("agreement", "perplexity", "perplexity_delta_pct", "kl_mean", "kl_p99"
 
 def make_models(work: Path, seeds, channels: int, log2: tuple[int, int], embedded: bool = True) -> dict[str, str]:
     from pipeline.assets import EMBEDDED_MODEL_DIR
-    from pipeline.quant.outlier_variant import NORMS, VariantSpec
-    from pipeline.quant.variant_writer import write_variant
+    from pipeline.quant.evaluation.outlier_variant import NORMS, VariantSpec
+    from pipeline.quant.evaluation.variant_writer import write_variant
 
     models = {"embedded": EMBEDDED_MODEL_DIR} if embedded else {}
     for s in seeds:
@@ -78,7 +78,7 @@ def fallback_picks(out: Path) -> dict:
     weights the recipe quantizes (elements) that the fallback keeps bf16."""
     from pipeline.format.description import QUANT_KINDS
     from pipeline.format.reader import read_quantized
-    from pipeline.quant.patterns import selected
+    from pipeline.quant.recipe.patterns import selected
 
     f = out / "fallback.json"
     if not f.exists():
@@ -97,8 +97,8 @@ def proxies(src: str, qdir: Path, n_samples: int) -> dict:
     import torch
 
     from pipeline.model.loading import load_model
-    from pipeline.quant.options import QuantizeOptions, calibration_samples
-    from pipeline.quant.sensitivity import (FakeQuantParams, FloatReference, expert_groups, fa3_costs, linear_costs,
+    from pipeline.quant.job.options import QuantizeOptions, calibration_samples
+    from pipeline.quant.evaluation.sensitivity import (FakeQuantParams, FloatReference, expert_groups, fa3_costs, linear_costs,
                                             rank_correlation)
 
     model = load_model(src, dtype=torch.float32, device="cpu")
@@ -187,8 +187,8 @@ def main(argv=None) -> int:
     from pipeline.assets import EMBEDDED_MODEL_DIR
     from pipeline.model.loading import load_model
     from pipeline.model.perplexity import token_stream
-    from pipeline.quant.evaluate import compare, load_candidates, windows_of
-    from pipeline.quant.outlier_variant import parse_log2_range
+    from pipeline.quant.evaluation.evaluate import compare, load_candidates, windows_of
+    from pipeline.quant.evaluation.outlier_variant import parse_log2_range
     from pipeline.text import corpus
     from pipeline.text.tokenizer import Tokenizer
 

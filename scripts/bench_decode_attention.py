@@ -50,10 +50,10 @@ import torch  # noqa: E402
 
 from pipeline.config import DeepseekV3Config  # noqa: E402
 from pipeline.engine.attention.paged import paged_decode_attention  # noqa: E402
-from pipeline.quant.recipe import kv_bytes_per_token  # noqa: E402
+from pipeline.quant.recipe.recipe import kv_bytes_per_token  # noqa: E402
 from pipeline.engine.cache.paged_cache import PagedLatentCache  # noqa: E402
-from pipeline.plan.replica import DEEPSEEK_V3_CONFIG  # noqa: E402
-from pipeline.quant.recipe import Recipe  # noqa: E402
+from pipeline.io.replica import DEEPSEEK_V3_CONFIG  # noqa: E402
+from pipeline.quant.recipe.recipe import Recipe  # noqa: E402
 
 H, C, D_R, BLOCK = 128, 512, 64, 128
 SOFTMAX_SCALE = 0.1352338           # V3: 192^-0.5 * mscale^2

@@ -38,7 +38,7 @@ def prepare(args) -> tuple[Path, Path]:
     from bench_quantize_weights import generate
 
     from pipeline.assets import EMBEDDED_MODEL_DIR
-    from pipeline.quant.calib_data import load_texts
+    from pipeline.quant.calibration.calib_data import load_texts
 
     src = Path(args.dir) / f"v3shapes-L{args.layers}-E{args.experts}-fp8"
     if not (src / "model.safetensors.index.json").exists():
@@ -54,8 +54,8 @@ def prepare(args) -> tuple[Path, Path]:
 def child(which: str, src: str, dst: str, calib: str, tokens: int, stages: int) -> None:
     import torch
 
-    from pipeline.quant.recipe import Recipe
-    from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+    from pipeline.quant.recipe.recipe import Recipe
+    from pipeline.quant.job.run import QuantizeOptions, quantize_checkpoint
 
     opts = QuantizeOptions(calib_path=calib, max_calib_tokens=tokens, truncate=True, overwrite=True)
     t = time.perf_counter()
@@ -66,8 +66,8 @@ def child(which: str, src: str, dst: str, calib: str, tokens: int, stages: int) 
                "phases": {"calibration_s": s["calibration_s"], "weights_s": s["quantize_write_s"]}}
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        from actors.quantize_job import quantize_distributed
-        from actors.ray_session import DistOptions
+        from actors.quantize.quantize_job import quantize_distributed
+        from actors.quantize.ray_session import DistOptions
 
         s = quantize_distributed(src, dst, Recipe(), opts, DistOptions(stages=stages, ray_logs=False, progress_s=600),
                                  log=lambda m: None)

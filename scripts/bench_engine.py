@@ -47,8 +47,8 @@ def main() -> int:
     from pipeline.engine.config import EngineConfig
     from pipeline.engine.core.engine import LLMEngine
     from pipeline.engine.worker.loader import load_quantized
-    from pipeline.quant.recipe import Recipe
-    from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+    from pipeline.quant.recipe.recipe import Recipe
+    from pipeline.quant.job.run import QuantizeOptions, quantize_checkpoint
     from pipeline.engine.protocol import SamplingParams
     from pipeline.text.tokenizer import Tokenizer
 

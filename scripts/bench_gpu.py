@@ -55,7 +55,7 @@ HIDDEN, Q_LORA, MOE_INTER, NOPE = 7168, 1536, 2048, 128
 #: name -> (out, in) of V3's linears
 GEMMS = {"q_a": (Q_LORA, HIDDEN), "kv_a": (C + D_R, HIDDEN), "q_b": (H * (NOPE + D_R), Q_LORA),
          "o_proj": (HIDDEN, H * NOPE), "expert_gate_up": (2 * MOE_INTER, HIDDEN), "expert_down": (HIDDEN, MOE_INTER)}
-# attention linears are W8A8 (static), every mlp linear W8A8_DYNAMIC (pipeline.quant.recipe)
+# attention linears are W8A8 (static), every mlp linear W8A8_DYNAMIC (pipeline.quant.recipe.recipe)
 STATIC = {"q_a", "kv_a", "q_b", "o_proj"}
 #: (BLOCK_H, BLOCK_T, num_warps) tried by the tune step (each is one compile, ~seconds)
 TUNE_CONFIGS = ((16, 32, 4), (16, 64, 4), (16, 32, 8), (32, 32, 8), (32, 64, 8), (64, 32, 8))

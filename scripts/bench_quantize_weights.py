@@ -7,7 +7,7 @@ DeepSeek-V3's real layer shapes (hidden 7168, 128 heads, MLA 1536/512/64, expert
 1. generates (once, cached in --dir) an FP8 e4m3 checkpoint in the release layout: layer 0 dense, the
    rest MoE with --experts routed experts + 1 shared, plus embeddings/head cut to 16k rows;
 2. I/O floor: read every tensor's stored bytes and write the same bytes into a safetensors file;
-3. weight phase: the library's ``pipeline.quant.run.quantize_weights`` (what quantize_checkpoint runs
+3. weight phase: the library's ``pipeline.quant.job.run.quantize_weights`` (what quantize_checkpoint runs
    after calibration): read each layer (the next one prefetched), quantize it module by module (W8A8
    static attention, W8A8_DYNAMIC MLP/experts straight from the FP8 codes, FA3 scales) with given
    statistics, stream each piece into the writer (which writes and sha256-hashes on its own threads),
@@ -100,7 +100,7 @@ def generate(path: Path, layers: int, experts: int) -> None:
 def synthetic_stats(cfg, recipe):
     """Plausible statistics for every W8A8-static linear and FA3 branch (values do not affect speed)."""
     from pipeline import layout
-    from pipeline.quant.observers import MinMax, RecallWindow, Stats
+    from pipeline.quant.numerics.observers import MinMax, RecallWindow, Stats
 
     st = Stats()
     for i in layout.all_layer_ids(cfg):
@@ -133,9 +133,9 @@ def io_floor(src: str, dst: str) -> dict:
 def weight_phase(src: str, dst: str) -> dict:
     from pipeline.io.checkpoint import CheckpointReader
     from pipeline.config import model_dtype
-    from pipeline.quant.recipe import Recipe
-    from pipeline.quant.run import quantize_weights
-    from pipeline.quant.writer import QuantizedWriter
+    from pipeline.quant.recipe.recipe import Recipe
+    from pipeline.quant.job.run import quantize_weights
+    from pipeline.quant.writing.writer import QuantizedWriter
 
     reader = CheckpointReader(src)
     cfg = reader.config
@@ -219,7 +219,7 @@ def main() -> int:
     io, wp = (summarize(runs[k]) for k in ("io", "weights"))
     import statistics
 
-    from pipeline.quant import native
+    from pipeline.quant.numerics import native
 
     pairs = [w["seconds"] / i["seconds"] for i, w in zip(runs["io"], runs["weights"])]
     res = {

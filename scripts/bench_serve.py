@@ -100,13 +100,13 @@ def main() -> int:
     import ray
     from ray import serve
 
-    from actors.serve_app import build_app
-    from actors.serve_config import DeploymentOptions, ServeConfig
+    from actors.serving.app.serve_app import build_app
+    from actors.serving.serve_config import DeploymentOptions, ServeConfig
     from pipeline.text import corpus
     from pipeline.assets import EMBEDDED_MODEL_DIR
     from pipeline.engine.config import EngineConfig
-    from pipeline.quant.recipe import Recipe
-    from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+    from pipeline.quant.recipe.recipe import Recipe
+    from pipeline.quant.job.run import QuantizeOptions, quantize_checkpoint
     from pipeline.text.tokenizer import Tokenizer
 
     qdir = Path(args.dir) / "q"

@@ -58,8 +58,8 @@ def main(argv=None) -> int:
     import ray
     import torch
 
-    from actors.rank_group import build_sharded_engine
-    from actors.ray_start import init_ray
+    from actors.serving.engine.rank_group import build_sharded_engine
+    from actors.cluster.ray_start import init_ray
     from pipeline.engine.config import EngineConfig
     from pipeline.engine.core.engine import LLMEngine
     from pipeline.engine.worker.loader import load_quantized

@@ -129,7 +129,7 @@ def generate(path: Path, layers: int, experts: int) -> int:
 
 def calib_file(path: Path, n: int) -> Path:
     """The first ``n`` of the default calibration texts (the embedded model's), as a JSON list."""
-    from pipeline.quant.calib_data import load_texts
+    from pipeline.quant.calibration.calib_data import load_texts
 
     texts = load_texts()
     if n > len(texts):
@@ -208,7 +208,7 @@ def our_phases(dst: Path) -> dict:
         # the source bytes the job read (its own count, per unit read) and the kernel's count of the
         # process's reads (/proc/self/io rchar: every file, the probe's and the tokenizer's included)
         out.update({k: job[k] for k in ("bytes_read", "rchar") if job.get(k) is not None})
-        if "estimate" in job:  # what the job printed before it started (pipeline.quant.estimate)
+        if "estimate" in job:  # what the job printed before it started (pipeline.quant.job.estimate)
             out["estimate_s"] = job["estimate"]["total_s"]
             out["estimate_probe"] = job["estimate"]["probe"]
         return out

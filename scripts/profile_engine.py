@@ -41,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
-from actors.serve_config import DEFAULT_ENGINE  # noqa: E402
+from actors.serving.serve_config import DEFAULT_ENGINE  # noqa: E402
 from bench_io import write_result  # noqa: E402
 from pipeline.cbuild import cpu_description  # noqa: E402
 
@@ -158,7 +158,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sequence")
     ap.add_argument("--mtp", action="store_true", help="MTP speculative decoding on (default: off)")
     ap.add_argument("--max-batched-tokens", type=int, default=DEFAULT_ENGINE.max_batched_tokens,
-                    help="tokens one step may hold (the served engines' default: actors/serve_config)")
+                    help="tokens one step may hold (the served engines' default: actors/serving/serve_config.py)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (vLLM's CPU engine core uses one)")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the layers' work around attention (EngineConfig.compile)")

@@ -1,5 +1,5 @@
-"""The 671B model sharded on paper (pipeline.plan.sharding): per-rank weights, KV capacity and the bytes a
-decode step communicates, for the layouts of pipeline.plan.sharding.LAYOUTS, from DeepSeek-V3's config
+"""The 671B model sharded on paper (pipeline.serving.sharding.plan): per-rank weights, KV capacity and the bytes a
+decode step communicates, for the layouts of pipeline.serving.sharding.plan.LAYOUTS, from DeepSeek-V3's config
 alone (no weight read). Prints the table and writes benchmarks/sharding_671b.json and .md.
 
     .venv/bin/python scripts/sharding_table.py [--out-dir benchmarks] [--reserve-gb 4] [--usable 0.9]
@@ -16,9 +16,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import DeepseekV3Config  # noqa: E402
-from pipeline.plan import sharding as S  # noqa: E402
-from pipeline.plan.replica import DEEPSEEK_V3_CONFIG  # noqa: E402
-from pipeline.quant.recipe import Recipe  # noqa: E402
+from pipeline.serving.sharding import plan as S  # noqa: E402
+from pipeline.io.replica import DEEPSEEK_V3_CONFIG  # noqa: E402
+from pipeline.quant.recipe.recipe import Recipe  # noqa: E402
 
 RECIPES = {
     "default": (Recipe(), "The project's default recipe (jobs.quantize without flags, seed dialect): FA3 on "
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - t0
 
     default = results["default"]
-    head = (f"DeepSeek-V3/R1 671B (pipeline.plan.replica.DEEPSEEK_V3_CONFIG), W8A8 + FA3 as this project writes it. "
+    head = (f"DeepSeek-V3/R1 671B (pipeline.io.replica.DEEPSEEK_V3_CONFIG), W8A8 + FA3 as this project writes it. "
             f"Whole quantized model: {default[0].model_bytes / S.GB:,.1f} GB with the default recipe, "
             f"{results['quantize_mtp'][0].model_bytes / S.GB:,.1f} GB with --quantize-mtp (MTP layer included in "
             f"both). Usable memory {args.usable:g} x the device's nominal GB, minus a {args.reserve_gb:g} GB "
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
             f"{default[0].kv_bytes_per_token_bf16} B all-bf16. GB = 10^9 B; comm in KB = 10^3 B per rank per "
             f"token of the decode step (payload, and in parentheses what a ring moves).")
     md = ["# The 671B model sharded on paper", "", "Written by `scripts/sharding_table.py` "
-          "(`pipeline/plan/sharding.py`; definitions in its module doc and those of `placement.py` and "
+          "(`pipeline/serving/sharding/plan.py`; definitions in its module doc and those of `placement.py` and "
           "`collectives.py` beside it).", "", head, "",
           "## Default recipe", "", RECIPES["default"][1] + ".", "", S.to_markdown(default),
           "## With --quantize-mtp", "", RECIPES["quantize_mtp"][1] + ".", "",
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "sharding_671b.md").write_text(text)
     payload = {
-        "model": "DeepSeek-V3 671B (pipeline.plan.replica.DEEPSEEK_V3_CONFIG)",
+        "model": "DeepSeek-V3 671B (pipeline.io.replica.DEEPSEEK_V3_CONFIG)",
         "assumptions": {"usable_fraction": args.usable, "reserve_bytes": kw["reserve_bytes"],
                         "min_kv_tokens": args.min_kv_tokens, "gb": S.GB,
                         "comm": "bytes per rank per token of a decode step (one token per dp group); payload and "

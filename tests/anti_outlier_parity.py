@@ -28,14 +28,14 @@ from safetensors.torch import load_file
 
 from pipeline.io.checkpoint import read_model_config
 from pipeline.model.causal_lm import build_model
-from pipeline.quant import modelslim_yaml
-from pipeline.quant.flex_smooth import flex_smooth_layer
-from pipeline.quant.iter_smooth import iter_smooth_layer
-from pipeline.quant.options import QuantizeOptions, calibration_samples
-from pipeline.quant.outlier_stats import ActivationRows, ChannelTrace, observing_subgraphs
-from pipeline.quant.qparams import quantize_weight_per_channel, static_activation_params
-from pipeline.quant.steps import FlexSmooth
-from pipeline.quant.subgraphs import step_subgraphs
+from pipeline.quant.recipe import modelslim_yaml
+from pipeline.quant.transforms.flex_smooth import flex_smooth_layer
+from pipeline.quant.transforms.iter_smooth import iter_smooth_layer
+from pipeline.quant.job.options import QuantizeOptions, calibration_samples
+from pipeline.quant.transforms.outlier_stats import ActivationRows, ChannelTrace, observing_subgraphs
+from pipeline.quant.numerics.qparams import quantize_weight_per_channel, static_activation_params
+from pipeline.quant.recipe.steps import FlexSmooth
+from pipeline.quant.transforms.subgraphs import step_subgraphs
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 SOURCE = FIXTURES / "tiny-deepseek-v3"

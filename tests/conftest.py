@@ -139,8 +139,8 @@ def serve_http(ray_cluster) -> str:
 def embedded_quantized(tmp_path_factory) -> str:
     """The embedded model quantized with the default recipe (W8A8 + FA3), once per session; read-only."""
     from pipeline.assets import EMBEDDED_MODEL_DIR
-    from pipeline.quant.recipe import Recipe
-    from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+    from pipeline.quant.recipe.recipe import Recipe
+    from pipeline.quant.job.run import QuantizeOptions, quantize_checkpoint
 
     dst = str(tmp_path_factory.mktemp("embedded-quantized") / "q")
     quantize_checkpoint(str(EMBEDDED_MODEL_DIR), dst, Recipe(), QuantizeOptions(), log=lambda m: None)
@@ -162,8 +162,8 @@ def calib4(tmp_path_factory) -> str:
 def tiny_quantized(tmp_path_factory) -> str:
     """tests/fixtures' tiny checkpoint quantized with the default recipe and options on
     tests/fixtures/calib.json, once per session; read-only (copy it where a test writes)."""
-    from pipeline.quant.recipe import Recipe
-    from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+    from pipeline.quant.recipe.recipe import Recipe
+    from pipeline.quant.job.run import QuantizeOptions, quantize_checkpoint
     from tiny import FIXTURES, TINY_FIXTURE
 
     dst = str(tmp_path_factory.mktemp("tiny-quantized") / "q")

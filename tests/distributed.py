@@ -11,10 +11,10 @@ from pathlib import Path
 from pipeline.io import storage
 from pipeline.format.checker import check_dir
 from pipeline.format.description import DESCRIPTION_NAME, MANIFEST_NAME
-from pipeline.quant.job_state import STATE_DIR, SUMMARY_NAME
-from pipeline.quant.output_files import RECIPE_SUFFIX
-from pipeline.quant.recipe import Recipe
-from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+from pipeline.quant.job.job_state import STATE_DIR, SUMMARY_NAME
+from pipeline.quant.writing.output_files import RECIPE_SUFFIX
+from pipeline.quant.recipe.recipe import Recipe
+from pipeline.quant.job.run import QuantizeOptions, quantize_checkpoint
 from tiny import FIXTURES
 
 # the first 8 of fixtures/calib.json's 16 texts: every distributed run is compared with a single-process run
@@ -22,8 +22,8 @@ from tiny import FIXTURES
 # calibration
 CALIB_TEXTS = 8
 OPTS = QuantizeOptions(calib_path=str(FIXTURES / "calib8.json"), shard_bytes=150_000, progress=False)
-# the float calibration's pipelined stages (actors.calibration); msModelSlim's layer-by-layer passes
-# (actors.pass_stages) are tests/test_distributed_passes.py's
+# the float calibration's pipelined stages (actors.quantize.calibration); msModelSlim's layer-by-layer passes
+# (actors.quantize.pass_stages) are tests/test_distributed_passes.py's
 PLAIN = Recipe(calibration="float")
 SMOOTH_MTP = Recipe(smooth=True, quantize_mtp=True, calibration="float")
 NOT_COMPARED = {MANIFEST_NAME, SUMMARY_NAME, STATE_DIR}

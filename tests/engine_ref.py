@@ -77,7 +77,7 @@ def drain(engine, results: Optional[dict] = None) -> dict[str, Result]:
         for out in engine.step():
             results.setdefault(out.request_id, Result()).add(out)
     return results
-#: Each step of an engine that a test needs to keep busy sleeps this long first (actors.engine_replica's
+#: Each step of an engine that a test needs to keep busy sleeps this long first (actors.serving.engine.engine_replica's
 #: ``step_delay_s``), so that a request of N tokens lasts at least N * SLOW_STEP_S seconds on any machine:
 #: a client's time-out, an abort or a drain then meets it running, however fast the CPU is.
 SLOW_STEP_S = 0.01
@@ -85,7 +85,7 @@ SLOW_STEP_S = 0.01
 
 def slowed(engine: LLMEngine, delay_s: float = SLOW_STEP_S) -> LLMEngine:
     """``engine`` with every step delayed by ``delay_s`` (as a served app's ``step_delay_s`` does)."""
-    from actors.engine_replica import _delayed
+    from actors.serving.engine.engine_replica import _delayed
 
     engine.step = _delayed(engine.step, delay_s)
     return engine

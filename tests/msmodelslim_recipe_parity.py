@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.quant import modelslim_yaml
-from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+from pipeline.quant.recipe import modelslim_yaml
+from pipeline.quant.job.run import QuantizeOptions, quantize_checkpoint
 from tiny import FIXTURES, TINY_FIXTURE
 
 

@@ -9,7 +9,7 @@ plus the optional export under "optional/...".
 - FLOAT tensors: embed_tokens, lm_head, model.norm, the routers, the norms QuaRot sets to one, the MTP
   layer's own modules, kv_b_proj's key (nope) rows (layers 0-2; flex_smooth rescales the value rows) and
   all of layer 3's kv_b_proj (msModelSlim never smooths the MTP layer).
-- int8 weights through pipeline.quant.qparams.quantize_weight_per_channel: every W8A8_DYNAMIC MLP and
+- int8 weights through pipeline.quant.numerics.qparams.quantize_weight_per_channel: every W8A8_DYNAMIC MLP and
   expert weight with its weight_scale, and layer 3's W8A8 attention weights.
 """
 
@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 
 from pipeline import layout
 from pipeline.io.checkpoint import CheckpointReader
-from pipeline.quant.qparams import quantize_weight_per_channel
-from pipeline.quant.quarot import (
+from pipeline.quant.numerics.qparams import quantize_weight_per_channel
+from pipeline.quant.transforms.quarot import (
     QUAROT_FILE, build_rotations, description_entry, optional_tensors, rotate_globals, rotate_layer)
 from tiny import FIXTURES
 
@@ -81,7 +81,7 @@ def main(mode: str) -> dict:
 def products() -> dict:
     """Blocked against full-matrix products, block 32, on weights spanning many binades (so that float32
     sums are inexact and their order shows), bf16 and float32, both sides, plain and composite rotations."""
-    from pipeline.quant.hadamard import Rotation, block_hadamard, identity, shifted_block_hadamard
+    from pipeline.quant.transforms.hadamard import Rotation, block_hadamard, identity, shifted_block_hadamard
 
     h = block_hadamard(2048, 32, "hidden")
     kv = block_hadamard(512, 32, "kv")

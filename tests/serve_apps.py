@@ -12,7 +12,7 @@ def deploy(apps: dict) -> None:
     another)."""
     from ray import serve
 
-    from actors.serve_app import build_app
+    from actors.serving.app.serve_app import build_app
 
     serve.run_many([serve.RunTarget(build_app(cfg), name=name, route_prefix=prefix)
                     for name, (cfg, prefix) in apps.items()])

@@ -10,14 +10,14 @@ import torch
 
 from pipeline.config import DeepseekV3Config
 from pipeline.model.causal_lm import build_model
-from pipeline.quant import flex_smooth
-from pipeline.quant.flex_smooth import choose, flex_smooth_layer, pick_alpha_beta, search_alpha_beta
-from pipeline.quant.iter_smooth import iter_scales, iter_smooth_layer, shifts
-from pipeline.quant.outlier_stats import ActivationRows, ChannelTrace, observing_subgraphs
-from pipeline.quant.patterns import PatternError, expand_braces, matches, selected
-from pipeline.quant.qparams import QuantError
-from pipeline.quant.steps import FlexSmooth, IterSmooth
-from pipeline.quant.subgraphs import (NORM_LINEAR, OV, UP_DOWN, layer_subgraphs, select_subgraphs, step_subgraphs,
+from pipeline.quant.transforms import flex_smooth
+from pipeline.quant.transforms.flex_smooth import choose, flex_smooth_layer, pick_alpha_beta, search_alpha_beta
+from pipeline.quant.transforms.iter_smooth import iter_scales, iter_smooth_layer, shifts
+from pipeline.quant.transforms.outlier_stats import ActivationRows, ChannelTrace, observing_subgraphs
+from pipeline.quant.recipe.patterns import PatternError, expand_braces, matches, selected
+from pipeline.quant.numerics.qparams import QuantError
+from pipeline.quant.recipe.steps import FlexSmooth, IterSmooth
+from pipeline.quant.transforms.subgraphs import (NORM_LINEAR, OV, UP_DOWN, layer_subgraphs, select_subgraphs, step_subgraphs,
                                       subgraph_weights, value_rows, with_value_rows)
 from tiny import random_tensors, tiny_config
 
@@ -203,7 +203,7 @@ def test_search_prefers_smoothing_an_outlier_channel():
 
 
 def test_recipe_steps_select_and_set_the_smoothing():
-    """The recipe's step objects (pipeline.quant.steps) drive the layer functions: which subgraphs, shifted
+    """The recipe's step objects (pipeline.quant.recipe.steps) drive the layer functions: which subgraphs, shifted
     or not, searched or not (msModelSlim searches unless both alpha and beta are set)."""
     cfg = tiny()
     m4 = IterSmooth(alpha=0.5, scale_min=1e-5, symmetric=False, enable_subgraph_type=("norm-linear", "ov"))

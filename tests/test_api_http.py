@@ -39,7 +39,7 @@ AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 @pytest.fixture(scope="module")
 def server(serve_http, qdir):
     """``keyed`` (colocated, API key, 8 in flight) at / (disaggregated serving's fields: tests/test_serve.py)."""
-    from actors.serve_app import DeploymentOptions, ServeConfig
+    from actors.serving.app.serve_app import DeploymentOptions, ServeConfig
 
     cpu, small = DeploymentOptions(1, {"num_cpus": 0.5}), DeploymentOptions(1, {"num_cpus": 0.1})
     keyed = ServeConfig(qdir, MODEL, ENGINE, api_key=KEY, max_in_flight=MAX_IN_FLIGHT, llm=cpu, ingress=small)

@@ -9,10 +9,10 @@ import pytest
 
 from pipeline.config import DeepseekV3Config
 from pipeline.engine.cache.blocks import BlockAllocator, BlockTable, OutOfBlocks
-from pipeline.quant.recipe import kv_bytes_per_token
-from pipeline.plan.replica import DEEPSEEK_V3_CONFIG
-from pipeline.quant.qparams import QuantError
-from pipeline.quant.recipe import Recipe
+from pipeline.quant.recipe.recipe import kv_bytes_per_token
+from pipeline.io.replica import DEEPSEEK_V3_CONFIG
+from pipeline.quant.numerics.qparams import QuantError
+from pipeline.quant.recipe.recipe import Recipe
 from tiny import tiny_config
 
 

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.assets import EMBEDDED_MODEL_DIR
-from pipeline.quant.calib_data import CalibDataError, load_texts, tokenize
+from pipeline.quant.calibration.calib_data import CalibDataError, load_texts, tokenize
 from pipeline.text.tokenizer import Tokenizer
 from tiny import FIXTURES
 

@@ -1,4 +1,4 @@
-"""How the calibration forward multiplies bf16/fp16 operands (pipeline.quant.products, Recipe.calib_products):
+"""How the calibration forward multiplies bf16/fp16 operands (pipeline.quant.numerics.products, Recipe.calib_products):
 ``fp32`` is the fp32 GEMM of the upcast operands rounded once, bit for bit, and within one rounding of torch's
 own reduced-precision matmul; ``auto`` (the default) upcasts only where torch has no native kernel; only the
 calibration thread sees the mode; the statistics it gives stay within a
@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.assets import EMBEDDED_MODEL_DIR
-from pipeline.quant.observers import MinMax
-from pipeline.quant.products import calibration_products
-from pipeline.quant.qparams import QuantError
-from pipeline.quant.recipe import Recipe
+from pipeline.quant.numerics.observers import MinMax
+from pipeline.quant.numerics.products import calibration_products
+from pipeline.quant.numerics.qparams import QuantError
+from pipeline.quant.recipe.recipe import Recipe
 from test_layerwise_calibration import embedded_samples, layer_stats, max_relative_change
 
 # One rounding apart: fp32 sums in two orders differ by a few fp32 ulps, which moves a result to the
@@ -79,7 +79,7 @@ def test_other_operands_and_the_model_mode_are_left_alone():
 
 
 def test_auto_upcasts_only_where_torch_has_no_native_kernel(monkeypatch):
-    import pipeline.quant.products as products
+    import pipeline.quant.numerics.products as products
 
     x, w, _ = _operands(torch.bfloat16, seed=3)
     upcast = F.linear(x.float(), w.float()).to(torch.bfloat16)
@@ -141,7 +141,7 @@ def test_statistics_stay_within_the_bound_of_the_reference_mode():
 
 
 def test_kept_weights_give_the_same_bits_and_a_new_activation_sees_new_weights(monkeypatch):
-    from pipeline.quant.products import KEEP_ENV
+    from pipeline.quant.numerics.products import KEEP_ENV
 
     lin = torch.nn.Linear(96, 40).to(torch.bfloat16)
     x, _, _ = _operands(torch.bfloat16, seed=2)
@@ -166,7 +166,7 @@ def test_kept_weights_give_the_same_bits_and_a_new_activation_sees_new_weights(m
 def test_weights_kept_across_activations_until_cleared():
     """A pipeline stage's KeptWeights: the second activation reuses the first one's upcast weight; after an
     in-place change the owner clears it and the next activation sees the new weight."""
-    from pipeline.quant.products import KeptWeights
+    from pipeline.quant.numerics.products import KeptWeights
 
     lin = torch.nn.Linear(96, 40, bias=False).to(torch.bfloat16)
     x, _, _ = _operands(torch.bfloat16, seed=4)
@@ -190,7 +190,7 @@ def test_auto_leaves_the_rerun_fingerprint_as_it_was():
     """Outputs written before the field existed stay up to date for a scheduled rerun with the default (as long
     as nothing else changed: the calibration semantics are part of the fingerprint); an explicit mode is part
     of the fingerprint."""
-    from pipeline.quant import job_state
+    from pipeline.quant.job import job_state
 
     before = {k: v for k, v in Recipe().to_dict().items()
               if k not in ("calib_products", "linear_rules", "fa_include", "fa_exclude", "steps", "drop_mtp")}

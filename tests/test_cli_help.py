@@ -61,7 +61,7 @@ def test_help_renders(name, capsys):
 
 
 def test_serve_states_the_nz_and_mtp_defaults():
-    from actors.serve_config import DEFAULT_ENGINE
+    from actors.serving.serve_config import DEFAULT_ENGINE
 
     helps = {a.dest: a.help for a in parser_of("serve")._actions}
     assert re.search(r"\(default: (on|off)\)", helps["nz"]).group(1) == ("on" if DEFAULT_ENGINE.nz else "off")

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from actors.serve_config import ServeConfig
+from actors.serving.serve_config import ServeConfig
 from pipeline.engine import cpu_pinning
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import DeepseekV3Config
-from pipeline.quant.recipe import Recipe
-from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+from pipeline.quant.recipe.recipe import Recipe
+from pipeline.quant.job.run import QuantizeOptions, quantize_checkpoint
 from tiny import FIXTURES, TINY_FIXTURE
 from pipeline.io.checkpoint import read_model_config
 

@@ -11,12 +11,12 @@ import shutil
 
 import pytest
 
-from actors.quantize_job import quantize_distributed
-from actors.ray_session import DistOptions
+from actors.quantize.quantize_job import quantize_distributed
+from actors.quantize.ray_session import DistOptions
 from distributed import OPTS, assert_same_output, quiet, reference
-from pipeline.quant.job_state import CALIBRATION_NAME, STATE_DIR, SUMMARY_NAME
-from pipeline.quant.recipe import Recipe
-from pipeline.quant.run import QuantizeOptions
+from pipeline.quant.job.job_state import CALIBRATION_NAME, STATE_DIR, SUMMARY_NAME
+from pipeline.quant.recipe.recipe import Recipe
+from pipeline.quant.job.run import QuantizeOptions
 from tiny import TINY_FIXTURE
 
 pytestmark = pytest.mark.slow

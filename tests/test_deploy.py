@@ -84,7 +84,7 @@ def test_rayjob_runs_the_distributed_quantize_job():
 
 
 def test_rayservice_serves_prefill_and_decode_on_their_own_gpu_groups():
-    from actors.serve_config import ServeConfig
+    from actors.serving.serve_config import ServeConfig
 
     doc = manifest("rayservice-serve.yaml")
     assert (doc["apiVersion"], doc["kind"]) == ("ray.io/v1", "RayService")

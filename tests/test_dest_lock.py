@@ -18,9 +18,9 @@ import pytest
 from pipeline.format.checker import check_dir
 from pipeline.io import dest_lock
 from pipeline.io.dest_lock import DestinationBusy, DestinationLock, LockLost, lock_path
-from pipeline.quant.recipe import Recipe
-from pipeline.quant.run import QuantizeOptions
-from pipeline.quant.writer import QuantizedWriter
+from pipeline.quant.recipe.recipe import Recipe
+from pipeline.quant.job.run import QuantizeOptions
+from pipeline.quant.writing.writer import QuantizedWriter
 from tiny import TINY_FIXTURE
 
 from test_job_safety import calib, finished, output, snapshot  # noqa: F401 (fixtures shared with those tests)
@@ -173,8 +173,8 @@ def test_s3_destination_takes_one_lock_at_a_time(s3):
 
 
 def test_the_distributed_job_stops_at_a_held_lock_before_ray_starts(output, calib):
-    from actors.quantize_job import quantize_distributed
-    from actors.ray_session import DistOptions
+    from actors.quantize.quantize_job import quantize_distributed
+    from actors.quantize.ray_session import DistOptions
 
     before = snapshot(output)
     with DestinationLock(str(output), command="the first job"):

@@ -12,14 +12,14 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from actors.quantize_job import quantize_distributed
-from actors.ray_session import DistOptions, JobFailed
+from actors.quantize.quantize_job import quantize_distributed
+from actors.quantize.ray_session import DistOptions, JobFailed
 from distributed import CALIB_TEXTS, OPTS, PLAIN, SMOOTH_MTP, assert_same_output, quiet, reference
 from jobs import requantize
 from pipeline.io import storage
 from pipeline.format.description import DESCRIPTION_NAME, MANIFEST_NAME, NAMING
-from pipeline.quant.recipe import Recipe
-from pipeline.quant.job_state import STATE_DIR, SUMMARY_NAME
+from pipeline.quant.recipe.recipe import Recipe
+from pipeline.quant.job.job_state import STATE_DIR, SUMMARY_NAME
 from tiny import TINY_FIXTURE, split_by_layer
 
 pytestmark = pytest.mark.slow
@@ -141,7 +141,7 @@ def test_unrecoverable_failure_names_every_failed_shard_and_resume_finishes(tmp_
 
 def _planned_index(src) -> dict[str, str]:
     from pipeline.io.checkpoint import CheckpointReader
-    from pipeline.quant.shard_layout import checkpoint_shards
+    from pipeline.quant.writing.shard_layout import checkpoint_shards
 
     return {s.name: sh.name for sh in checkpoint_shards(CheckpointReader(str(src)), PLAIN, OPTS.shard_bytes)
             for s in sh.specs}

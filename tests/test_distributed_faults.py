@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from actors.quantize_job import quantize_distributed
-from actors.ray_session import DistOptions
+from actors.quantize.quantize_job import quantize_distributed
+from actors.quantize.ray_session import DistOptions
 from distributed import OPTS, PLAIN, RAY_WORKER, SMOOTH_MTP, assert_same_output
 from tiny import TINY_FIXTURE
 
@@ -66,8 +66,8 @@ def test_driver_killed_mid_run_then_rerun_resumes(cluster, tmp_path, refs):
         import os, signal, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import ray
-        from actors.quantize_job import quantize_distributed
-        from actors.ray_session import DistOptions
+        from actors.quantize.quantize_job import quantize_distributed
+        from actors.quantize.ray_session import DistOptions
         from distributed import OPTS, PLAIN
         ray.init(address={cluster.address!r}, logging_level="ERROR", log_to_driver=False)
         units = []
@@ -120,8 +120,8 @@ def test_units_wait_for_an_actor_ray_is_restarting(cluster, tmp_path):
     import time as _time
     from types import SimpleNamespace
 
-    from actors.weights import run_weights
-    from pipeline.quant.shard_layout import Shard
+    from actors.quantize.weights import run_weights
+    from pipeline.quant.writing.shard_layout import Shard
 
     marker = tmp_path / "died"
 
@@ -152,7 +152,7 @@ def test_units_wait_for_an_actor_ray_is_restarting(cluster, tmp_path):
 
 
 def test_a_restarting_actor_rests_doubling_and_counts_as_lost_past_the_limit():
-    from actors.ray_errors import Restarts
+    from actors.cluster.ray_errors import Restarts
 
     r = Restarts(limit_s=10.0)
     assert r.met("a", 0.0) and r.resting("a", 0.2) and not r.resting("a", 0.25)

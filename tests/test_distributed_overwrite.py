@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from actors.quantize_job import quantize_distributed
-from actors.ray_session import DistOptions
+from actors.quantize.quantize_job import quantize_distributed
+from actors.quantize.ray_session import DistOptions
 from distributed import OPTS, PLAIN, assert_same_output, quiet
 from pipeline.format.checker import check_dir
-from pipeline.quant.recipe import Recipe
+from pipeline.quant.recipe.recipe import Recipe
 from tiny import TINY_FIXTURE
 
 

@@ -1,4 +1,4 @@
-"""msModelSlim's layer-by-layer passes on the stage actors (actors.pass_stages): the output is the single
+"""msModelSlim's layer-by-layer passes on the stage actors (actors.quantize.pass_stages): the output is the single
 process's byte for byte, for 1, 2 and 3 stages, with replicas, for the plain recipe and for recipes with
 iter_smooth and with QuaRot + flex_smooth_quant (their norm biases and optional/quarot.safetensors
 included); a job that fails in a later stage keeps the earlier stages' shards, and its rerun writes only
@@ -12,15 +12,15 @@ import shutil
 
 import pytest
 
-from actors.quantize_job import quantize_distributed
-from actors.ray_session import DistOptions, JobFailed
+from actors.quantize.quantize_job import quantize_distributed
+from actors.quantize.ray_session import DistOptions, JobFailed
 from distributed import OPTS as DIST_OPTS
 from distributed import assert_same_output, quiet, reference
 from jobs import requantize
 from pipeline.format.description import DESCRIPTION_NAME
-from pipeline.quant import modelslim_yaml
-from pipeline.quant.job_state import SUMMARY_NAME
-from pipeline.quant.recipe import Recipe
+from pipeline.quant.recipe import modelslim_yaml
+from pipeline.quant.job.job_state import SUMMARY_NAME
+from pipeline.quant.recipe.recipe import Recipe
 from tiny import FIXTURES, TINY_FIXTURE, split_by_layer
 
 pytestmark = pytest.mark.slow

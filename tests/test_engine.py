@@ -15,7 +15,7 @@ from pipeline.engine.core.engine import LLMEngine, greedy_agreement
 from pipeline.engine.worker.loader import load_quantized
 from pipeline.engine.core.reference import generate_ids
 from pipeline.model.loading import load_model
-from pipeline.quant.fakequant import load_fakequant_model
+from pipeline.quant.evaluation.fakequant import load_fakequant_model
 from pipeline.io.safetensors_io import CheckpointError
 from pipeline.engine.protocol import SamplingParams
 

@@ -1,4 +1,4 @@
-"""The up-front estimate (pipeline.quant.estimate) and the per-phase progress bars (pipeline.quant.progress):
+"""The up-front estimate (pipeline.quant.job.estimate) and the per-phase progress bars (pipeline.quant.calibration.progress):
 the CLI prints the estimate before the job starts, its byte counts are the job's own (read: every stored
 byte once per phase; written: the output's tensor bytes exactly), its arithmetic is the documented
 formula (one read for the layer-wise single-process job), and the bars count tokens and bytes with a rate, a redone
@@ -14,11 +14,11 @@ import pytest
 from pipeline.assets import EMBEDDED_MODEL_DIR
 from pipeline.format.description import MANIFEST_NAME
 from pipeline.io.checkpoint import CheckpointReader
-from pipeline.quant.costs import unit_costs
-from pipeline.quant.estimate import FORWARD_EFFICIENCY, GB, Probe, estimate_job, probe
-from pipeline.quant.progress import JobProgress, over_samples
-from pipeline.quant.recipe import Recipe
-from pipeline.quant.run import output_specs
+from pipeline.quant.job.costs import unit_costs
+from pipeline.quant.job.estimate import FORWARD_EFFICIENCY, GB, Probe, estimate_job, probe
+from pipeline.quant.calibration.progress import JobProgress, over_samples
+from pipeline.quant.recipe.recipe import Recipe
+from pipeline.quant.job.run import output_specs
 from tiny import TINY_FIXTURE
 
 REL = 1e-9  # the estimate's arithmetic against the formula: equal up to float rounding
@@ -119,7 +119,7 @@ def test_bars_have_rates_and_count_a_redone_sample_once(capsys):
 
 def test_progress_is_whole_lines_when_stderr_is_not_a_terminal(capsys):
     """No carriage-return redraws in a log: a bar off a terminal prints a line per interval and one at the end."""
-    from pipeline.quant.progress import LineBar, bar
+    from pipeline.quant.calibration.progress import LineBar, bar
 
     b = bar(True, "weights", 1000, "B")
     assert isinstance(b, LineBar)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.assets import EMBEDDED_MODEL_DIR
-from pipeline.quant import eval_report
+from pipeline.quant.evaluation import eval_report
 
-from pipeline.quant.evaluate import EvalResult
+from pipeline.quant.evaluation.evaluate import EvalResult
 
 REPO = Path(__file__).resolve().parents[1]
 

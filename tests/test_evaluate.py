@@ -17,11 +17,11 @@ import torch
 from pipeline.assets import EMBEDDED_MODEL_DIR
 from pipeline.model.loading import load_model
 from pipeline.model.perplexity import token_stream
-from pipeline.quant.evaluate import Candidate, compare, evaluate, load_candidates, windows_of
-from pipeline.quant.linear_refs import sqnr_db
+from pipeline.quant.evaluation.evaluate import Candidate, compare, evaluate, load_candidates, windows_of
+from pipeline.quant.evaluation.linear_refs import sqnr_db
 from pipeline.model.norm import RMSNorm
-from pipeline.quant.fakequant import QuantLinear, load_fakequant_model
-from pipeline.quant.linear_refs import DEQUANT_REF, FLOAT_REF
+from pipeline.quant.evaluation.fakequant import QuantLinear, load_fakequant_model
+from pipeline.quant.evaluation.linear_refs import DEQUANT_REF, FLOAT_REF
 from pipeline.text import corpus
 from pipeline.text.tokenizer import Tokenizer
 from tiny import FIXTURES, TINY_FIXTURE

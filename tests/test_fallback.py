@@ -19,13 +19,13 @@ from pipeline.format.description import FAQUANT, FLOAT
 from pipeline.format.reader import read_quantized
 from pipeline.model.loading import load_model
 from pipeline.model.perplexity import token_stream
-from pipeline.quant.evaluate import Candidate, compare, windows_of
-from pipeline.quant.fakequant import load_fakequant_model
-from pipeline.quant.fallback import fallback_groups, parse_choice
-from pipeline.quant.outlier_variant import VariantSpec
-from pipeline.quant.qparams import QuantError
-from pipeline.quant.sensitivity import Target
-from pipeline.quant.variant_writer import write_variant
+from pipeline.quant.evaluation.evaluate import Candidate, compare, windows_of
+from pipeline.quant.evaluation.fakequant import load_fakequant_model
+from pipeline.quant.evaluation.fallback import fallback_groups, parse_choice
+from pipeline.quant.evaluation.outlier_variant import VariantSpec
+from pipeline.quant.numerics.qparams import QuantError
+from pipeline.quant.evaluation.sensitivity import Target
+from pipeline.quant.evaluation.variant_writer import write_variant
 from pipeline.text import corpus
 from pipeline.text.tokenizer import Tokenizer
 from tiny import FIXTURES
@@ -160,7 +160,7 @@ def test_q_a_and_kv_a_fall_back_together():
     assert len(groups["model.layers.1.mlp.experts.*.down_proj"]) == 3 and len(groups) == 5
     assert sorted(n for g in groups.values() for n in g) == sorted(names)
     # the key is a rule pattern matching exactly its members
-    from pipeline.quant.patterns import selected
+    from pipeline.quant.recipe.patterns import selected
     for key, group in groups.items():
         assert [n for n in names if selected(n, (key,), ())] == group
 
@@ -183,7 +183,7 @@ def test_bad_values_are_one_line(capsys, tmp_path):
 
 
 def test_target_parsing():
-    from pipeline.quant.fallback import TARGET, parse_target, target_text
+    from pipeline.quant.evaluation.fallback import TARGET, parse_target, target_text
 
     assert parse_target("agreement=0.98,ppl=1.0,sqnr=32") == TARGET
     assert parse_target(target_text(TARGET)) == TARGET and f"default {target_text(TARGET)})" in \
@@ -201,11 +201,11 @@ def test_float_weights_are_what_the_probe_quantized(tmp_path):
     (smoothed, not the source's): quantized per channel again, it gives the written int8 weight exactly;
     installed, it replaces the dequantized placeholder, so a linear that falls back is measured in float."""
     from pipeline.io.checkpoint import CheckpointReader
-    from pipeline.quant.fallback import FloatWeights
-    from pipeline.quant.qparams import quantize_weight_per_channel
-    from pipeline.quant.recipe import Recipe
-    from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
-    from pipeline.quant.steps import IterSmooth
+    from pipeline.quant.evaluation.fallback import FloatWeights
+    from pipeline.quant.numerics.qparams import quantize_weight_per_channel
+    from pipeline.quant.recipe.recipe import Recipe
+    from pipeline.quant.job.run import QuantizeOptions, quantize_checkpoint
+    from pipeline.quant.recipe.steps import IterSmooth
 
     src, dst = tmp_path / "variant", tmp_path / "q"
     write_variant(EMBEDDED_MODEL_DIR, str(src), VariantSpec(seed=12), log=lambda m: None, check=False)

@@ -138,7 +138,7 @@ def test_a_directory_of_neither_kind_is_refused_naming_it(tmp_path):
 
 
 def test_a_sharded_float_replica_is_refused():
-    from actors.serve_config import ServeConfig, check_model_dir
+    from actors.serving.serve_config import ServeConfig, check_model_dir
 
     assert check_model_dir(ServeConfig(EMBEDDED_MODEL_DIR)) == FLOAT_CHECKPOINT
     with pytest.raises(ValueError, match=f"{EMBEDDED_MODEL_DIR}: a float checkpoint is served by one process "
@@ -248,7 +248,7 @@ SERVED_ENGINE = EngineConfig(num_blocks=64, block_size=16, max_num_seqs=8, max_b
 def float_server(serve_http):
     """The colocated app on the float checkpoint (the name clients see: the directory's), on the session's
     Serve (conftest's ``serve_http``)."""
-    from actors.serve_app import DeploymentOptions, ServeConfig
+    from actors.serving.app.serve_app import DeploymentOptions, ServeConfig
     from serve_apps import deployed
 
     cfg = ServeConfig(EMBEDDED_MODEL_DIR, engine=SERVED_ENGINE, llm=DeploymentOptions(1, {"num_cpus": 0.5}),

@@ -123,10 +123,10 @@ def test_stages_0_is_refused_and_plan_and_quantize_take_the_same_range(capsys, t
     for k in range(1, layers + 1):
         assert plan_job.main(["--model-path", str(TINY_FIXTURE), "--stages", str(k)]) == 0
     capsys.readouterr()
-    from actors.quantize_job import stage_specs
-    from actors.ray_session import DistOptions
+    from actors.quantize.quantize_job import stage_specs
+    from actors.quantize.ray_session import DistOptions
     from pipeline.io.checkpoint import CheckpointReader
-    from pipeline.quant.recipe import Recipe
+    from pipeline.quant.recipe.recipe import Recipe
 
     reader = CheckpointReader(str(TINY_FIXTURE))
     for k in range(1, layers + 1):               # every stage count jobs.plan takes, the job takes too
@@ -139,7 +139,7 @@ def test_stages_0_is_refused_and_plan_and_quantize_take_the_same_range(capsys, t
 def test_a_huge_calibration_line_is_refused_by_its_length_before_tokenizing(capsys, tmp_path):
     """50 MB in one line: refused at once (its tokenization alone took minutes), or with --truncate cut
     to the limit, the same tokens as tokenizing it whole would give."""
-    from pipeline.quant.calib_data import tokenize
+    from pipeline.quant.calibration.calib_data import tokenize
     from pipeline.text.tokenizer import Tokenizer
 
     line = ("The os module provides a portable way of using operating system dependent functionality. " * 600_000)[:50_000_000]
@@ -172,7 +172,7 @@ def test_an_output_of_ours_without_its_manifest_fails_jobs_check(tmp_path, embed
 def test_requantize_source_check_sha256_sees_an_edit_that_keeps_size_and_mtime(tmp_path, source):
     from pipeline.io import storage
     from pipeline.io.checkpoint import CheckpointReader
-    from pipeline.quant.job_state import changed_files, source_fingerprints
+    from pipeline.quant.job.job_state import changed_files, source_fingerprints
 
     shard = next(source.glob("*.safetensors"))
     try:

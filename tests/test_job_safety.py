@@ -22,8 +22,8 @@ from jobs import make_fp8 as make_fp8_job
 from jobs import quantize as quantize_job
 from pipeline.format.checker import check_dir
 from pipeline.io import storage
-from pipeline.quant.recipe import Recipe
-from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+from pipeline.quant.recipe.recipe import Recipe
+from pipeline.quant.job.run import QuantizeOptions, quantize_checkpoint
 from tiny import FIXTURES, TINY_FIXTURE, fail_quantize_layer
 
 SAMPLE = ["The quick brown fox jumps over the lazy dog. " * 3]

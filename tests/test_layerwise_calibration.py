@@ -1,4 +1,4 @@
-"""The single-process job's one read of the checkpoint (pipeline.quant.layerwise): every output file byte for
+"""The single-process job's one read of the checkpoint (pipeline.quant.calibration.layerwise): every output file byte for
 byte the two-pass reference's (the whole float model calibrated first, then the weights read again),
 for every recipe family, on bf16 and FP8 sources; the source read once (``bytes_read``); and several
 samples per forward (``calib_batch``) giving the batch-of-one statistics."""
@@ -18,14 +18,14 @@ from pipeline.assets import EMBEDDED_MODEL_DIR
 from pipeline.format.description import MANIFEST_NAME
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.io.fp8_copy import write_fp8_copy
-from pipeline.quant.calib_data import load_texts
-from pipeline.quant.calibrate import observing, run_layer_batched
-from pipeline.quant.layerwise import calibrate_layerwise
-from pipeline.quant.observers import MinMax, RecallWindow
-from pipeline.quant.options import CALIB_BATCH_REL, calibration_samples
-from pipeline.quant.qparams import fa_scale, static_activation_params
-from pipeline.quant.recipe import Recipe
-from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+from pipeline.quant.calibration.calib_data import load_texts
+from pipeline.quant.calibration.calibrate import observing, run_layer_batched
+from pipeline.quant.calibration.layerwise import calibrate_layerwise
+from pipeline.quant.numerics.observers import MinMax, RecallWindow
+from pipeline.quant.job.options import CALIB_BATCH_REL, calibration_samples
+from pipeline.quant.numerics.qparams import fa_scale, static_activation_params
+from pipeline.quant.recipe.recipe import Recipe
+from pipeline.quant.job.run import QuantizeOptions, quantize_checkpoint
 from pipeline.io.safetensors_io import itemsize
 from tiny import TINY_FIXTURE
 

@@ -111,7 +111,7 @@ def test_cycle_finder_finds_a_planted_cycle():
 def test_graph_sees_every_import_form(graph):
     assert "pipeline.format.reader" in graph["pipeline.engine.worker.loader"]      # from a.b import name
     assert "pipeline.io.storage" in graph["pipeline.format.reader"]         # from a import module
-    assert "pipeline.plan.report" in graph["jobs.plan"]
+    assert "pipeline.quant.plan.report" in graph["jobs.plan"]
     assert "pipeline.io.checkpoint" in graph["jobs.quantize"]               # inside a function
 
 
@@ -134,10 +134,11 @@ def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 
 def test_no_package_cycle(graph):
-    """Packages depend one way too: e.g. pipeline.plan on pipeline.quant and never back, pipeline.engine's
-    subpackages in layers (core above worker above layers above attention, native, triton and cache)."""
+    """Packages depend one way too: e.g. pipeline.quant.plan on pipeline.quant.job and never back,
+    pipeline.engine's subpackages in layers (core above worker above layers above attention, native, triton
+    and cache), pipeline.quant's in the order its docstring lists them."""
     packages = _package_graph(graph)
-    assert "pipeline.quant" in packages["pipeline.plan"]
+    assert "pipeline.quant.job" in packages["pipeline.quant.plan"]
     assert _cycles(packages) == []
 
 
@@ -161,6 +162,8 @@ def _violations(graph, src_prefix: str, dst_prefix: str, allowed_src: tuple[str,
     ("pipeline.model", "pipeline.quant", ()),
     ("pipeline.model", "pipeline.engine", ()),
     ("pipeline", "pipeline.serving", ("pipeline.serving",)),   # only the serving layer knows the protocol
+    ("actors.quantize", "actors.serving", ()),  # the quantize job's actors and the serving deployments apart
+    ("actors.serving", "actors.quantize", ()),
 ])
 def test_dependencies_point_one_way(graph, src, dst, allowed):
     assert _violations(graph, src, dst, allowed) == []
@@ -196,3 +199,39 @@ def test_engine_folder_shows_its_parts():
     assert sorted(p.name for p in engine.iterdir() if (p / "__init__.py").exists()) == sorted(ENGINE_PACKAGES)
     flat = sorted(p.name for p in engine.glob("*.py"))
     assert len(flat) <= MAX_ENGINE_FLAT_MODULES, flat
+
+
+MAX_FLAT_MODULES = 10   # *.py of one folder, __init__ included
+
+
+def _folders(top: Path) -> list[Path]:
+    return sorted({p.parent for p in top.rglob("*.py")})
+
+
+def test_every_folder_is_small():
+    """Every folder of pipeline/ and actors/ holds at most MAX_FLAT_MODULES modules (the rest in subpackages);
+    pipeline/'s own top level is held to MAX_TOP_LEVEL_MODULES above."""
+    big = {str(d.relative_to(REPO)): n for d in _folders(REPO / "pipeline") + _folders(REPO / "actors")
+           if (n := len(list(d.glob("*.py")))) > MAX_FLAT_MODULES}
+    assert big == {}
+
+
+QUANT_PACKAGES = ("numerics", "recipe", "transforms", "writing", "calibration", "job", "plan", "evaluation")
+ACTOR_PACKAGES = ("cluster", "quantize", "serving")
+
+
+def test_quantizer_and_actors_show_their_parts():
+    """pipeline/quant holds its packages only (one concern each, listed in its docstring); actors/ likewise."""
+    for top, parts in ((REPO / "pipeline" / "quant", QUANT_PACKAGES), (REPO / "actors", ACTOR_PACKAGES)):
+        assert sorted(p.name for p in top.iterdir() if (p / "__init__.py").exists()) == sorted(parts)
+        assert [p.name for p in top.glob("*.py")] == ["__init__.py"]
+
+
+def test_quantizer_packages_depend_on_earlier_ones(graph):
+    """Each of pipeline.quant's packages imports only those listed before it in QUANT_PACKAGES (the order of
+    pipeline/quant/__init__.py's docstring): following the job from its entry goes down, never back."""
+    packages = _package_graph(graph)
+    back = sorted(f"{a} -> {d}" for i, a in enumerate(QUANT_PACKAGES) for d in packages[f"pipeline.quant.{a}"]
+                  if d.startswith("pipeline.quant.") and d.split(".")[2] in QUANT_PACKAGES
+                  and QUANT_PACKAGES.index(d.split(".")[2]) >= i)
+    assert back == []

@@ -79,7 +79,7 @@ def test_logprobs_are_log_softmax_of_the_reference_logits_on_the_loops_events(qd
     """Sampled (temperature 0.8, top_p 0.9: the logprobs are still the raw ones), through the engine loop:
     each EngineOutput carries one TokenLogprobs per token, equal to log_softmax of the fake-quant model's
     logits at that position; the top 5 sorted, the reference's top 5."""
-    from pipeline.quant.fakequant import load_fakequant_model
+    from pipeline.quant.evaluation.fakequant import load_fakequant_model
 
     loop = EngineLoop(engine(qdir, tok, cache_dtype="float32"))
     params = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=5, logprobs=5)

@@ -160,7 +160,7 @@ def test_enable_nz_default_false_and_fa3_warning():
 
 
 def test_serve_config_from_mindie():
-    from actors.serve_config import DEFAULT_ENGINE, ServeConfig
+    from actors.serving.serve_config import DEFAULT_ENGINE, ServeConfig
 
     sc = ServeConfig.from_mindie({"BackendConfig": {"ModelDeployConfig": {"ModelConfig": [SEED]}}}, 16,
                                  port=9001, engine={"num_blocks": 64})

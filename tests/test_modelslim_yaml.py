@@ -1,4 +1,4 @@
-"""msModelSlim's recipe files, presets and the legacy script's flags (pipeline.quant.modelslim_yaml, presets,
+"""msModelSlim's recipe files, presets and the legacy script's flags (pipeline.quant.recipe.modelslim_yaml, presets,
 recipe_source): what each resolves to, and one-line errors for what is not understood."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import yaml
 from pipeline import layout
 from pipeline.config import DeepseekV3Config
 from pipeline.format.description import ASCEND_V1, FLOAT, W8A8, W8A8_DYNAMIC
-from pipeline.quant import modelslim_yaml, presets
-from pipeline.quant.linear_rules import default_rules
-from pipeline.quant.qparams import QuantError
-from pipeline.quant.recipe import Recipe
-from pipeline.quant.recipe_source import RecipeRequest, resolve
-from pipeline.quant.steps import FlexSmooth, IterSmooth, QuaRot
+from pipeline.quant.recipe import modelslim_yaml, presets
+from pipeline.quant.recipe.linear_rules import default_rules
+from pipeline.quant.numerics.qparams import QuantError
+from pipeline.quant.recipe.recipe import Recipe
+from pipeline.quant.recipe.recipe_source import RecipeRequest, resolve
+from pipeline.quant.recipe.steps import FlexSmooth, IterSmooth, QuaRot
 from tiny import FIXTURES, tiny_config
 
 RECIPES = sorted(FIXTURES.glob("recipe-*.yaml")) + sorted(FIXTURES.glob("msmodelslim-*/DeepSeek-V3_best_practice.yaml"))

@@ -36,13 +36,13 @@ from safetensors.torch import load_file, save_file
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.config import DeepseekV3Config
 from pipeline.model.loading import load_model
-from pipeline.quant.calibrate import collect_stats
-from pipeline.quant.observers import MinMax, RecallWindow, Stats
-from pipeline.quant.qparams import (
+from pipeline.quant.calibration.calibrate import collect_stats
+from pipeline.quant.numerics.observers import MinMax, RecallWindow, Stats
+from pipeline.quant.numerics.qparams import (
     QuantError, deq_scale_and_quant_bias, deq_scale_to_float32, quantize_weight_per_channel,
 )
-from pipeline.quant.quantize_layer import quantize_globals, quantize_layer
-from pipeline.quant.recipe import Recipe
+from pipeline.quant.writing.quantize_layer import quantize_globals, quantize_layer
+from pipeline.quant.recipe.recipe import Recipe
 from pipeline.text.tokenizer import Tokenizer
 from tests.tiny import FIXTURES, TINY_FIXTURE, tiny_config
 

@@ -4,7 +4,7 @@ child process with the AVX2 kernels the fixtures were made with, tests/msmodelsl
 
 The goals: every int8 tensor equal, every zero point within one step, everything else within 2%
 (quant_bias, an int32 made of the zero point and the bias, follows its input_offset: compared where that is
-exact). The floors on exact tensors are what the layer-by-layer passes reach (pipeline.quant.layer_passes);
+exact). The floors on exact tensors are what the layer-by-layer passes reach (pipeline.quant.calibration.layer_passes);
 the few tensors short of exact come from bf16 roundings of long sums whose order belongs to msModelSlim's
 torch build (one FA3 query head in layers 2 and 3, one channel of layer 2's iter_smooth shift), not from a
 step of the method."""

@@ -13,10 +13,10 @@ import torch
 
 from pipeline.config import DeepseekV3Config
 from pipeline.model import build_model
-from pipeline.quant.calibrate import collect_stats
-from pipeline.quant.observers import MinMax, RecallWindow, Stats, recall_window, recall_window_sorted
-from pipeline.quant.qparams import QuantError
-from pipeline.quant.recipe import Recipe
+from pipeline.quant.calibration.calibrate import collect_stats
+from pipeline.quant.numerics.observers import MinMax, RecallWindow, Stats, recall_window, recall_window_sorted
+from pipeline.quant.numerics.qparams import QuantError
+from pipeline.quant.recipe.recipe import Recipe
 from tests.tiny import random_tensors, tiny_config
 
 
@@ -56,7 +56,7 @@ def test_recall_window_matches_brute_force(seed):
 def test_recall_window_from_the_extremes_equals_the_sorted_rows(dtype, monkeypatch):
     """FA3's ratios on rows as long as the embedded model's (S * 512 values): the topk path gives the
     sorted reference's windows bit for bit, ties and duplicated extremes included, in chunks of rows."""
-    import pipeline.quant.observers as obs
+    import pipeline.quant.numerics.observers as obs
 
     monkeypatch.setattr(obs, "WINDOW_CHUNK", 3 * 20000)   # 3 rows per chunk: a partial last chunk
     g = torch.Generator().manual_seed(7)

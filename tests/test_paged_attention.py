@@ -13,7 +13,7 @@ from pipeline.engine.attention.paged import paged_decode_attention, paged_prefil
 from pipeline.engine.cache.blocks import BlockAllocator, BlockTable
 from pipeline.engine.cache.nz import nd_to_nz
 from pipeline.engine.cache.paged_cache import PagedLatentCache, quantize_latent
-from pipeline.quant.fakequant import fa3_latent
+from pipeline.quant.evaluation.fakequant import fa3_latent
 
 # Paged vs contiguous, both float32 on the same (dequantized) latent: only the summation order differs
 # (blocked online softmax vs one softmax). Measured max |diff| / max |ref|: 6.4e-7 at worst in these

@@ -18,16 +18,16 @@ import pytest
 from pipeline.io import storage
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.assets import EMBEDDED_MODEL_DIR
-from pipeline.plan.partition import atoms_of, partition, unit_cost_shares
-from pipeline.plan.planner import plan
-from pipeline.plan.report import plan_from_dict, plan_to_dict, plan_to_text
-from pipeline.plan.resources import check_resources
-from pipeline.plan.types import GiB, PlanError
-from pipeline.quant.costs import unit_costs
-from pipeline.plan.replica import RELEASE_SHARDS, make_header_replica
-from pipeline.plan.timing import Cluster, estimate_wall_time
-from pipeline.quant.recipe import Recipe
-from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+from pipeline.quant.plan.partition import atoms_of, partition, unit_cost_shares
+from pipeline.quant.plan.planner import plan
+from pipeline.quant.plan.report import plan_from_dict, plan_to_dict, plan_to_text
+from pipeline.quant.plan.resources import check_resources
+from pipeline.quant.plan.types import GiB, PlanError
+from pipeline.quant.job.costs import unit_costs
+from pipeline.io.replica import RELEASE_SHARDS, make_header_replica
+from pipeline.quant.plan.timing import Cluster, estimate_wall_time
+from pipeline.quant.recipe.recipe import Recipe
+from pipeline.quant.job.run import QuantizeOptions, quantize_checkpoint
 from pipeline.io.safetensors_io import read_header
 from tiny import FIXTURES, TINY_FIXTURE
 
@@ -164,7 +164,7 @@ def test_output_bytes_equal_what_msmodelslim_and_our_quantizer_write(tmp_path):
 def test_planned_shards_are_the_files_the_writer_lays_out(stages):
     """The planner's shards (names, first/last tensor, bytes, count) are the single-process writer's layout
     (shard_layout.checkpoint_shards), whatever the number of stages."""
-    from pipeline.quant.shard_layout import checkpoint_shards
+    from pipeline.quant.writing.shard_layout import checkpoint_shards
 
     reader = CheckpointReader(str(TINY_FIXTURE))
     pl = plan(reader, stages, shard_bytes=150_000, seq_len=64)
@@ -263,7 +263,7 @@ def test_cli_prints_the_plan_and_exits_2_when_refused(v3, capsys):
 def test_a_data_free_recipe_plans_no_calibration(v3_reader):
     """--dynamic --no-fa-quant runs no forward: the plan holds no calibration memory or compute for it, so
     its resource check sizes only the weight phase (it refused small clusters for a pass that never ran)."""
-    from pipeline.quant.recipe import Recipe
+    from pipeline.quant.recipe.recipe import Recipe
 
     free = plan(v3_reader, 4, recipe=Recipe(dynamic=True, fa_quant=False))
     calibrated = plan(v3_reader, 4, recipe=Recipe(dynamic=True))

@@ -424,7 +424,7 @@ def test_hit_rate_in_the_loop_snapshot_and_metrics(qdir, tok, prompts):
     import queue
     import time
 
-    from actors.serve_metrics import ServeMetrics
+    from actors.serving.app.serve_metrics import ServeMetrics
     from pipeline.engine.core.engine_loop import EngineLoop
 
     loop = EngineLoop(engine(qdir, tok))

@@ -55,7 +55,7 @@ def test_plan_joins_only_the_address_it_is_given(head):
 
 def test_worker_output_through_a_pipe_has_no_colour_codes(tmp_path):
     """Ray prefixes worker output with a coloured ``(pid=...)``; piped, the prefix must be plain."""
-    script = ("import ray\nfrom actors.ray_start import init_ray\n"
+    script = ("import ray\nfrom actors.cluster.ray_start import init_ray\n"
               "init_ray(None, num_cpus=1, object_store_memory=80 * 2**20, log=lambda m: None)\n"
               "@ray.remote\ndef hello():\n    print('hello from a worker', flush=True)\n"
               "ray.get(hello.remote())\nimport time; time.sleep(1.5)\nray.shutdown()\n")
@@ -99,7 +99,7 @@ def test_an_address_naming_no_cluster_fails_at_once_and_writes_nothing(tmp_path)
 
 
 def test_check_address_accepts_a_running_cluster(head):
-    from actors.ray_start import NoCluster, check_address
+    from actors.cluster.ray_start import NoCluster, check_address
 
     check_address(head.address)
     with pytest.raises(NoCluster, match=r"^no Ray cluster at ray://.*: something answers there, but not Ray's client"):
@@ -107,7 +107,7 @@ def test_check_address_accepts_a_running_cluster(head):
 
 
 def test_kill_9_of_a_stages_driver_leaves_no_ray_process(tmp_path):
-    """The job's private Ray outlives a SIGKILLed driver only until its watcher (actors.ray_reaper) sees the
+    """The job's private Ray outlives a SIGKILLed driver only until its watcher (actors.cluster.ray_reaper) sees the
     driver gone: no GCS, raylet, worker, nor the agents (which hide their environment) remain."""
     import signal
     import time

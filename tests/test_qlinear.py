@@ -30,11 +30,11 @@ from pipeline.engine.int8_arith import (FLOAT64, FP32_CHUNKED, INT_MM, Int8Linea
 from pipeline.engine.layers.qlinear import (EXACT, FAST, FAST_EPILOGUE_ULPS, NATIVE, W8A8DynamicLinear, W8A8StaticLinear,
                                      build_from_checkpoint, build_int8_linear, linear_tensors)
 from pipeline.model.loading import load_model
-from pipeline.quant import qparams
+from pipeline.quant.numerics import qparams
 from pipeline.format.description import W8A8, W8A8_DYNAMIC
 from pipeline.format.reader import read_quantized
-from pipeline.quant.fakequant import QuantLinear
-from pipeline.quant.run import QuantizeOptions, calibration_samples
+from pipeline.quant.evaluation.fakequant import QuantLinear
+from pipeline.quant.job.run import QuantizeOptions, calibration_samples
 from tiny import FIXTURES, TINY_FIXTURE
 
 OUTPUT_ULPS = 0                 # reference mode vs fake-quant reference: bit-identical (module docstring)

@@ -1,4 +1,4 @@
-"""The quantization arithmetic (pipeline/quant/qparams.py): error bounds, the runtime identities on real
+"""The quantization arithmetic (pipeline/quant/numerics/qparams.py): error bounds, the runtime identities on real
 calibration activations, integer ranges, the degenerate-input rules and bad inputs.
 
 Error bounds used below, per element, with md the model dtype and eps_md its machine epsilon:
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from pipeline.model.loading import load_model
-from pipeline.quant.observers import MinMax
-from pipeline.quant.qparams import (
+from pipeline.quant.numerics.observers import MinMax
+from pipeline.quant.numerics.qparams import (
     F32_EPS, QuantError, deq_scale_and_quant_bias, deq_scale_to_float32, deq_scale_to_int64,
     dequantize_static, dequantize_weight, dynamic_quant_per_token, fa_offset, fa_scale, int_matmul,
     quantize_static, quantize_weight_per_channel, static_activation_params, w8a8_dynamic_linear,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from actors.serve_config import ServeConfig, check_model_dir
+from actors.serving.serve_config import ServeConfig, check_model_dir
 from distributed import quiet, tree
 from pipeline.assets import EMBEDDED_MODEL_DIR
 from pipeline.engine.config import EngineConfig
@@ -25,10 +25,10 @@ from pipeline.engine.worker.loader import carries_mtp
 from pipeline.format.checker import check_dir
 from pipeline.format.description import DESCRIPTION_NAME, MANIFEST_NAME
 from pipeline.io.checkpoint import CheckpointReader
-from pipeline.quant.fakequant import load_fakequant_model
-from pipeline.quant.output_files import RECIPE_SUFFIX
-from pipeline.quant.recipe import Recipe
-from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+from pipeline.quant.evaluation.fakequant import load_fakequant_model
+from pipeline.quant.writing.output_files import RECIPE_SUFFIX
+from pipeline.quant.recipe.recipe import Recipe
+from pipeline.quant.job.run import QuantizeOptions, quantize_checkpoint
 from tiny import FIXTURES, TINY_FIXTURE
 
 MTP = "model.layers.3."          # both models: 3 main layers, the MTP layer 3

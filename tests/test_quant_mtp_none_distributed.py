@@ -10,12 +10,12 @@ import json
 
 import pytest
 
-from actors.quantize_job import quantize_distributed
-from actors.ray_session import DistOptions
+from actors.quantize.quantize_job import quantize_distributed
+from actors.quantize.ray_session import DistOptions
 from distributed import OPTS, assert_same_output, quiet, reference
 from pipeline.format.description import DESCRIPTION_NAME
-from pipeline.quant import modelslim_yaml
-from pipeline.quant.recipe import Recipe
+from pipeline.quant.recipe import modelslim_yaml
+from pipeline.quant.recipe.recipe import Recipe
 from tiny import FIXTURES, TINY_FIXTURE
 
 pytestmark = pytest.mark.slow

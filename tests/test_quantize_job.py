@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.io.fp8_copy import write_fp8_copy
 from pipeline.format.checker import check_dir
-from pipeline.quant.recipe import Recipe
-from pipeline.quant.run import QuantizeOptions, quantize_checkpoint
+from pipeline.quant.recipe.recipe import Recipe
+from pipeline.quant.job.run import QuantizeOptions, quantize_checkpoint
 from tiny import FIXTURES, TINY_FIXTURE, fail_quantize_layer
 
 REPO = Path(__file__).resolve().parents[1]

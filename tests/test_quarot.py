@@ -1,4 +1,4 @@
-"""QuaRot (pipeline/quant/quarot.py, pipeline/quant/hadamard.py): the rotations, msModelSlim's output
+"""QuaRot (pipeline/quant/transforms/quarot.py, pipeline/quant/transforms/hadamard.py): the rotations, msModelSlim's output
 reproduced bit for bit, and the float model's function kept."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from pipeline.assets import EMBEDDED_MODEL_DIR
 from pipeline.config import DeepseekV3Config
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.model import build_model
-from pipeline.quant.hadamard import (
+from pipeline.quant.transforms.hadamard import (
     Piece, Rotation, block_hadamard, identity, random_hadamard, random_signs, shifted_block_hadamard, sylvester)
-from pipeline.quant.qparams import QuantError
-from pipeline.quant.quarot import build_rotations, description_entry, optional_tensors, rotate_globals, rotate_layer
+from pipeline.quant.numerics.qparams import QuantError
+from pipeline.quant.transforms.quarot import build_rotations, description_entry, optional_tensors, rotate_globals, rotate_layer
 from tiny import TINY_FIXTURE, random_tensors, tiny_config
 
 CHECK = TESTS / "quarot_fixture_check.py"
@@ -82,7 +82,7 @@ def test_block_size_must_divide_every_rotated_dimension(caplog):
             build_rotations(cfg, bad)
     with pytest.raises(QuantError, match="block_size -1 needs a Hadamard matrix of order kv_lora_rank 48"):
         build_rotations(cfg, -1)
-    with caplog.at_level(logging.WARNING, logger="pipeline.quant.hadamard"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.quant.transforms.hadamard"):
         rot = build_rotations(cfg, 32, shrink=True)
     assert "block_size 32 does not divide kv_lora_rank 48; using block size 16 there" in caplog.text
     assert "v_head_dim 16; using block size 16" in caplog.text

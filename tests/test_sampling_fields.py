@@ -51,7 +51,7 @@ def test_repetition_penalty_changes_greedy_output_as_the_reference_does(eng, emb
     """Greedy with a penalty: the engine's tokens are the argmax of the penalized logits, step by step,
     which the fake-quant model through the reference generator also computes."""
     from pipeline.engine.core.reference import generate_ids
-    from pipeline.quant.fakequant import load_fakequant_model
+    from pipeline.quant.evaluation.fakequant import load_fakequant_model
 
     engine, tok = eng
     prompt = tok.encode("The os module provides", add_bos=True)

@@ -17,7 +17,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from pipeline.format.checker import check_dir
-from pipeline.quant.presets import FA3_OFF
+from pipeline.quant.recipe.presets import FA3_OFF
 from tiny import TINY_FIXTURE
 
 pytestmark = pytest.mark.slow

@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from pipeline.model.loading import load_model
-from pipeline.quant.linear_refs import sqnr_db
-from pipeline.quant.fakequant import QuantLinear, load_fakequant_model
-from pipeline.quant.outlier_variant import VariantSpec
-from pipeline.quant.recipe import FLOAT_PASS, Recipe
-from pipeline.quant.run import QuantizeOptions, calibrate, quantize_checkpoint
-from pipeline.quant.sensitivity import (
+from pipeline.quant.evaluation.linear_refs import sqnr_db
+from pipeline.quant.evaluation.fakequant import QuantLinear, load_fakequant_model
+from pipeline.quant.evaluation.outlier_variant import VariantSpec
+from pipeline.quant.recipe.recipe import FLOAT_PASS, Recipe
+from pipeline.quant.job.run import QuantizeOptions, calibrate, quantize_checkpoint
+from pipeline.quant.evaluation.sensitivity import (
     FakeQuantParams, FloatReference, Target, expert_groups, fa3_costs, linear_costs, quantized,
     attention_layer, rank_correlation, smallest_fallback,
 )
-from pipeline.quant.variant_writer import write_variant
+from pipeline.quant.evaluation.variant_writer import write_variant
 from tiny import FIXTURES, TINY_FIXTURE
 
 CALIB = str(FIXTURES / "calib.json")
@@ -148,8 +148,8 @@ def test_bad_arguments(setup):
 
 def test_attention_sqnr_is_the_evaluations(setup):
     """With the attention captured, each measurement's lowest per-layer attention SQNR is what
-    pipeline.quant.evaluate reports as min_attn_sqnr_db for the written output on the same tokens."""
-    from pipeline.quant.evaluate import Candidate, compare
+    pipeline.quant.evaluation.evaluate reports as min_attn_sqnr_db for the written output on the same tokens."""
+    from pipeline.quant.evaluation.evaluate import Candidate, compare
 
     _, dst, _, _, model, ref = setup
     params = FakeQuantParams.from_dir(dst)

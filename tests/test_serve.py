@@ -1,4 +1,4 @@
-"""The colocated serving app (actors/serve_app.py) on the simulated Ray cluster, spoken to over HTTP with
+"""The colocated serving app (actors/serving/app/serve_app.py) on the simulated Ray cluster, spoken to over HTTP with
 the official ``openai`` client: chat and completions, streamed and not (same text), greedy output equal to
 the engine run in-process, concurrency, every refusal with its status and message, the API key (401),
 backpressure (429), and a client that disconnects mid-stream freeing its cache blocks."""
@@ -43,7 +43,7 @@ def server(serve_http, qdir):
     late), ``split`` (main with the engine in an LLMServer deployment behind the ingress) at /split. Only
     ``main`` and ``disagg`` run their engines in a core process of their own (each costs a process start);
     the others on a thread. Yields the base URL."""
-    from actors.serve_app import DeploymentOptions, ServeConfig
+    from actors.serving.app.serve_app import DeploymentOptions, ServeConfig
 
     cpu = DeploymentOptions(1, {"num_cpus": 0.5})  # both apps fit one 2-CPU worker node
     small = DeploymentOptions(1, {"num_cpus": 0.1})
@@ -204,7 +204,7 @@ def test_seeded_sampling_disaggregated_equals_colocated(server):
     assert [ch.text for ch in a.choices] == [ch.text for ch in b.choices]
     for x, y in zip(a.choices, b.choices):
         # the tokens the decode deployment sampled carry the same logprobs; the first one's come from the
-        # prefill deployment (KVHandoff.first_logprobs), forwarded only where actors/serve_app.py passes them
+        # prefill deployment (KVHandoff.first_logprobs), forwarded only where actors/serving/app/serve_app.py passes them
         assert max(abs(p - q) for p, q in zip(x.logprobs.token_logprobs[1:], y.logprobs.token_logprobs[1:])) <= LOGPROB_TOL
         assert y.logprobs.tokens == x.logprobs.tokens
 
@@ -461,7 +461,7 @@ def test_an_answer_too_large_for_the_proxy_is_refused_before_any_work(server, to
     """The keyed app's ingress runs as behind Serve's gRPC proxy with an ANSWER_LIMIT message limit: a
     non-streamed request whose answer could exceed it is a 400 saying so (nothing reaches the engine); the
     same streamed, or a small one, is answered, within the bound."""
-    from actors.serve_limits import answer_bound, longest_token
+    from actors.serving.app.serve_limits import answer_bound, longest_token
 
     c = client(server, "/keyed", key=KEY)
     prompt0 = metrics(server, "/keyed")["dsquant_prompt_tokens_total"]
@@ -521,7 +521,7 @@ def test_engine_loop_streams_refuses_and_aborts(qdir, tok, reference):
 # ----- configuration ------------------------------------------------------------------------------------
 
 def test_config_file_json_and_yaml(tmp_path):
-    from actors.serve_app import DeploymentOptions, ServeConfig
+    from actors.serving.app.serve_app import DeploymentOptions, ServeConfig
 
     data = {"model_path": "/models/q", "served_model_name": "m", "api_key": "k", "max_in_flight": 8,
             "engine": {"num_blocks": 32, "mtp": True}, "llm": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 2}}}

@@ -1,9 +1,9 @@
-"""Where the serving app's engine runs (actors/serve_config.py ``engine_in_ingress``): resolved from the
+"""Where the serving app's engine runs (actors/serving/serve_config.py ``engine_in_ingress``): resolved from the
 layout and the replica counts, refused where it cannot hold, and the fused ingress's resources."""
 
 import pytest
 
-from actors.serve_config import DeploymentOptions, ServeConfig, check_fits
+from actors.serving.serve_config import DeploymentOptions, ServeConfig, check_fits
 
 
 def test_the_engine_is_in_the_ingress_by_default_and_apart_where_it_cannot_be():

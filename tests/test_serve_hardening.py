@@ -209,7 +209,7 @@ def test_proxy_guard_cleans_request_ids_and_keys_the_routes():
     import uvicorn
     from ray.serve._private.http_util import RequestIdMiddleware
 
-    from actors.serve_proxy import ProxyGuard
+    from actors.serving.app.serve_proxy import ProxyGuard
 
     async def app(scope, receive, send):
         seen = dict(scope["headers"]).get(b"x-request-id", b"").decode().encode()  # Serve decodes it so
@@ -243,7 +243,7 @@ def test_proxy_guard_cleans_request_ids_and_keys_the_routes():
 # ----- item 11: CPU requests --------------------------------------------------------------------------------
 
 def test_default_deployments_fit_a_two_cpu_machine_and_too_much_is_refused():
-    from actors.serve_config import DeploymentOptions, ServeConfig, check_fits
+    from actors.serving.serve_config import DeploymentOptions, ServeConfig, check_fits
 
     check_fits(ServeConfig("/m", mode="disaggregated"), 2.0, [2.0])
     check_fits(ServeConfig("/m"), 1.0, [1.0])
@@ -268,7 +268,7 @@ def server(serve_http, qdir):
     """The session's Serve (conftest's ``serve_http``) with ``keyed`` (colocated, API key, 64 KiB bodies, 2 s
     to send one) at /keyed, ``disagg`` (prefill and decode apart) at /disagg, and ``slowprefill`` (its
     prefill always too late) at /slowprefill. Yields the base URL."""
-    from actors.serve_app import DeploymentOptions, ServeConfig
+    from actors.serving.app.serve_app import DeploymentOptions, ServeConfig
     from pipeline.engine.config import EngineConfig
 
     cpu, small = DeploymentOptions(1, {"num_cpus": 0.5}), DeploymentOptions(1, {"num_cpus": 0.1})
@@ -345,7 +345,7 @@ def test_bad_requests_are_openai_errors_and_the_docs_need_the_key(server):
 
 
 def test_build_app_refuses_what_the_cluster_cannot_schedule(ray_cluster, qdir):
-    from actors.serve_app import DeploymentOptions, ServeConfig, build_app
+    from actors.serving.app.serve_app import DeploymentOptions, ServeConfig, build_app
 
     with pytest.raises(ValueError, match=r"^llm\.ray_actor_options\.num_cpus is 4 but the largest Ray node has 2 CPUs"):
         build_app(ServeConfig(qdir, mode="disaggregated", llm=DeploymentOptions(1, {"num_cpus": 4})))

@@ -40,7 +40,7 @@ def mindie_block(path: str) -> dict:
 
 @pytest.fixture(scope="module")
 def server(serve_http, embedded_quantized):
-    from actors.serve_app import DeploymentOptions, ServeConfig
+    from actors.serving.app.serve_app import DeploymentOptions, ServeConfig
 
     rank = {"num_cpus": 0.5}
     colo = ServeConfig.from_mindie(mindie_block(embedded_quantized), 2, cpu=True, engine=ENGINE,

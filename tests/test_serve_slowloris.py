@@ -1,6 +1,6 @@
 """Issue 15, item 8, the header timeout: a slowloris client (many connections, each sending its request
 head a byte at a time and never finishing) no longer holds the proxy's connections; see
-actors/serve_proxy.py. First uvicorn with the timeout-keeping protocols in-process (httptools and h11: a
+actors/serving/app/serve_proxy.py. First uvicorn with the timeout-keeping protocols in-process (httptools and h11: a
 slow head gets a 408 and is closed, an idle connection is closed; requests, keep-alive, streamed responses
 and slowly sent bodies are untouched), then ``python -m jobs.serve`` itself (``--http-proxy serve``: the
 front door with the header timeout, the default when an API key is set) with a 2 s timeout under 20 slow
@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from actors import serve_proxy
+from actors.serving.app import serve_proxy
 
 MARGIN_S = 2.0                     # in-process: slack past the timeout for a closing to be seen (a loaded CPU)
 SERVE_TIMEOUT_S = 2.0              # jobs.serve's header timeout in the end-to-end test

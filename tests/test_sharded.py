@@ -137,7 +137,7 @@ def single(embedded_quantized, tok):
 
 
 def _sharded(path, layout, tok, combine):
-    from actors.rank_group import build_sharded_engine
+    from actors.serving.engine.rank_group import build_sharded_engine
 
     return build_sharded_engine(path, ParallelConfig(**layout), CFG, tok, combine=combine, log=lambda m: None)
 
@@ -182,7 +182,7 @@ LAYOUTS = [pytest.param(dict(tp=2), id="tp2-moe_tp2"), pytest.param(dict(tp=2, m
 def test_exact_combine_is_bit_identical_to_one_rank(ray_cluster, embedded_quantized, tok, single, layout):
     eng = _sharded(embedded_quantized, layout, tok, "exact")
     try:
-        assert eng.warm_up(tokens=96) > 0        # as a served replica starts (actors.engine_replica): no trace
+        assert eng.warm_up(tokens=96) > 0        # as a served replica starts (actors.serving.engine.engine_replica): no trace
         p = ParallelConfig(**layout)
         ids = tok.encode_chat([{"role": "user", "content": QUESTIONS[0]}])
         seen_single, seen_rank0 = _capture(single.loaded.model), _capture(eng.loaded.model)
@@ -221,7 +221,7 @@ def test_dp_attention_groups_each_give_the_single_rank_logits(ray_cluster, embed
     the CPU a 1-row GEMV and a 2-row GEMM round differently); the int8 linears stay exact."""
     eng = _sharded(embedded_quantized, layout, tok, "exact")
     try:
-        assert eng.warm_up(tokens=96) > 0        # as a served replica starts (actors.engine_replica): no trace
+        assert eng.warm_up(tokens=96) > 0        # as a served replica starts (actors.serving.engine.engine_replica): no trace
         p = ParallelConfig(**layout)
         ids = tok.encode_chat([{"role": "user", "content": QUESTIONS[2]}])
         want = _prefill_then_decode(single.runner, ids)
@@ -289,7 +289,7 @@ def test_msmodelslim_output_sharded(ray_cluster):
     path = str(MSMODELSLIM)
     cfg = EngineConfig(num_blocks=16, nz=True)
     one = _one_rank(path, cfg)
-    from actors.rank_group import build_sharded_engine
+    from actors.serving.engine.rank_group import build_sharded_engine
 
     eng = build_sharded_engine(path, ParallelConfig(tp=2, moe_ep=2), cfg, combine="exact", log=lambda m: None)
     try:
@@ -321,7 +321,7 @@ def test_generate_job_sharded_gives_the_single_rank_answer(embedded_quantized):
 
 
 def test_serve_config_takes_sharded_layouts():
-    from actors.serve_config import ServeConfig
+    from actors.serving.serve_config import ServeConfig
 
     cfg = ServeConfig("q", parallel={"tp": 2, "moe_ep": 2}, prefill_parallel={"tp": 2})
     assert (cfg.parallel_of("llm").moe_tp, cfg.parallel_of("prefill").moe_tp) == (1, 2)

@@ -1,4 +1,4 @@
-"""The sharded replica on paper (pipeline.plan.sharding): per-rank weights add up to the model, the single-rank
+"""The sharded replica on paper (pipeline.serving.sharding.plan): per-rank weights add up to the model, the single-rank
 layout is the whole quantized model (against a count from layout.checkpoint_shapes and docs/format.md's
 table, against the planner on the 671B header-only replica, and against msModelSlim's own fixture output),
 known numbers of the 671B model, the KV and communication arithmetic, and the refusals. No weights, no Ray.
@@ -18,10 +18,10 @@ from pipeline.config import DeepseekV3Config
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.io.safetensors_io import read_header
 from pipeline.parallel import ParallelConfig
-from pipeline.plan import sharding as S
-from pipeline.quant.costs import unit_costs
-from pipeline.plan.replica import DEEPSEEK_V3_CONFIG, make_header_replica
-from pipeline.quant.recipe import Recipe
+from pipeline.serving.sharding import plan as S
+from pipeline.quant.job.costs import unit_costs
+from pipeline.io.replica import DEEPSEEK_V3_CONFIG, make_header_replica
+from pipeline.quant.recipe.recipe import Recipe
 from tiny import FIXTURES, TINY_FIXTURE
 
 V3 = DeepseekV3Config.from_dict(DEEPSEEK_V3_CONFIG)
@@ -76,7 +76,7 @@ def test_single_rank_is_the_whole_quantized_model(recipe, quantize_mtp):
 
 
 def test_the_planner_on_the_header_replica_counts_the_same(tmp_path):
-    """The 671B release's header-only replica, read by the quantization planner (pipeline.quant.costs), gives
+    """The 671B release's header-only replica, read by the quantization planner (pipeline.quant.job.costs), gives
     the same output bytes, for the default recipe and --quantize-mtp."""
     make_header_replica(str(tmp_path / "v3"))
     reader = CheckpointReader(str(tmp_path / "v3"))

@@ -8,8 +8,8 @@ import torch
 
 from pipeline.assets import EMBEDDED_MODEL_DIR
 from pipeline.model.loading import load_model
-from pipeline.quant.calib_data import load_texts, tokenize
-from pipeline.quant.smooth import (ChannelAbsMax, apply_smoothing, collect_smoothing_stats, smooth_latent,
+from pipeline.quant.calibration.calib_data import load_texts, tokenize
+from pipeline.quant.transforms.smooth import (ChannelAbsMax, apply_smoothing, collect_smoothing_stats, smooth_latent,
                                    smooth_scales)
 from pipeline.text.tokenizer import Tokenizer
 from tiny import TINY_FIXTURE, FIXTURES

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from pipeline.io.checkpoint import CheckpointReader
-from pipeline.quant.observers import Stats
-from pipeline.quant.qparams import QuantError
-from pipeline.quant.recipe import Recipe
-from pipeline.quant.run import QuantizeOptions, calibrate, calibration_samples
-from pipeline.quant.stage import SMOOTH, STATS, Stage, even_ranges, split_stages
-from pipeline.quant.smooth import ChannelAbsMax
+from pipeline.quant.numerics.observers import Stats
+from pipeline.quant.numerics.qparams import QuantError
+from pipeline.quant.recipe.recipe import Recipe
+from pipeline.quant.job.run import QuantizeOptions, calibrate, calibration_samples
+from pipeline.quant.job.stage import SMOOTH, STATS, Stage, even_ranges, split_stages
+from pipeline.quant.transforms.smooth import ChannelAbsMax
 from tiny import TINY_FIXTURE
 
 SRC = str(TINY_FIXTURE)

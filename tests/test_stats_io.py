@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from pipeline.model.loading import load_model
-from pipeline.quant.calib_data import load_texts, tokenize
-from pipeline.quant.calibrate import collect_stats
-from pipeline.quant.qparams import QuantError
-from pipeline.quant.recipe import Recipe
-from pipeline.quant.smooth import collect_smoothing_stats
-from pipeline.quant.stats_io import load_calibration, save_calibration
+from pipeline.quant.calibration.calib_data import load_texts, tokenize
+from pipeline.quant.calibration.calibrate import collect_stats
+from pipeline.quant.numerics.qparams import QuantError
+from pipeline.quant.recipe.recipe import Recipe
+from pipeline.quant.transforms.smooth import collect_smoothing_stats
+from pipeline.quant.job.stats_io import load_calibration, save_calibration
 from pipeline.text.tokenizer import Tokenizer
 from tiny import FIXTURES, TINY_FIXTURE
 

@@ -23,13 +23,13 @@ from pipeline.io.checkpoint import CheckpointError, CheckpointReader
 from pipeline.io.finite import all_finite
 from pipeline.io.fp8 import FP8_DTYPE, BlockRows, dequantize_fp8_blocks, expand_scale, fp8_nan_count, quantize_fp8_blocks
 from pipeline.io.fp8_copy import write_fp8_copy
-from pipeline.quant.quantize_layer import (
+from pipeline.quant.writing.quantize_layer import (
     deferred_weights, model_dtype, quantize_globals, quantize_layer, quantize_layer_pieces,
 )
-from pipeline.quant.unit_writer import read_layer
-from pipeline.quant.recipe import Recipe
-from pipeline.quant.run import QuantizeOptions, calibrate, quantize_weights
-from pipeline.quant.writer import QuantizedWriter
+from pipeline.quant.writing.unit_writer import read_layer
+from pipeline.quant.recipe.recipe import Recipe
+from pipeline.quant.job.run import QuantizeOptions, calibrate, quantize_weights
+from pipeline.quant.writing.writer import QuantizedWriter
 from pipeline.io.safetensors_io import TensorSpec
 from fp8_codes import bits, every_code
 from tiny import FIXTURES, TINY_FIXTURE
@@ -163,7 +163,7 @@ def test_dequantization_overflow_names_the_stage(tmp_path, sources):
 # ----- quantize_weights -------------------------------------------------------------------------------
 def queued_loop(reader: CheckpointReader, writer: QuantizedWriter, stats, recipe: Recipe, smooth_stats) -> None:
     """The plain weight loop, no plan (the writer queues) and no prefetch."""
-    from pipeline.quant.smooth import smooth_layer
+    from pipeline.quant.transforms.smooth import smooth_layer
 
     cfg = reader.config
     writer.add(*quantize_globals(cfg, reader.read_globals(), recipe))
@@ -249,7 +249,7 @@ def test_a_forked_child_hashes_with_a_thread_of_its_own(tmp_path):
     inherit) still commits its shards with the right sha256."""
     import hashlib
 
-    from pipeline.quant.output_files import ShardFile
+    from pipeline.quant.writing.output_files import ShardFile
 
     def hashed_right(path) -> bool:
         t = torch.arange(1000, dtype=torch.int32)

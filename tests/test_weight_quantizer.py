@@ -1,5 +1,5 @@
 """The per-channel weight quantizer against its formula, bit for bit: chunked torch ops, FP8 block weights
-quantized without being dequantized whole, and the native kernels (pipeline/native) against both, with
+quantized without being dequantized whole, and the native kernels (pipeline/quant/numerics/native) against both, with
 their build, switches and fallback."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from fp8_codes import bits, every_code
-from pipeline.quant import native as native_kernels
+from pipeline.quant.numerics import native as native_kernels
 from pipeline.io.fp8 import BlockRows, quantize_fp8_blocks
-from pipeline.quant import qparams
-from pipeline.quant.qparams import QuantError, quantize_weight_per_channel
+from pipeline.quant.numerics import qparams
+from pipeline.quant.numerics.qparams import QuantError, quantize_weight_per_channel
 
 
 # ----- the quantizer ----------------------------------------------------------------------------------
@@ -101,7 +101,8 @@ def test_native_kernel_is_built_where_a_compiler_is(tmp_path):
     if native_kernels._compiler() is None:
         pytest.skip("no C compiler on PATH: the torch ops run (tested above)")
     assert native_kernels.library() is not None, native_kernels.status()
-    code = ("import torch; from pipeline.quant import native; from pipeline.quant.qparams import quantize_weight_per_channel;"
+    code = ("import torch; from pipeline.quant.numerics import native;"
+            "from pipeline.quant.numerics.qparams import quantize_weight_per_channel;"
             "w = torch.linspace(-3, 3, 64 * 48).view(64, 48).to(torch.bfloat16);"
             "print(native.status()); print(quantize_weight_per_channel(w)[0].sum().item())")
     env = {**os.environ, "DSQUANT_CACHE_DIR": str(tmp_path)}

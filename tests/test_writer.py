@@ -20,7 +20,7 @@ from pipeline.format.description import (
     ASCEND_V1, DESCRIPTION_NAME, MANIFEST_NAME, NAMING, SEED, build_description, detect_dialect, encode_description,
     parse_description,
 )
-from pipeline.quant.writer import QuantizedWriter, build_config, to_dialect
+from pipeline.quant.writing.writer import QuantizedWriter, build_config, to_dialect
 from pipeline.io.safetensors_io import read_header
 from tests.test_checker import find
 from tests.tiny import FIXTURES, TINY_FIXTURE

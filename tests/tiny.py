@@ -70,7 +70,7 @@ def fail_quantize_layer(monkeypatch, layer: int) -> None:
     """Make the quantizer raise RuntimeError("injected failure in layer N") in the middle of ``layer``
     (after its first piece went to the writer: a crash mid-run, mid-layer, after earlier layers were
     written)."""
-    from pipeline.quant import run as run_mod
+    from pipeline.quant.job import run as run_mod
 
     real = run_mod.quantize_layer_pieces
 

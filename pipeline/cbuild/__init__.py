@@ -1,5 +1,5 @@
 """C kernels compiled on first use with the machine's C compiler and loaded with ctypes (the weight
-phase's :mod:`pipeline.quant.native`, the engine's CPU kernels): one :class:`NativeLibrary` per source.
+phase's :mod:`pipeline.quant.numerics.native`, the engine's CPU kernels): one :class:`NativeLibrary` per source.
 
 The shared object is built with ``cc <flags>`` (the flags without ``-march=...`` when the compiler refuses
 them) into a cache directory (``DSQUANT_CACHE_DIR``, else ``~/.cache/dsquant``, else the temp directory)

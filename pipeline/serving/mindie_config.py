@@ -227,7 +227,7 @@ def parse_mindie_model_config(block: Any, devices_available: int, gpus_per_node:
 
 
 def to_serve_options(cfg: MindieModelConfig) -> dict:
-    """What the serving config (actors.serve_config.ServeConfig.from_dict) takes from the MindIE block:
+    """What the serving config (actors.serving.serve_config.ServeConfig.from_dict) takes from the MindIE block:
     the model, the engine's NZ / MTP switches, and the replica's layout."""
     return {"model_path": cfg.model_weight_path, "served_model_name": cfg.model_name,
             "engine": {"nz": cfg.enable_nz, "mtp": cfg.mtp}, "parallel": cfg.replica_parallel()}

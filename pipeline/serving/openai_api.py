@@ -62,7 +62,7 @@ MAX_STOP_CHARS = 256                    # per stop string: bounds the matching w
 MAX_JSON_DEPTH = 32                     # an OpenAI body needs 5 levels; deeper is refused, not recursed into
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
-# An X-Request-ID taken as the request's id (the rule of actors.serve_proxy, which cleans it in Serve's proxy)
+# An X-Request-ID taken as the request's id (the rule of actors.serving.app.serve_proxy, which cleans it in Serve's proxy)
 VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 _IGNORED = {"user"}                     # accepted, not used

@@ -101,7 +101,7 @@ class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), tokenizer=None,
                  runner: Optional[ModelRunner] = None):
         """``runner``: a model runner already built for ``loaded`` and ``config`` (a sharded replica's rank
-        0, actors.rank_group); default one in this process. ``tokenizer``: for the stop strings (and the
+        0, actors.serving.engine.rank_group); default one in this process. ``tokenizer``: for the stop strings (and the
         eos id); without one, stop strings are not looked for."""
         cfg = loaded.config
         config = config.resolved(loaded.kernels)    # the kernels and modes, chosen once: recorded here

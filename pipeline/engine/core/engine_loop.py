@@ -229,7 +229,7 @@ def deliver(sink: Sink, item: Any) -> None:
 
 def deliver_all(pairs) -> None:
     """Give each ``(sink, item)`` of one step its item. Sinks bound to an event loop (a ``loop`` attribute
-    and an in-loop ``put(item)``, as actors/llm_server.LoopSink) get theirs in ONE call per loop (one
+    and an in-loop ``put(item)``, as actors.serving.engine.llm_server.LoopSink) get theirs in ONE call per loop (one
     wake-up of the loop per step, not per request); the others are called one by one."""
     by_loop: dict = {}
     for sink, item in pairs:

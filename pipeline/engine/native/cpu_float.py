@@ -54,7 +54,7 @@ _ERRORS = {1: "out of memory", 2: "bad sizes"}
 #: float32 weight (the same products; MKL's blocked GEMM). On the embedded model's shapes the C kernel is
 #: no slower than MKL up to 512 rows and a little slower at 1024 (the FMA chains; the AMX tiles are faster
 #: than those at every size from 4 rows): benchmarks/cpu_float.json. 2048 is a served
-#: engine's max_batched_tokens (actors.serve_config.DEFAULT_ENGINE; the engine's own default is 256), so
+#: engine's max_batched_tokens (actors.serving.serve_config.DEFAULT_ENGINE; the engine's own default is 256), so
 #: every step's rows take the C path (a row's result then never depends on the step it was computed in:
 #: prefill and decode, prefix-cache hits and recomputed entries agree), at that cost for big prefills.
 LINEAR_C_ROWS = 2048

@@ -18,7 +18,7 @@ the tokens routed to them, and the results are combined over the world:
   bytes) and every rank adds a token's slots in the single-rank order (by expert id): bit-identical.
 
 Every rank routes every token itself, so the ranks must compute the float router identically: the same
-kernels and thread count (a CPU GEMM's summation order depends on its thread count; actors.rank_group
+kernels and thread count (a CPU GEMM's summation order depends on its thread count; actors.serving.engine.rank_group
 gives every rank rank 0's). Float linears (e.g. an MTP layer left in float) split the same way; a row-parallel float
 linear reduces float32 partial sums (not exact: within float32 rounding).
 """
