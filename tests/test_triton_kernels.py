@@ -211,6 +211,13 @@ def _x(m: int, device: str, seed: int = 2) -> torch.Tensor:
     return x.to(device)
 
 
+def _torch_linear(kind: str, params: dict, epilogue: str):
+    """An int8 linear on the torch path (on a CUDA device a module built alone would take the Triton GEMMs)."""
+    mod = build_int8_linear("lin", kind, params, epilogue=epilogue)
+    mod.triton = False
+    return mod
+
+
 def _int_product(x_q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x_q.cpu().long() @ w.cpu().long().T).to(torch.int32)
 
@@ -224,7 +231,7 @@ def test_static_gemm(device, m):
                            return_acc=True)
     x_q = quantize_static(x, p["input_scale"].reshape(()), p["input_offset"].reshape(()))
     assert acc.dtype == torch.int32 and torch.equal(acc.cpu(), _int_product(x_q, p["weight"]))
-    fast, exact = (build_int8_linear("lin", W8A8, p, epilogue=e) for e in (FAST, EXACT))
+    fast, exact = (_torch_linear(W8A8, p, e) for e in (FAST, EXACT))
     y = int8_linear(fast, x)
     assert y.dtype == torch.float32 and y.shape == (m, N_OUT)
     assert torch.equal(y, fast(x.float()))                       # the FAST epilogue, bit for bit
@@ -232,7 +239,7 @@ def test_static_gemm(device, m):
     assert _ulps(y, exact(x.float())) <= FAST_EPILOGUE_ULPS
     # the int64 (fp16 models') deq_scale form decodes to the same output
     as_int64 = dict(p, deq_scale=p["deq_scale"].view(torch.int32).to(torch.int64))
-    assert torch.equal(int8_linear(build_int8_linear("lin", W8A8, as_int64, epilogue=FAST), x), y)
+    assert torch.equal(int8_linear(_torch_linear(W8A8, as_int64, FAST), x), y)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -246,15 +253,52 @@ def test_dynamic_gemm(device, m):
     acc = int8_gemm_dynamic(x, p["weight"], p["weight_scale"], return_acc=True)
     assert torch.equal(acc.cpu(), _int_product(x_q, p["weight"]))
     assert torch.equal(int8_matmul_acc(x_q, p["weight"]).cpu(), _int_product(x_q, p["weight"]))
-    fast, exact = (build_int8_linear("lin", W8A8_DYNAMIC, p, epilogue=e) for e in (FAST, EXACT))
+    fast, exact = (_torch_linear(W8A8_DYNAMIC, p, e) for e in (FAST, EXACT))
     y = int8_linear(fast, x)
     assert torch.equal(y, fast(x.float()))
     assert torch.equal(int8_gemm_quantized(x_q, s_tok, p["weight"], p["weight_scale"]),
                        fast.apply_quantized(x_q, s_tok))
     assert _ulps(y, exact(x.float())) <= FAST_EPILOGUE_ULPS
     pb = _on(_dynamic_params(bias=True), device)
-    with_bias = build_int8_linear("lin", W8A8_DYNAMIC, pb, epilogue=FAST)
+    with_bias = _torch_linear(W8A8_DYNAMIC, pb, FAST)
     assert torch.equal(int8_linear(with_bias, x), with_bias(x.float()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", [W8A8, W8A8_DYNAMIC])
+@pytest.mark.parametrize("epilogue", [FAST, EXACT])
+def test_int8_linear_runs_the_triton_gemm_on_the_triton_backend(device, kind, epilogue):
+    """The GPU path of the int8 linear: with ``triton`` on (the engine's triton backend), a FAST linear's
+    forward is the fused GEMM and an EXACT one's integer product the Triton int32 GEMM; either way the
+    output is the torch path's bit for bit (bf16 and float32 input, and apply_quantized)."""
+    p = _on(_static_params() if kind == W8A8 else _dynamic_params(bias=True), device)
+    ref = _torch_linear(kind, p, epilogue)
+    mod = build_int8_linear("lin", kind, p, epilogue=epilogue)
+    mod.native, mod.triton = False, True          # as the engine sets them on its triton backend
+    for m in (1, 5):
+        x = _x(m, device)
+        for xi in (x, x.float()):
+            assert torch.equal(mod(xi), ref(xi)) and mod.last_kernel == "triton", (m, xi.dtype)
+    if kind == W8A8_DYNAMIC:
+        x_q, s_tok = quantize_per_token(_x(5, device))
+        assert torch.equal(mod.apply_quantized(x_q, s_tok), ref.apply_quantized(x_q, s_tok))
+        assert mod.last_kernel == "triton"
+
+
+def test_int8_linear_takes_triton_where_the_backend_is_triton(monkeypatch):
+    """A linear built alone takes the Triton GEMMs where the kernels backend is triton, not elsewhere; the
+    engine's kernels (use_kernels) set it either way."""
+    from pipeline.engine.layers.native_swap import use_kernels
+
+    p = _dynamic_params()
+    monkeypatch.setenv(engine_config.ENV, "torch")
+    mod = build_int8_linear("lin", W8A8_DYNAMIC, p)
+    assert not mod.triton
+    use_kernels(mod, engine_config.Kernels("cpu", engine_config.TRITON, "test"))
+    assert mod.triton
+    if INTERPRETED:
+        monkeypatch.setenv(engine_config.ENV, "triton")
+        assert build_int8_linear("lin", W8A8_DYNAMIC, p).triton
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -26,17 +26,6 @@ import warnings
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-_ENV_DATA = getattr(os.environ, "_data", None)     # CPython's os.environ store: {encoded key: encoded value}
-
-
-def _getenv(name: str) -> Optional[str]:
-    """``os.environ.get(name)`` without Mapping.get's raised-and-caught KeyError for an unset name (~20x
-    faster; :meth:`NativeLibrary.library` reads its switches on every kernel call, ~50 per engine step)."""
-    if _ENV_DATA is None:
-        return os.environ.get(name)
-    v = _ENV_DATA.get(os.environ.encodekey(name))
-    return None if v is None else os.environ.decodevalue(v)
-
 #: -O3 with the host's vector units; no errno/trap bookkeeping (no effect on results).
 BASE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
 #: For kernels that must reproduce torch's float arithmetic bit for bit: no a*b+c fused into one FMA.
@@ -136,17 +125,17 @@ class NativeLibrary:
         return dll
 
     def _off(self) -> Optional[str]:
-        """The switch variable that turns this library off now (read on every call), or None."""
+        """The switch variable that turns this library off now, or None."""
         for v in self._switches:
-            if _getenv(v) == "0":
+            if os.environ.get(v) == "0":
                 return v
         return None
 
     def library(self) -> Optional[ctypes.CDLL]:
         """The compiled library, or None (the reason in :meth:`status`); built once per process. The switch
-        variables are read on every call: this is where a caller decides whether to use the library (the
-        engine, once, when it is built; the weight phase per tensor); a caller that decided calls
-        :meth:`loaded`."""
+        variables are read at each call: this is where a caller decides whether to use the library (the
+        engine once, when it is built; the weight phase per tensor); a kernel call of a caller that decided
+        uses :meth:`loaded`."""
         return None if self._off() else self.loaded()
 
     def loaded(self) -> Optional[ctypes.CDLL]:

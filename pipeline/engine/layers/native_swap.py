@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pipeline.engine.config import Kernels
+from pipeline.engine.config import TRITON, Kernels
 from pipeline.engine.native import cpu_float_ffn
 from pipeline.engine.native.cpu_float import _DT, _LIB, NativeLinear, NativeRMSNorm, NativeRouter
 from pipeline.model.ffn import MLP, MoE, Router
@@ -23,14 +23,14 @@ log = logging.getLogger("dsquant.kernels")
 
 def use_kernels(model: nn.Module, kernels: Kernels) -> None:
     """Give ``model`` ``kernels``: its int8 linears and int8 MoEs run their C kernels or not as
-    ``kernels.linears`` says (a triton backend's MoE its fused kernel), and the float C modules are
+    ``kernels.linears`` says (on a triton backend the linears' and the MoE's Triton GEMMs), and the float C modules are
     swapped in where ``kernels.float_ops``."""
     from pipeline.engine.layers.moe import Int8MoE
     from pipeline.engine.layers.qlinear import Int8Linear
 
     for m in model.modules():
         if isinstance(m, Int8Linear):
-            m.native = kernels.linears
+            m.native, m.triton = kernels.linears, kernels.backend == TRITON
         elif isinstance(m, Int8MoE):
             m.native, m.backend = kernels.linears, kernels.backend
     if kernels.float_ops:

@@ -44,6 +44,14 @@ which says why each is exact; a module's ``kernel`` forces one, ``last_kernel`` 
   kernel keeps a packed copy of the weight, dropped on ``load_state_dict``, buffer assignment and
   ``.to()`` (cpu_linear's docstring).
 
+- ``triton``: on the kernels backend ``triton`` (CUDA with triton installed; on a CPU
+  ``DSQUANT_KERNELS=triton`` with ``TRITON_INTERPRET=1``), the Triton GEMMs of
+  :mod:`pipeline.engine.triton.int8_gemm`. ``auto`` takes them where the module's ``triton`` is on (chosen
+  when it is built, as ``native``: the engine's kernels, or :func:`triton_default`): with the ``fast``
+  epilogue the whole forward (quantization, int32 product, epilogue fused), the torch path's ``fast``
+  output bit for bit; with ``exact`` (and for ``apply_quantized``) the exact int32 product, the epilogue
+  in torch as above.
+
 Activations are not checked for NaN/Inf here (the hot path; runtimes do not either); every stored tensor
 is checked once, when the module is built (:func:`build_int8_linear`).
 """
@@ -58,7 +66,7 @@ from torch import Tensor, nn
 
 from pipeline.engine import config
 from pipeline.engine.native import cpu_linear
-from pipeline.engine.int8_arith import (FP32_CHUNKED, INT_MM, KERNELS, QMAX, QMIN, SCALE_DTYPES, DeviceLike,
+from pipeline.engine.int8_arith import (FP32_CHUNKED, INT_MM, INT_MM_MAX_K, KERNELS, QMAX, QMIN, SCALE_DTYPES, DeviceLike,
                                        Int8LinearError, _bits_to_float32, _int_mm_int32, decode_deq_scale,
                                        int8_matmul, quantize_per_token, quantize_static, select_kernel)
 from pipeline.format.description import FLOAT, QUANT_KINDS, W8A8, W8A8_DYNAMIC
@@ -67,6 +75,7 @@ NATIVE = "native"                                 # the fused C forward (module 
 _FLOAT_DTYPES, _INT8 = (torch.float32, torch.bfloat16), (torch.int8,)   # the C kernel's inputs
 AUTO = "auto"
 EXACT, FAST = "exact", "fast"                     # epilogues (module docstring)
+TRITON = "triton"                                 # last_kernel of a call through the Triton GEMMs
 EPILOGUES = (EXACT, FAST)
 FAST_EPILOGUE_ULPS = 4                            # fast vs exact, float32 output (module docstring)
 
@@ -84,6 +93,22 @@ def native_default(device) -> bool:
     if hit is None:
         hit = _defaults[key] = dev.type == "cpu" and config.backend(dev) == config.NATIVE \
             and cpu_linear.library() is not None
+    return hit
+
+
+def triton_default(device) -> bool:
+    """Whether a module built alone on ``device`` runs the Triton GEMMs: the kernels backend ``triton``
+    there, read from the environment now (once per device and switch values; False where the environment
+    names a backend that cannot run there: the engine's :func:`config.resolve` reports that)."""
+    dev = torch.device(device)
+    key = ("triton", dev.type) + tuple(os.environ.get(v) for v in (config.ENV, "TRITON_INTERPRET"))
+    hit = _defaults.get(key)
+    if hit is None:
+        try:
+            hit = config.backend(dev) == config.TRITON
+        except (RuntimeError, ValueError):
+            hit = False
+        _defaults[key] = hit
     return hit
 
 
@@ -108,6 +133,7 @@ class Int8Linear(nn.Module):
             raise Int8LinearError(f"{name}: unknown kernel {kernel!r} (known: auto, {', '.join(KERNELS)}, native)")
         self.kernel = kernel
         self.native = native_default(weight.device) if native is None else bool(native)  # may C serve it
+        self.triton = triton_default(weight.device)                  # may the Triton GEMMs serve it
         self.last_kernel: Optional[str] = None
         self._native_rows = cpu_linear.max_rows(self.in_features, self.out_features)   # auto, several threads
         self.register_load_state_dict_post_hook(cpu_linear.drop)     # the C kernel's packed copy is stale
@@ -153,6 +179,23 @@ class Int8Linear(nn.Module):
         self.__dict__["last_kernel"] = NATIVE       # (nn.Module.__setattr__ costs a microsecond)
         return True
 
+    def _triton(self, x) -> bool:
+        """Whether this call runs the Triton GEMMs (module docstring): ``auto``, the module's ``triton`` on,
+        ``x`` a tensor [..., in_features] off the CPU, or on it through the interpreter (the backend said
+        which when the module was built)."""
+        return (self.triton and self.kernel == AUTO and isinstance(x, Tensor) and x.dim() > 0
+                and x.shape[-1] == self.in_features <= INT_MM_MAX_K)
+
+    def _fused(self, x: Tensor) -> Optional[Tensor]:
+        """The ``fast`` forward through the fused Triton GEMM (float32 [..., out_features]), or None where it
+        does not run (another epilogue or kernel, a non-float input)."""
+        if self.epilogue != FAST or not self._triton(x) or not x.is_floating_point():
+            return None
+        from pipeline.engine.triton.int8_gemm import int8_linear
+
+        self.last_kernel = TRITON
+        return int8_linear(self, x)
+
     def _flat(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() == 0 or x.shape[-1] != self.in_features:
             what = f"{x.dtype} {list(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
@@ -164,6 +207,11 @@ class Int8Linear(nn.Module):
         kernel in ``last_kernel``."""
         if x_q.dim() == 2 and self._native(x_q, _INT8):
             return cpu_linear.apply_quantized(self, x_q, None)
+        if self._triton(x_q):
+            from pipeline.engine.triton.int8_gemm import int8_matmul_acc
+
+            self.last_kernel = TRITON
+            return int8_matmul_acc(x_q, self.weight)
         kernel = self.kernel_for(x_q.device)
         if kernel == INT_MM:
             self.last_kernel = kernel
@@ -203,6 +251,9 @@ class W8A8StaticLinear(Int8Linear):
         # the small tensors are converted on every call (n values), so load_state_dict is always honoured
         if self._native(x):
             return cpu_linear.forward(self, x)
+        y = self._fused(x)
+        if y is not None:
+            return y.to(x.dtype)
         x2 = self._flat(x)
         y = self.finish(self._acc(self.quantize_input(x2)))
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -241,6 +292,9 @@ class W8A8DynamicLinear(Int8Linear):
     def forward(self, x: Tensor) -> Tensor:
         if self._native(x):
             return cpu_linear.forward(self, x)
+        y = self._fused(x)
+        if y is not None:
+            return y.to(x.dtype)
         x2 = self._flat(x)
         y = self.apply_quantized(*quantize_per_token(x2))
         if self.bias is not None:

@@ -29,9 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pipeline.engine.int8_arith import INT_MM_MAX_K
 from pipeline.engine.triton._common import INTERPRET, check_device, per_token_scale, quantize_rows_dynamic, rint_f32
 
-MAX_K = (2 ** 31 - 1) // (128 * 128)          # 131071: the int32 accumulator cannot overflow
+MAX_K = INT_MM_MAX_K                           # 131071: the int32 accumulator cannot overflow
 _IN_INT8, _IN_STATIC, _IN_DYNAMIC = 0, 1, 2   # how x arrives
 _EPI_ACC, _EPI_STATIC, _EPI_DYNAMIC = 0, 1, 2  # what is written
 
