@@ -14,7 +14,10 @@ minimum per-layer attention SQNR, and what fell back. For the seed recipe it als
 (pipeline/quant/evaluation/sensitivity.py) against the end-to-end costs on --proxy-samples calibration samples:
 Spearman's rho of the FA3 layer ranking and of the linear rankings, "sqnr" and "residual" (routed experts
 grouped per projection).
-Writes the JSON and a PNG beside it (agreement and perplexity change per recipe and model).
+Writes the JSON and a PNG beside it (agreement and perplexity change per recipe and model):
+benchmarks/accuracy_variants.json and accuracy_variants.png; with ``--seeds 4,5 --channels 8 --factor-log2 3..7
+--no-embedded --out benchmarks/accuracy_unseen.json``, the unseen variants' accuracy_unseen.json and
+accuracy_unseen.png.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ same int8 rows (the integer product only). MoE: layer 1's ``Int8MoE.forward`` on
 with ``DSQUANT_KERNELS=torch`` and the default (native). For each torch thread count in ``--threads``.
 Medians of ``--reps`` calls (fewer for big ones) after a warm-up, in microseconds; /proc/loadavg before
 and after each part (the 2 cores are shared with other work: read the figures with it).
-Writes JSON to --out (default benchmarks/cpu_linear.json).
+Writes JSON to --out (default benchmarks/cpu_linear.json; on an AVX2 machine without AVX-512, ``--out
+benchmarks/cpu_linear_avx2.json``).
 """
 
 from __future__ import annotations

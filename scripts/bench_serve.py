@@ -8,7 +8,8 @@ concurrency level ``--requests`` streaming completions of random prompts (``--in
 held-out text) with ``max_tokens=--output-len`` (greedy) are sent by that many concurrent clients.
 Reported per level: TTFT, TPOT = (latency - TTFT) / (output tokens - 1), ITL (gaps between streamed
 chunks) and end-to-end latency (mean, median, p99, ms), request and output-token throughput, and goodput
-(requests/s whose TPOT <= --slo-tpot-ms). Writes JSON to --out (default benchmarks/serve.json).
+(requests/s whose TPOT <= --slo-tpot-ms). Writes JSON to --out (default benchmarks/serve.json) and its plot
+beside it (benchmarks/serve.png).
 """
 
 from __future__ import annotations

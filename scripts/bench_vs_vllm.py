@@ -15,8 +15,10 @@ Servers: ours, ``python -m jobs.serve`` on the quantized embedded model (``ours-
 int8-NZ cache) and on the float embedded checkpoint itself (``ours-float``: float linears in --float-dtype,
 the latent cached NZ in bf16), as --ours picks (default both); and ``vllm`` (``vllm serve`` on the embedded
 model in bf16). Writes the medians and ranges per server and concurrency, and each of ours' ratios to vLLM,
-to --out (default benchmarks/vs_vllm.json), the plot beside it (scripts/plot_serving.py), and prints a
-markdown table with a row per server and concurrency.
+to --out (default benchmarks/vs_vllm.json), the plot beside it (scripts/plot_serving.py; benchmarks/vs_vllm.png),
+and prints a markdown table with a row per server and concurrency. The runs on the other machines of
+docs/performance.md: ``--out benchmarks/vs_vllm_avx2.json`` (AVX2 + FMA, no AVX-512; vs_vllm_avx2.png beside
+it) and ``--out benchmarks/vs_vllm_avx512.json`` (AVX-512, no AMX; vs_vllm_avx512.png).
 """
 
 from __future__ import annotations

@@ -26,7 +26,9 @@ times are exclusive (a region's own time, less the regions it calls), so the col
   stop/detok  the engine's detokenization of requests with stop strings
 
 Decode steps (every piece one token) and steps holding prefill are reported apart; per-step medians are
-in milliseconds. Writes JSON to --out (default benchmarks/engine_profile.json).
+in milliseconds. Writes JSON to --out (default benchmarks/engine_profile.json; the runs on the other machines
+of docs/performance.md: ``--out benchmarks/engine_profile_avx2.json``, AVX2 + FMA, and
+``benchmarks/engine_profile_avx512.json``, AVX-512 without AMX).
 """
 
 from __future__ import annotations

@@ -15,10 +15,32 @@ plot_serving = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(plot_serving)
 
 
-def test_reads_bench_serve_output():
-    series = plot_serving.series_of(REPO / "benchmarks" / "serve.json")
-    assert [s["label"] for s in series] == ["colocated", "disaggregated"]
-    assert series[0]["points"][0] == {"concurrency": 1, "output_tok_s": 108.7, "median_tpot_ms": 8.3}
+def _level(c: int, tok_s: float, tpot_median: float) -> dict:
+    """One concurrency level as scripts/bench_serve.py writes it (the fields plot_serving reads, and others)."""
+    return {"concurrency": c, "requests": 32, "wall_s": 1.0, "ttft_ms": {"mean": 2.0, "median": 2.0, "p99": 3.0},
+            "tpot_ms": {"mean": tpot_median + 1, "median": tpot_median, "p99": tpot_median * 3},
+            "output_token_throughput": tok_s, "request_throughput": 1.0, "goodput": 1.0}
+
+
+def test_reads_bench_serve_output(tmp_path):
+    out = tmp_path / "serve.json"
+    out.write_text(json.dumps({"requests": 32, "modes": {"colocated": [_level(1, 108.7, 8.3), _level(4, 201.7, 18.2)],
+                                                         "disaggregated": [_level(1, 90.5, 9.9)]}}))
+    assert plot_serving.series_of(out) == [
+        {"label": "colocated", "points": [{"concurrency": 1, "output_tok_s": 108.7, "median_tpot_ms": 8.3},
+                                          {"concurrency": 4, "output_tok_s": 201.7, "median_tpot_ms": 18.2}]},
+        {"label": "disaggregated", "points": [{"concurrency": 1, "output_tok_s": 90.5, "median_tpot_ms": 9.9}]}]
+
+
+def test_reads_the_checked_in_bench_serve_output():
+    """benchmarks/serve.json (whatever its figures): one line per mode, one point per level it holds."""
+    path = REPO / "benchmarks" / "serve.json"
+    modes = json.loads(path.read_text())["modes"]
+    series = plot_serving.series_of(path)
+    assert [s["label"] for s in series] == list(modes)
+    for s in series:
+        assert [p["concurrency"] for p in s["points"]] == [lv["concurrency"] for lv in modes[s["label"]]]
+        assert all(p["output_tok_s"] > 0 and p["median_tpot_ms"] > 0 for p in s["points"])
 
 
 def test_reads_vllm_result_folder_as_medians(tmp_path):
