@@ -82,7 +82,7 @@ class RayOwner(threading.Thread):
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, a service manager's stop, a closed terminal
 FRONT_DOORS = {"haproxy": "HAProxy", "serve": "Serve's proxy", "cluster's": "the cluster's"}
-ROUTE_WAIT_S = 60.0   # seconds the HAProxy front door may take to route to a started app
+ROUTE_WAIT_S = 60.0   # seconds the front door (HAProxy or Serve's proxy) may take to route to a started app
 STOP_S = 5.0          # documented: a stop signal to the process's exit
 DRAIN_S = 3.0         # of which the app's replicas have this long to finish what is in flight
 STOP_BY_S = 4.3       # and Ray this long to shut down, before its processes are killed

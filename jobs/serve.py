@@ -131,7 +131,8 @@ def main(argv=None) -> int:
         with dropped_log_line("ray.serve", EXISTING_SERVE):  # serve.run finds the instance just started
             serve.run(app, name=cfg.app_name, route_prefix=cfg.route_prefix)
         base = f"http://{cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}/v1"
-        if front == "haproxy":      # HAProxy learns the app's route after serve.run returns
+        if not joining:  # the front door learns the app's route after serve.run returns: HAProxy from Serve,
+            # Serve's proxy through its long poll of the controller (seconds on a loaded CPU; until then a 404)
             wait_answering(f"http://{_local(cfg.host)}:{cfg.port}{cfg.route_prefix.rstrip('/')}/v1/models")
         print(f"serving {cfg.model_name!r} ({kind}) from {cfg.model_path} at {base} (ready in {time.time() - t0:.0f}s; "
               f"{'API key required' if cfg.api_key else 'no API key'}; front door: {FRONT_DOORS.get(front, front)}); "

@@ -17,10 +17,23 @@ from pathlib import Path
 RAY_BIN = str(Path(sys.executable).parent / "ray")
 
 
+FREE_PORTS = range(20000, 32768)   # above Ray's worker ports (10002-19999), below the kernel's ephemeral ones
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, for a server a test starts later (seconds later: after a Ray has started).
+    Taken outside the kernel's ephemeral range (Linux's default 32768-60999), where every process that binds
+    port 0 gets its port (a Ray's GCS, raylet, agents and workers, a Serve of another test), and outside
+    Ray's worker ports: none of them can take it in between. (Port 0 itself would give an ephemeral port,
+    which any of them may take before the test's server binds it.)"""
+    import random
+
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(1000):
+        port = rng.choice(FREE_PORTS)
+        if port_free(port):
+            return port
+    raise RuntimeError(f"no free port in {FREE_PORTS}")
 
 
 def ray_tmpdir() -> str:
