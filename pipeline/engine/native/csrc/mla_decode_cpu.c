@@ -293,11 +293,13 @@ static inline float wload1(const void *w, int wdt, int64_t i) {
  * result never depends on M. */
 static void small_gemm(float *restrict y, int64_t ldy, const float *restrict x, int64_t ldx, const void *w, int wdt,
                        int64_t M, int64_t K, int64_t N) {
-    int64_t j0 = 0;
+    const int64_t M4 = M / 4 * 4;       /* rows taken four at a time; the others alone, 8 column vectors at once */
+    (void)M4;
+    int64_t jv = 0;                     /* columns done in vectors */
 #ifdef __AVX512F__
-    for (; j0 + 16 <= N; j0 += 16) {
-        int64_t r = 0;
-        for (; r + 4 <= M; r += 4) {
+    jv = N / 16 * 16;
+    for (int64_t j0 = 0; j0 < jv; j0 += 16)
+        for (int64_t r = 0; r < M4; r += 4) {
             const float *x0 = x + r * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int64_t k = 0; k < K; k++) {
@@ -312,17 +314,28 @@ static void small_gemm(float *restrict y, int64_t ldy, const float *restrict x, 
             _mm512_storeu_ps(y + (r + 2) * ldy + j0, a2);
             _mm512_storeu_ps(y + (r + 3) * ldy + j0, a3);
         }
-        for (; r < M; r++) {
-            const float *xr = x + r * ldx;
+    for (int64_t r = M4; r < M; r++) {  /* independent chains across columns: the FMA latency hidden */
+        const float *xr = x + r * ldx;
+        int64_t j0 = 0;
+        for (; j0 + 128 <= jv; j0 += 128) {
+            __m512 a[8];
+            for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k++) {
+                const __m512 xk = _mm512_set1_ps(xr[k]);
+                for (int i = 0; i < 8; i++) a[i] = _mm512_fmadd_ps(xk, wload16(w, wdt, k * N + j0 + 16 * i), a[i]);
+            }
+            for (int i = 0; i < 8; i++) _mm512_storeu_ps(y + r * ldy + j0 + 16 * i, a[i]);
+        }
+        for (; j0 < jv; j0 += 16) {
             __m512 a = _mm512_setzero_ps();
             for (int64_t k = 0; k < K; k++) a = _mm512_fmadd_ps(_mm512_set1_ps(xr[k]), wload16(w, wdt, k * N + j0), a);
             _mm512_storeu_ps(y + r * ldy + j0, a);
         }
     }
 #elif DSQUANT_AVX2
-    for (; j0 + 8 <= N; j0 += 8) {
-        int64_t r = 0;
-        for (; r + 4 <= M; r += 4) {
+    jv = N / 8 * 8;
+    for (int64_t j0 = 0; j0 < jv; j0 += 8)
+        for (int64_t r = 0; r < M4; r += 4) {
             const float *x0 = x + r * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int64_t k = 0; k < K; k++) {
@@ -337,8 +350,19 @@ static void small_gemm(float *restrict y, int64_t ldy, const float *restrict x, 
             _mm256_storeu_ps(y + (r + 2) * ldy + j0, a2);
             _mm256_storeu_ps(y + (r + 3) * ldy + j0, a3);
         }
-        for (; r < M; r++) {
-            const float *xr = x + r * ldx;
+    for (int64_t r = M4; r < M; r++) {
+        const float *xr = x + r * ldx;
+        int64_t j0 = 0;
+        for (; j0 + 64 <= jv; j0 += 64) {
+            __m256 a[8];
+            for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+            for (int64_t k = 0; k < K; k++) {
+                const __m256 xk = _mm256_set1_ps(xr[k]);
+                for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(xk, wload8(w, wdt, k * N + j0 + 8 * i), a[i]);
+            }
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(y + r * ldy + j0 + 8 * i, a[i]);
+        }
+        for (; j0 < jv; j0 += 8) {
             __m256 a = _mm256_setzero_ps();
             for (int64_t k = 0; k < K; k++) a = _mm256_fmadd_ps(_mm256_set1_ps(xr[k]), wload8(w, wdt, k * N + j0), a);
             _mm256_storeu_ps(y + r * ldy + j0, a);
@@ -346,7 +370,7 @@ static void small_gemm(float *restrict y, int64_t ldy, const float *restrict x, 
     }
 #endif
     for (int64_t r = 0; r < M; r++)
-        for (int64_t j = j0; j < N; j++) {
+        for (int64_t j = jv; j < N; j++) {
             float a = 0.0f;
             for (int64_t k = 0; k < K; k++) a = fmaf(x[r * ldx + k], wload1(w, wdt, k * N + j), a);
             y[r * ldy + j] = a;
