@@ -1,7 +1,7 @@
 """The C int8 kernels split over their thread pool (csrc/pool.h) give the same bits for any thread count: the
 linears (both kinds, both epilogues, float32 and bf16, odd shapes whose last panel is partial, row blocks),
 the pre-quantized product (``apply_quantized``, ``_acc``), the routed experts of the embedded model's
-MoE layers, and the absorbed decode attention (heads in groups; bf16 weights against their float32 copies),
+MoE layers, the bf16 float linears (lm_head), and the absorbed decode attention (heads in groups; bf16 weights against their float32 copies),
 each with 1, 2 and 3 threads; and an engine's runner keeps the pools as wide as torch's threads.
 
 Tolerance: none (``torch.equal``): a panel of 64 output columns is one task, computed by the same
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from pipeline.engine.attention.batched import DecodeBatch
 from pipeline.engine.layers.moe import Int8MoE
 from pipeline.engine.layers.qlinear import EXACT, FAST, INT_MM, W8A8DynamicLinear, W8A8StaticLinear
-from pipeline.engine.native import cpu_attention, cpu_linear
+from pipeline.engine.native import cpu_attention, cpu_float, cpu_linear
 from pipeline.engine.worker.loader import load_quantized
 
 pytestmark = pytest.mark.skipif(cpu_linear.library() is None, reason="no C compiler: the torch path only")
@@ -126,3 +127,25 @@ def test_decode_attention_bits_do_not_depend_on_threads_or_the_weights_dtype(poo
             assert torch.equal(got, ref), t
     finally:
         cpu_attention.set_threads(1)
+
+
+@pytest.mark.skipif(cpu_float.library() is None, reason="no C compiler: the torch path only")
+def test_bf16_linear_bits_do_not_depend_on_threads(pool):
+    """The float linears (lm_head, a float model's): column tasks of 128, a partial last one."""
+    g = torch.Generator().manual_seed(5)
+    lin = nn.Linear(96, 300, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(300, 96, generator=g).to(torch.bfloat16).float())
+    mod = cpu_float.NativeLinear(lin)
+    for m in (1, 6):
+        x = torch.randn(m, 96, generator=g)
+        with torch.no_grad():
+            cpu_float.set_threads(1)
+            ref = mod(x)
+            try:
+                for t in THREADS[1:]:
+                    assert cpu_float.set_threads(t) == t
+                    assert torch.equal(mod(x), ref), (m, t)
+            finally:
+                cpu_float.set_threads(1)
+        torch.testing.assert_close(ref, x @ lin.weight.T, rtol=1e-5, atol=1e-5)

@@ -131,13 +131,14 @@ def threads() -> int:
 
 
 def follow_torch() -> int:
-    """The pools as wide as torch's intra-op threads now, this library's and the decode attention's (an
-    engine's runner calls it once per step)."""
+    """The pools as wide as torch's intra-op threads now: this library's, the decode attention's and the bf16
+    linears' (an engine's runner calls it once per step)."""
     n = torch.get_num_threads()
     if n != _pool["threads"]:
-        from pipeline.engine.native import cpu_attention
+        from pipeline.engine.native import cpu_attention, cpu_float
 
         cpu_attention.set_threads(n)
+        cpu_float.set_threads(n)
         set_threads(n)
     return n
 

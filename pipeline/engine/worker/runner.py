@@ -133,7 +133,7 @@ class ModelRunner:
         """The main model over ``spans`` (their cache slots reserved); returns (logits [R, V] float32,
         final normed hidden [N, h] of every token) with logits at the flat token ``rows``."""
         model = self.model
-        if self.loaded.kernels.linears:
+        if self.loaded.kernels.linears or self.loaded.kernels.float_ops:
             cpu_linear.follow_torch()       # the C kernels' threads: torch's (--torch-threads)
         st = self._positions(spans)
         graph = self._graph(st, rows)
