@@ -1,11 +1,12 @@
-"""The C int8 kernels split over their thread pool (csrc/pool.h) give the same bits for any thread count: the
-linears (both kinds, both epilogues, float32 and bf16, odd shapes whose last panel is partial, row blocks),
-the pre-quantized product (``apply_quantized``, ``_acc``), the routed experts of the embedded model's
-MoE layers, the bf16 float linears (lm_head), and the absorbed decode attention (heads in groups; bf16 weights against their float32 copies),
-each with 1, 2 and 3 threads; and an engine's runner keeps the pools as wide as torch's threads.
+"""The C kernels split over their thread pools (csrc/pool.h) give the same bits for any thread count: the
+int8 linears (both kinds, both epilogues, float32 and bf16, odd shapes whose last panel is partial, row
+blocks), the pre-quantized product (``apply_quantized``, ``_acc``), the routed experts of the embedded
+model's MoE layers, the bf16 float linears (lm_head), and the absorbed decode attention (heads in groups;
+bf16 weights against their float32 copies), each with 1, 2 and 3 threads; and an engine's runner keeps the
+pools as wide as torch's threads.
 
-Tolerance: none (``torch.equal``): a panel of 64 output columns is one task, computed by the same
-operations in the same order whichever thread runs it.
+Tolerance: none (``torch.equal``): a panel of output columns (a group of heads) is one task, computed by the
+same operations in the same order whichever thread runs it.
 """
 
 from __future__ import annotations
