@@ -52,7 +52,7 @@ from pipeline.config import DeepseekV3Config  # noqa: E402
 from pipeline.engine.attention.paged import paged_decode_attention  # noqa: E402
 from pipeline.quant.recipe.recipe import kv_bytes_per_token  # noqa: E402
 from pipeline.engine.cache.paged_cache import PagedLatentCache  # noqa: E402
-from pipeline.io.replica import DEEPSEEK_V3_CONFIG  # noqa: E402
+from pipeline.serving.sharding.replica import DEEPSEEK_V3_CONFIG  # noqa: E402
 from pipeline.quant.recipe.recipe import Recipe  # noqa: E402
 
 H, C, D_R, BLOCK = 128, 512, 64, 128

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import DeepseekV3Config  # noqa: E402
 from pipeline.serving.sharding import plan as S  # noqa: E402
-from pipeline.io.replica import DEEPSEEK_V3_CONFIG  # noqa: E402
+from pipeline.serving.sharding.replica import DEEPSEEK_V3_CONFIG  # noqa: E402
 from pipeline.quant.recipe.recipe import Recipe  # noqa: E402
 
 RECIPES = {
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - t0
 
     default = results["default"]
-    head = (f"DeepSeek-V3/R1 671B (pipeline.io.replica.DEEPSEEK_V3_CONFIG), W8A8 + FA3 as this project writes it. "
+    head = (f"DeepSeek-V3/R1 671B (pipeline.serving.sharding.replica.DEEPSEEK_V3_CONFIG), W8A8 + FA3 as this project writes it. "
             f"Whole quantized model: {default[0].model_bytes / S.GB:,.1f} GB with the default recipe, "
             f"{results['quantize_mtp'][0].model_bytes / S.GB:,.1f} GB with --quantize-mtp (MTP layer included in "
             f"both). Usable memory {args.usable:g} x the device's nominal GB, minus a {args.reserve_gb:g} GB "
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "sharding_671b.md").write_text(text)
     payload = {
-        "model": "DeepSeek-V3 671B (pipeline.io.replica.DEEPSEEK_V3_CONFIG)",
+        "model": "DeepSeek-V3 671B (pipeline.serving.sharding.replica.DEEPSEEK_V3_CONFIG)",
         "assumptions": {"usable_fraction": args.usable, "reserve_bytes": kw["reserve_bytes"],
                         "min_kv_tokens": args.min_kv_tokens, "gb": S.GB,
                         "comm": "bytes per rank per token of a decode step (one token per dp group); payload and "

@@ -10,7 +10,7 @@ import pytest
 from pipeline.config import DeepseekV3Config
 from pipeline.engine.cache.blocks import BlockAllocator, BlockTable, OutOfBlocks
 from pipeline.quant.recipe.recipe import kv_bytes_per_token
-from pipeline.io.replica import DEEPSEEK_V3_CONFIG
+from pipeline.serving.sharding.replica import DEEPSEEK_V3_CONFIG
 from pipeline.quant.numerics.qparams import QuantError
 from pipeline.quant.recipe.recipe import Recipe
 from tiny import tiny_config

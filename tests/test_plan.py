@@ -24,7 +24,7 @@ from pipeline.quant.plan.report import plan_from_dict, plan_to_dict, plan_to_tex
 from pipeline.quant.plan.resources import check_resources
 from pipeline.quant.plan.types import GiB, PlanError
 from pipeline.quant.job.costs import unit_costs
-from pipeline.io.replica import RELEASE_SHARDS, make_header_replica
+from pipeline.serving.sharding.replica import RELEASE_SHARDS, make_header_replica
 from pipeline.quant.plan.timing import Cluster, estimate_wall_time
 from pipeline.quant.recipe.recipe import Recipe
 from pipeline.quant.job.run import QuantizeOptions, quantize_checkpoint

@@ -20,7 +20,7 @@ from pipeline.io.safetensors_io import read_header
 from pipeline.parallel import ParallelConfig
 from pipeline.serving.sharding import plan as S
 from pipeline.quant.job.costs import unit_costs
-from pipeline.io.replica import DEEPSEEK_V3_CONFIG, make_header_replica
+from pipeline.serving.sharding.replica import DEEPSEEK_V3_CONFIG, make_header_replica
 from pipeline.quant.recipe.recipe import Recipe
 from tiny import FIXTURES, TINY_FIXTURE
 

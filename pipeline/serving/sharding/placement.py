@@ -2,7 +2,7 @@
 bytes each rank holds, from the config alone (the rules of :mod:`pipeline.serving.sharding.plan`'s plan).
 
 Weights. Every tensor the quantizer writes (:func:`pipeline.quant.writing.quantize_layer.layer_output_specs` of
-the release's header-only replica, :func:`pipeline.io.replica.release_specs`, under ``recipe``: int8
+the release's header-only replica, :func:`pipeline.serving.sharding.replica.release_specs`, under ``recipe``: int8
 weights with their scale tensors per docs/format.md, FLOAT tensors in the model dtype) is placed on ranks
 by one of three rules:
 
@@ -39,7 +39,7 @@ from pipeline.config import DeepseekV3Config
 from pipeline.io.checkpoint import SCALE_SUFFIX, read_dtype
 from pipeline.io.safetensors_io import itemsize
 from pipeline.parallel import ParallelConfig
-from pipeline.io.replica import release_specs
+from pipeline.serving.sharding.replica import release_specs
 from pipeline.quant.writing.quantize_layer import layer_output_specs
 from pipeline.quant.recipe.recipe import Recipe, kv_bytes_per_token
 
