@@ -7,6 +7,7 @@ start-up leaves nothing behind either."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,6 +66,7 @@ class Served:
             self.proc.wait()
         kill_under(self.ray_tmp)
         self.log.close()
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)   # its private Ray's session files
 
 
 @pytest.fixture
