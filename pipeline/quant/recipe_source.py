@@ -13,6 +13,7 @@ recipe it ran next to the weights as ``<model_type>_best_practice.yaml``.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -28,6 +29,7 @@ QUANT_MTP = ("float", "mix", "none")
 LEGACY_QUAROT_BLOCK = 32
 DEFAULT_MODEL_TYPE = "DeepSeek-V3"
 RECIPE_SUFFIX = "_best_practice.yaml"
+MODEL_TYPE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")   # what may stand before RECIPE_SUFFIX
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class ResolvedRecipe:
 
     @property
     def file_name(self) -> str:
+        if not MODEL_TYPE_NAME.fullmatch(self.model_type):     # resolve() only makes such names
+            raise QuantError(f"model type {self.model_type!r} cannot name a file")
         return f"{self.model_type}{RECIPE_SUFFIX}"
 
     def yaml_text(self) -> str:
@@ -71,6 +75,23 @@ class ResolvedRecipe:
                                                 [self.model_type]},
                                       notes={"written by": "dsquant (python -m jobs.quantize)", "recipe": self.source,
                                              **self.notes})
+
+
+def verified_model_types(rf: modelslim_yaml.RecipeFile, source: str) -> list[str]:
+    """The recipe's ``metadata.verified_model_types``: a list of model names, each a known model type or a
+    plain file-name stem (the first names the recipe file the job writes beside its weights); QuantError
+    naming the field otherwise (a path, ``..``, a non-string would name a file outside the output)."""
+    raw = rf.metadata.get("verified_model_types")
+    if raw is None:
+        return []
+    where = f"{source}: metadata.verified_model_types"
+    if not isinstance(raw, list):
+        raise QuantError(f"{where}: expected a list of model names, got {type(raw).__name__}")
+    for k, name in enumerate(raw):
+        if not (isinstance(name, str) and (name in presets.MODEL_TYPES or MODEL_TYPE_NAME.fullmatch(name))):
+            raise QuantError(f"{where}[{k}]: {name!r} is not a model name (known: {', '.join(presets.MODEL_TYPES)}; "
+                             "else letters, digits, '.', '_', '-', at most 64, not starting with '.')")
+    return raw
 
 
 def _legacy_steps(req: RecipeRequest) -> tuple:
@@ -128,7 +149,10 @@ def resolve(req: RecipeRequest, model_path: Optional[str], cfg: DeepseekV3Config
                 f"(layers 0..{ids[-1]}); FA3 stays off {[i for i in listed if i in ids]} where they exist")
         if recipe.fa_quant and listed:
             notes["fa3"] = f"FA3 off layers {[i for i in listed if i in kept]} ({source})"
-        meta_types = rf.metadata.get("verified_model_types") if isinstance(rf.metadata, dict) else None
+        meta_types = verified_model_types(rf, source)
+        if req.model_type is not None and meta_types and req.model_type not in meta_types:
+            log(f"warning: {source}: metadata.verified_model_types {meta_types} does not name --model-type "
+                f"{req.model_type}; the recipe was not verified for it")
         model_type = req.model_type or (meta_types[0] if meta_types else None) \
             or (presets.model_type_from_path(model_path) if model_path else None) or DEFAULT_MODEL_TYPE
         calib = req.calib_data or rf.dataset_path()
