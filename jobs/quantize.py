@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 from typing import Any, Callable
@@ -191,8 +192,8 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
         raise ValueError("--calib-batch > 1 needs the layer-wise job (drop --two-pass)")
     if args.stages is not None and args.stages < 1:
         raise ValueError(f"--stages must be >= 1, got {args.stages} (leave it out for the single-process job)")
-    if args.shard_size_gb is not None and not args.shard_size_gb > 0:
-        raise ValueError(f"--shard-size-gb must be > 0, got {args.shard_size_gb}")
+    if args.shard_size_gb is not None and not 0 < args.shard_size_gb < math.inf:
+        raise ValueError(f"--shard-size-gb must be a finite number > 0, got {args.shard_size_gb}")
     if args.quantize_mtp and args.quant_mtp not in (None, "mix"):
         raise ValueError(f"--quantize-mtp quantizes the MTP layer, --quant-mtp {args.quant_mtp} does not: give one")
     if args.max_calib_tokens < 1:
@@ -204,6 +205,9 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
 
     fallback = (parse_choice(args.fa_fallback, "--fa-fallback"), parse_choice(args.linear_fallback, "--linear-fallback"))
     target = parse_target(args.fallback_target) if args.fallback_target is not None else TARGET
+    if args.fallback_target is not None and fallback == (None, None):
+        raise ValueError("--fallback-target: no --fa-fallback or --linear-fallback given (the target is what "
+                         "their auto pick meets)")
     if fallback != (None, None) and args.stages:
         raise ValueError("--fa-fallback / --linear-fallback run in the one-process job (drop --stages)")
     if args.s3_endpoint:

@@ -62,7 +62,7 @@ def parse_choice(text: str, flag: str) -> Choice:
         return AUTO
     if t == "none":
         return None
-    if t.isdigit():
+    if t.isascii() and t.isdigit():        # not '²' or '٣', which str.isdigit takes and int() may not
         return int(t)
     raise QuantError(f"{flag}: expected auto, none or a count such as 3, got {text!r}")
 

@@ -24,6 +24,7 @@ Anchors and aliases are YAML's own (``yaml.safe_load`` resolves them).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -32,11 +33,13 @@ import yaml
 
 from pipeline.format.description import ASCEND_V1, SEED
 from pipeline.quant.linear_rules import LinearRule, default_rules, kind_of_qconfig
+from pipeline.quant.patterns import check_patterns
 from pipeline.quant.qparams import QuantError
 from pipeline.quant.recipe import Recipe
 from pipeline.quant.steps import STEP_TYPES, step_from_dict, step_to_yaml
 
 API_VERSION = "modelslim_v1"
+MAX_RECIPE_BYTES = 4 * 1024 ** 2   # a recipe is a few KiB; tens of thousands of patterns still fit
 TOP_KEYS = ("apiversion", "metadata", "spec", "dsquant")
 SPEC_KEYS = ("process", "dataset", "save", "runner")
 RUNNERS = ("auto", "layer_wise", "model_wise", "dp_layer_wise")
@@ -99,8 +102,9 @@ def _patterns(raw: Mapping, key: str, where: str, default: tuple[str, ...]) -> t
     if v is None:
         return default
     if not isinstance(v, list) or not all(isinstance(p, str) and p for p in v):
-        raise _err(f"{where}.{key}", f"expected a list of module-name patterns, got {v!r}")
-    return tuple(v)
+        shown = repr(v) if len(repr(v)) <= 200 else repr(v)[:197] + "..."
+        raise _err(f"{where}.{key}", f"expected a list of module-name patterns, got {shown}")
+    return check_patterns(v, f"{where}.{key}")      # each pattern's braces paired and bounded
 
 
 def _linear(raw: Mapping, where: str) -> LinearRule:
@@ -229,8 +233,9 @@ def parse(raw: Any, path: Optional[str] = None, base: Recipe = Recipe()) -> Reci
         saver = s["type"]
         if "part_file_size" in s:
             part = s["part_file_size"]
-            if isinstance(part, bool) or not isinstance(part, (int, float)) or part < 0:
-                raise _err(f"{where}: spec.save[0].part_file_size", f"must be a number of GiB >= 0, got {part!r}")
+            if isinstance(part, bool) or not isinstance(part, (int, float)) or not 0 <= part < math.inf:
+                raise _err(f"{where}: spec.save[0].part_file_size", f"must be a finite number of GiB >= 0 (0: one "
+                                                                     f"file), got {part!r}")
     dataset = spec.get("dataset")
     if dataset is not None and (not isinstance(dataset, str) or not dataset):
         raise _err(f"{where}: spec.dataset", f"expected a file name, got {dataset!r}")
@@ -257,13 +262,17 @@ def load(path: str, base: Recipe = Recipe()) -> RecipeFile:
     from pipeline.io import storage
 
     try:
-        text = storage.read_bytes(path).decode("utf-8")
+        text = storage.read_small(path, MAX_RECIPE_BYTES, "recipe file").decode("utf-8")
     except FileNotFoundError:
         raise QuantError(f"{path}: recipe file not found") from None
     except UnicodeDecodeError as e:
         raise QuantError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except IsADirectoryError:
         raise QuantError(f"{path}: is a directory, not a recipe file") from None
+    except storage.StorageError as e:      # not a regular file, too large, a store that refuses
+        raise QuantError(str(e)) from None
+    except OSError as e:
+        raise QuantError(f"{path}: recipe file cannot be read ({e.strerror or e})") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -95,6 +95,8 @@ def verified_model_types(rf: modelslim_yaml.RecipeFile, source: str) -> list[str
 
 
 def _legacy_steps(req: RecipeRequest) -> tuple:
+    if req.disable_anti and req.anti_method not in (None, "none"):
+        raise QuantError(f"--anti-method {req.anti_method} and --disable-anti contradict each other; give one")
     method = "none" if req.disable_anti else (req.anti_method or "m4")
     if method not in ANTI_METHODS:
         raise QuantError(f"--anti-method: unknown method {method!r} (known: {', '.join(ANTI_METHODS)})")
@@ -187,4 +189,36 @@ def resolve(req: RecipeRequest, model_path: Optional[str], cfg: DeepseekV3Config
                                  dialect=req.dialect or (recipe.dialect if req.config_path or req.quant_type
                                                          else "seed"))
     recipe.check_config(cfg)
+    if recipe.linear_rules:
+        check_rules(recipe, cfg, source, log)
     return ResolvedRecipe(recipe, model_type, source, calib, dataset, part, notes)
+
+
+def quantized_linears(recipe: Recipe, cfg: DeepseekV3Config) -> list[str]:
+    """The linears of the layers the recipe quantizes (the MTP layer only with ``quantize_mtp``)."""
+    names: list[str] = []
+    for lid in layout.all_layer_ids(cfg):
+        if lid < cfg.num_hidden_layers or recipe.quantize_mtp:
+            names += [m for m in dict.fromkeys(n.rsplit(".", 1)[0] for n in layout.layer_shapes(cfg, lid))
+                      if layout.is_quantizable_linear(m)]
+    return names
+
+
+def check_rules(recipe: Recipe, cfg: DeepseekV3Config, source: str, log: Callable[[str], None]) -> None:
+    """A warning naming each linear_quant rule that decides no linear of the model (its patterns match
+    none, or an earlier rule takes them all); QuantError when the recipe then quantizes nothing at all
+    (no linear, no FA3 layer): an output that would pass jobs.check unquantized."""
+    rules = recipe.rules
+    used = [0] * len(rules)
+    for name in quantized_linears(recipe, cfg):
+        k = next((k for k, r in enumerate(rules) if r.matches(name)), None)
+        if k is not None:
+            used[k] += 1
+    if not any(used) and not any(recipe.fa_layer(cfg, i) for i in layout.all_layer_ids(cfg)):
+        raise QuantError(f"{source}: no linear_quant rule matches a linear of this model and FA3 is off: the "
+                         "output would be the float model; check the include patterns")
+    for k, (rule, n) in enumerate(zip(rules, used)):
+        if not n:
+            log(f"warning: {source}: linear_quant rule {k + 1} of {len(rules)} (include {list(rule.include)}, "
+                f"exclude {list(rule.exclude)}) decides no linear of this model: its patterns match none, or an "
+                "earlier rule takes them")
