@@ -103,3 +103,36 @@ def test_check_refuses_manifest_entries_outside_the_directory_and_reads_none(cap
     assert f"{entry}: " in text and "not read" in text, text
     inside = os.path.realpath(out) + os.sep
     assert read and all(os.path.realpath(p).startswith(inside) and os.path.isfile(p) for p in read), read
+
+
+# ----- the written recipe pins the data it ran on ------------------------------------------------------------
+def test_the_written_recipe_pins_the_calibration_data(tmp_path, monkeypatch):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, texts in ((a, ["first run's text"]), (b, ["another directory's text"])):
+        d.mkdir()
+        (d / "calib.json").write_text(json.dumps(texts))
+    monkeypatch.chdir(a)
+    first = resolve(RecipeRequest(calib_data="calib.json"), "/models/x", DeepseekV3Config.from_dict(tiny_config()),
+                    lambda m: None)
+    written = tmp_path / "out" / first.file_name
+    written.parent.mkdir()
+    written.write_text(first.yaml_text())
+    doc = yaml.safe_load(written.read_text())
+    assert doc["spec"]["dataset"] == str(a / "calib.json")
+    assert doc["dsquant"]["dataset_sha256"] == storage.file_sha256(str(a / "calib.json"))[1]
+    monkeypatch.chdir(b)                              # a rerun from elsewhere reads the same file
+    again, _ = resolved(str(written))
+    assert again.recipe == first.recipe and again.calib_path == str(a / "calib.json")
+    (a / "calib.json").write_text(json.dumps(["edited"]))
+    with pytest.raises(QuantError, match=r"spec\.dataset .*calib\.json is not the data the recipe was run with"):
+        resolved(str(written))
+    again, _ = resolved(str(written), calib_data=str(b / "calib.json"))     # said on the command line: used
+    assert again.calib_path == str(b / "calib.json")
+
+
+def test_a_dataset_pin_must_be_a_sha256_of_a_given_dataset(tmp_path):
+    doc = yaml.safe_load((FIXTURES / "recipe-w8a8-fa3.yaml").read_text())
+    doc["dsquant"] = {"dataset_sha256": "xyz"}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(QuantError, match="dsquant.dataset_sha256: expected 64 lowercase hex digits"):
+        resolved(str(tmp_path / "r.yaml"))

@@ -59,9 +59,10 @@ class ResolvedRecipe:
     model_type: str
     source: str                             # one line: what the recipe came from
     calib_path: Optional[str] = None        # --calib-data, else the recipe's dataset
-    dataset: Optional[str] = None           # as the recipe file names it
+    dataset: Optional[str] = None           # the data the job reads, as the written recipe pins it (absolute)
     part_file_size: Optional[float] = None  # GiB, from the recipe's saver
     notes: dict = field(default_factory=dict)
+    dataset_sha256: Optional[str] = None    # its content, pinned in the written recipe
 
     @property
     def file_name(self) -> str:
@@ -70,7 +71,8 @@ class ResolvedRecipe:
         return f"{self.model_type}{RECIPE_SUFFIX}"
 
     def yaml_text(self) -> str:
-        return modelslim_yaml.to_yaml(self.recipe, dataset=self.dataset, part_file_size=self.part_file_size,
+        return modelslim_yaml.to_yaml(self.recipe, dataset=self.dataset, dataset_sha256=self.dataset_sha256,
+                                      part_file_size=self.part_file_size,
                                       metadata={"config_id": f"dsquant_{self.model_type}", "verified_model_types":
                                                 [self.model_type]},
                                       notes={"written by": "dsquant (python -m jobs.quantize)", "recipe": self.source,
@@ -158,7 +160,7 @@ def resolve(req: RecipeRequest, model_path: Optional[str], cfg: DeepseekV3Config
         model_type = req.model_type or (meta_types[0] if meta_types else None) \
             or (presets.model_type_from_path(model_path) if model_path else None) or DEFAULT_MODEL_TYPE
         calib = req.calib_data or rf.dataset_path()
-        dataset, part = rf.dataset, rf.part_file_size
+        part = rf.part_file_size
         if req.fa_quant is False:
             recipe = dataclasses.replace(recipe, fa_quant=False)
         if req.quant_mtp is not None:
@@ -178,7 +180,7 @@ def resolve(req: RecipeRequest, model_path: Optional[str], cfg: DeepseekV3Config
         anti = "none" if req.disable_anti else (req.anti_method or "m4")
         source = f"legacy flags (anti-outlier {anti}{', QuaRot' if req.rot else ''}, MTP " \
                  f"{req.quant_mtp or 'float'})"
-        calib, dataset, part = req.calib_data, None, None
+        calib, part = req.calib_data, None
     extra = tuple(sorted(i for i in set(recipe.fa_exclude_layers) | set(req.fa_exclude_layers)
                          if i in kept or i not in ids))   # an MTP layer the output leaves out: nothing to exclude
     if drop:
@@ -191,7 +193,8 @@ def resolve(req: RecipeRequest, model_path: Optional[str], cfg: DeepseekV3Config
     recipe.check_config(cfg)
     if recipe.linear_rules:
         check_rules(recipe, cfg, source, log)
-    return ResolvedRecipe(recipe, model_type, source, calib, dataset, part, notes)
+    dataset, pin = modelslim_yaml.dataset_pin(calib)     # a rerun of the written recipe reads this data or stops
+    return ResolvedRecipe(recipe, model_type, source, calib, dataset, part, notes, pin)
 
 
 def quantized_linears(recipe: Recipe, cfg: DeepseekV3Config) -> list[str]:
