@@ -34,7 +34,6 @@ existing cluster set it where the cluster is started); the other variables are r
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import math
@@ -43,9 +42,10 @@ import re
 import uuid
 from typing import Optional
 
+from actors.api_keys import KEY_ENV, authorized
+
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK = "actors.serve_proxy:proxy_middlewares"
-KEY_ENV = "DSQUANT_API_KEY"
 HEADER_TIMEOUT_ENV = "DSQUANT_HEADER_TIMEOUT_S"
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 REQUEST_ID = b"x-request-id"
@@ -83,9 +83,7 @@ class ProxyGuard:
         self.app, self.api_key = app, api_key
 
     def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        given = dict((k.lower(), v) for k, v in headers).get(b"authorization", b"")
-        scheme, _, token = given.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key.encode())
+        return authorized(dict((k.lower(), v) for k, v in headers).get(b"authorization"), self.api_key)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
