@@ -83,21 +83,27 @@ def clean_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes
     return out
 
 
-def header_bytes_limit(environ=os.environ) -> int:
-    """``DSQUANT_MAX_HEADER_BYTES`` (default 16 KiB); a value that is not an integer >= 1024 is warned
-    about and the default used."""
-    raw = environ.get(HEADER_BYTES_ENV, "").strip()
+def _env_number(environ, name: str, default: float, ok, what: str) -> float:
+    """``name``'s value as a float, ``default`` when unset; one that is not a number or fails ``ok`` is
+    warned about (saying it must be ``what``) and the default used."""
+    raw = environ.get(name, "").strip()
     if not raw:
-        return DEFAULT_MAX_HEADER_BYTES
+        return default
     try:
-        value = int(raw)
+        value = float(raw)
     except ValueError:
-        value = 0
-    if value < 1024:
-        log.warning("dsquant: %s=%r is not a number of bytes >= 1024; using %d", HEADER_BYTES_ENV, raw,
-                    DEFAULT_MAX_HEADER_BYTES)
-        return DEFAULT_MAX_HEADER_BYTES
+        value = math.nan
+    if math.isnan(value) or not ok(value):
+        log.warning("dsquant: %s=%r is not %s; using %g", name, raw, what, default)
+        return default
     return value
+
+
+def header_bytes_limit(environ=os.environ) -> int:
+    """``DSQUANT_MAX_HEADER_BYTES`` (default 16 KiB); a value that is not a whole number >= 1024 is warned
+    about and the default used."""
+    return int(_env_number(environ, HEADER_BYTES_ENV, DEFAULT_MAX_HEADER_BYTES,
+                           lambda v: 1024 <= v < math.inf and v == int(v), "a number of bytes >= 1024"))
 
 
 def _error_body(message: str, code: str) -> bytes:
@@ -146,17 +152,8 @@ class ProxyGuard:
 def header_timeout_s(environ=os.environ) -> Optional[float]:
     """``DSQUANT_HEADER_TIMEOUT_S`` in seconds (default 10); None for no limit (0 or less). A value that is
     not a finite number is warned about and the default used."""
-    raw = environ.get(HEADER_TIMEOUT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_HEADER_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if math.isnan(value) or math.isinf(value):
-        log.warning("dsquant: %s=%r is not a number of seconds; using %g", HEADER_TIMEOUT_ENV, raw,
-                    DEFAULT_HEADER_TIMEOUT_S)
-        return DEFAULT_HEADER_TIMEOUT_S
+    value = _env_number(environ, HEADER_TIMEOUT_ENV, DEFAULT_HEADER_TIMEOUT_S, lambda v: not math.isinf(v),
+                        "a number of seconds")
     return value if value > 0 else None
 
 
