@@ -2,11 +2,14 @@
 
     python -m jobs.requantize --model-path SRC --save-path DST [every jobs.quantize flag]
 
-Fingerprints the source (each file's size and ETag/mtime: no weight is read; ``--source-check sha256``:
-each file's content hash instead, which also sees an in-place edit that keeps size and mtime), the recipe
-and the calibration data, and compares them with the destination's manifest. Unchanged: nothing is done. Changed:
+Without a recipe flag (``--config-path``, a preset, the legacy flags, ``--dynamic``, ...), the recipe is the
+output's own ``<model_type>_best_practice.yaml`` (a line says so), not the default one: a scheduled rerun
+is the job that wrote the output. Fingerprints the source (each file's size and ETag/mtime: no weight is
+read; ``--source-check sha256``: each file's content hash instead, which also sees an in-place edit that
+keeps size and mtime), the recipe and the calibration data, and compares them with the destination's
+manifest. Unchanged: nothing is done. Changed:
 the job reruns through actors.quantize_job, which recalibrates and rewrites only the units (the globals,
-layers) whose source files or statistics changed, keeping the others' committed shards. Prints one line
+layers) whose source files or statistics changed, keeping the others' committed shards. Prints a line
 either way and exits 0; 2 for bad input, 1 when the job failed. Runs on Ray with ``--stages`` (default
 1 here), on the cluster of ``--ray-address`` / RAY_ADDRESS or a local one.
 """
@@ -18,11 +21,13 @@ import dataclasses
 import io
 import sys
 from contextlib import nullcontext, redirect_stdout
+from typing import Optional
 
 from jobs.quantize import build_parser as quantize_parser
 from jobs.quantize import failures, make_job, run_guarded
 from pipeline.io import storage
 from pipeline.io.storage import VERSION_MODES
+from pipeline.quant.output_files import RECIPE_SUFFIX
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,13 +44,40 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# the flags that choose or change the recipe: with none of them, the output's own recipe is rerun
+RECIPE_FLAGS = ("config_path", "model_type", "quant_type", "anti_method", "disable_anti", "rot", "quant_mtp", "fa_quant",
+                "fa_exclude_layers", "dynamic", "smooth", "quantize_mtp", "dialect", "calib_products", "calibration")
+
+
+def own_recipe(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optional[str]:
+    """The recipe the output in ``--save-path`` was written with (its ``*_best_practice.yaml``) when no recipe
+    flag is given, else None; ValueError when the output holds more than one."""
+    unset = parser.parse_args(["--save-path", args.save_path])     # every default, as parsing leaves them
+    if any(getattr(args, f) != getattr(unset, f) for f in RECIPE_FLAGS):
+        return None
+    if not storage.isdir(args.save_path):
+        return None
+    found = [e for e in storage.listdir(args.save_path) if e.endswith(RECIPE_SUFFIX) and not e.startswith(".")]
+    if len(found) > 1:
+        raise ValueError(f"{args.save_path}: holds {len(found)} recipes ({', '.join(found)}); give --config-path")
+    return storage.join(args.save_path, found[0]) if found else None
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.stages < 1:
         print("error: --stages must be >= 1 for requantize", file=sys.stderr)
         return 2
     log = print if args.verbose else (lambda _m: None)
     storage.set_version_mode(args.source_check)
+    rc, recipe_path = run_guarded(lambda: own_recipe(args, parser))
+    if rc:
+        return rc
+    if recipe_path is not None:
+        args.config_path = recipe_path
+        print(f"requantize {args.save_path}: recipe {recipe_path} (the output's own; recipe flags or --config-path "
+              "choose another)")
     rc, job = run_guarded(lambda: make_job(args, log))
     if rc:
         return rc
