@@ -111,10 +111,15 @@ def test_s3_without_credentials_is_one_line_naming_the_file(capsys, tmp_path, mo
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")     # never reached: signing fails first
-    for flag in ("--config-path", "--calib-data"):
-        url = "s3://bucket/r.yaml" if flag == "--config-path" else "s3://bucket/calib.json"
+    doc = base_doc()
+    doc["spec"]["dataset"] = "s3://bucket/data.json"
+    pinned = dict(doc, dsquant={"dataset_sha256": "0" * 64})
+    cases = [(["--config-path", "s3://bucket/r.yaml"], "s3://bucket/r.yaml"),
+             (["--calib-data", "s3://bucket/calib.json"], "s3://bucket/calib.json"),
+             (["--config-path", write(tmp_path, doc)], "s3://bucket/data.json")]
+    for args, url in cases + [(["--config-path", write(tmp_path, pinned)], "s3://bucket/data.json")]:
         rc = quantize_job.main(["--no-progress", "--model-path", str(TINY_FIXTURE), "--save-path",
-                                str(tmp_path / "q"), flag, url])
+                                str(tmp_path / "q"), *args])
         err = capsys.readouterr().err
         assert rc == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
         assert url in err and "credentials" in err, err

@@ -347,7 +347,7 @@ def file_sha256(path: str, chunk: int = 64 * 1024 ** 2) -> tuple[int, str]:
     import hashlib
 
     digest, n = hashlib.sha256(), 0
-    with open_read(path) as f:
+    with _named(path), open_read(path) as f:
         while True:
             block = f.read(chunk)
             if not block:
