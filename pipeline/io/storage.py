@@ -228,8 +228,9 @@ def exists(path: str) -> bool:
 
 
 def isdir(path: str) -> bool:
-    fs, p = filesystem(path)
-    return fs.isdir(p)
+    with _named(path):
+        fs, p = filesystem(path)
+        return fs.isdir(p)
 
 
 def size(path: str) -> int:
@@ -269,9 +270,10 @@ def version(path: str) -> dict[str, Any]:
 
 def listdir(path: str) -> list[str]:
     """Base names of the entries of a directory, sorted."""
-    fs, p = filesystem(path)
-    own = p.rstrip("/")
-    return sorted(posixpath.basename(e.rstrip("/")) for e in fs.ls(p, detail=False) if e.rstrip("/") != own)
+    with _named(path):
+        fs, p = filesystem(path)
+        own = p.rstrip("/")
+        return sorted(posixpath.basename(e.rstrip("/")) for e in fs.ls(p, detail=False) if e.rstrip("/") != own)
 
 
 @contextmanager
