@@ -287,6 +287,9 @@ def quantize_with_fallback(src: str, dst: str, recipe: Recipe, opts, fa: Choice,
 
     cfg = CheckpointReader(src).config
     fa, linear = check_choices(recipe, cfg, fa, linear)
+    if fa is None and linear is None:             # nothing to measure: the job without the flags
+        quantize_checkpoint(src, dst, recipe, opts, log=log)
+        return recipe
     check_job(src, dst, recipe, opts)             # bad input fails before the probe
     samples = calibration_samples(src, opts, cfg.max_position_embeddings)
     with DestinationLock(dst) as lock:            # the probe and the output: one job's, beside each other
