@@ -136,7 +136,8 @@ class ProxyGuard:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         headers = list(scope.get("headers", []))
-        head = len(scope.get("raw_path") or scope.get("path", "").encode()) + sum(len(k) + len(v) + 4 for k, v in headers)
+        head = (len(scope.get("raw_path") or scope.get("path", "").encode()) + len(scope.get("query_string") or b"")
+                + sum(len(k) + len(v) + 4 for k, v in headers))
         if scope["type"] == "http" and head > self.max_header_bytes:
             return await self._answer(send, 431, _too_large_body(self.max_header_bytes))
         scope = {**scope, "headers": clean_headers(headers)}

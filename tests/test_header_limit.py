@@ -100,6 +100,8 @@ def test_the_guard_alone_answers_431_without_calling_the_app():
     scope = {"type": "http", "path": "/v1/chat/completions", "headers": [(b"x-big", b"a" * LIMIT)]}
     asyncio.run(guard(scope, None, send))
     assert not called and sent[0]["status"] == 431
+    asyncio.run(guard({**scope, "headers": [], "query_string": b"q=" + b"a" * LIMIT}, None, send))
+    assert not called and sent[-2]["status"] == 431
     asyncio.run(guard({**scope, "headers": [(b"x-small", b"a" * 64)]}, None, send))
     assert called
 
