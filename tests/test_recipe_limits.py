@@ -104,13 +104,7 @@ def test_part_file_size_must_be_finite(tmp_path, value):
         modelslim_yaml.load(str(path))
 
 
-def test_s3_without_credentials_is_one_line_naming_the_file(capsys, tmp_path, monkeypatch):
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")     # never reached: signing fails first
+def test_s3_without_credentials_is_one_line_naming_the_file(capsys, tmp_path, no_aws_credentials):
     doc = base_doc()
     doc["spec"]["dataset"] = "s3://bucket/data.json"
     pinned = dict(doc, dsquant={"dataset_sha256": "0" * 64})

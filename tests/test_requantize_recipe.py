@@ -64,13 +64,7 @@ def test_two_recipes_in_the_output_are_refused(capsys, output, tmp_path, asked):
     assert rc == 2 and "holds 2 recipes" in err and "--config-path" in err and not asked
 
 
-def test_an_s3_output_without_credentials_is_one_line(capsys, tmp_path, monkeypatch, asked):
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")     # never reached: signing fails first
+def test_an_s3_output_without_credentials_is_one_line(capsys, no_aws_credentials, asked):
     rc = requantize_job.main(["--model-path", str(TINY_FIXTURE), "--save-path", "s3://bucket/out"])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: s3://bucket/out: ") and "credentials" in err, err
