@@ -213,10 +213,13 @@ def _terminate_together(node, grace_s: float = GRACE_S) -> None:
             procs.pop(t, None)
 
 
-def _shutdown_private_ray() -> None:
+def _shutdown_private_ray(stopping: threading.Event) -> None:
     """ray.shutdown with the private Ray's processes stopped together (:func:`_terminate_together`); Ray's
-    own way where its internals are not as expected."""
+    own way where its internals are not as expected. ``stopping`` is set first: from then on the GCS
+    exits because this stop ends it, not because something else did."""
     import ray
+
+    stopping.set()
 
     try:
         from ray._private import worker
@@ -229,7 +232,8 @@ def _shutdown_private_ray() -> None:
     ray.shutdown(wait_for_processes=True)
 
 
-def _stop_app_and_ray(app_name: str, private: bool, since: float, done: threading.Event) -> None:
+def _stop_app_and_ray(app_name: str, private: bool, since: float, done: threading.Event,
+                      stopping: threading.Event) -> None:
     import ray
     from ray import serve
 
@@ -244,7 +248,7 @@ def _stop_app_and_ray(app_name: str, private: bool, since: float, done: threadin
     except Exception:  # noqa: BLE001 - no Serve yet (stopped during start-up), Ray going away: nothing to drain
         pass
     if private:
-        _shutdown_private_ray()
+        _shutdown_private_ray(stopping)
     else:
         ray.shutdown()
     done.set()
@@ -265,17 +269,18 @@ def stop(app_name: str, private: bool, since: float | None = None) -> bool:
     if not ray.is_initialized():
         return True
     since = time.monotonic() if since is None else since
-    done = threading.Event()
+    done, stopping = threading.Event(), threading.Event()
     mark = private_ray() if private else None
     if mark is not None and not _gcs_alive():   # signalled with this process: nothing left to drain through
         killed = sweep(*mark)
         print(f"stop: the private Ray's GCS had stopped already (signalled with this process); killed its "
               f"{len(killed)} remaining processes", file=sys.stderr, flush=True)
         return False
-    threading.Thread(target=_stop_app_and_ray, args=(app_name, private, since, done), name="stop",
+    threading.Thread(target=_stop_app_and_ray, args=(app_name, private, since, done, stopping), name="stop",
                      daemon=True).start()
     while not done.wait(0.1) and time.monotonic() < since + STOP_BY_S:
-        if mark is not None and not _gcs_alive():   # it went after the signal: nothing will answer
+        if mark is not None and not stopping.is_set() and not _gcs_alive():   # gone after the signal, and
+            # not by this stop's own shutdown: nothing will answer
             break
     if mark is not None:
         killed = sweep(*mark)

@@ -63,3 +63,32 @@ def test_what_does_not_exit_in_its_grace_is_killed_and_reaped():
     _terminate_together(node_of(log, stubborn=rc.PROCESS_TYPE_GCS_SERVER), grace_s=0.0)
     gcs = [what for what, n in log if n == rc.PROCESS_TYPE_GCS_SERVER]
     assert gcs == ["term", "wait", "kill", "wait"]
+
+
+def test_the_gcs_ending_in_the_stops_own_shutdown_is_not_a_reason_to_kill(monkeypatch, capsys):
+    """stop() cuts the private Ray short when its GCS dies from outside (a process-group signal); the GCS
+    ending because this stop's ray.shutdown ended it is the shutdown going well: stop() waits for it."""
+    import threading
+
+    import ray
+
+    import actors.ray_reaper as reaper
+    import actors.ray_start as ray_start
+    from jobs import _serve_lifecycle as lifecycle
+
+    gcs_dead = threading.Event()
+    swept: list = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray_start, "private_ray", lambda: ("token", "/tmp/none"))
+    monkeypatch.setattr(reaper, "sweep", lambda *a: swept.append(a) or [])
+    monkeypatch.setattr(lifecycle, "_gcs_alive", lambda: not gcs_dead.is_set())
+
+    def shutdown(app_name, private, since, done, stopping):
+        stopping.set()          # what _shutdown_private_ray does before ray.shutdown
+        gcs_dead.set()          # ray.shutdown stops the GCS first of what the main loop watches
+        threading.Event().wait(0.35)
+        done.set()
+    monkeypatch.setattr(lifecycle, "_stop_app_and_ray", shutdown)
+    assert lifecycle.stop("app", private=True) is True
+    assert "did not shut down in time" not in capsys.readouterr().err
+    assert swept == [("token", "/tmp/none")]        # whatever is left is still swept, silently
