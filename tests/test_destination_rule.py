@@ -94,9 +94,10 @@ def test_make_fp8_into_the_directory_holding_its_source_is_refused(capsys, paren
     assert tree(parent) == before
 
 
-@pytest.mark.parametrize("case", ["foreign", "model", "compare"])
+@pytest.mark.parametrize("case", ["foreign", "model", "compare", "inside"])
 def test_evaluate_out_is_refused_before_any_work(capsys, parent, tmp_path, case):
-    out = {"foreign": tmp_path / "home", "model": parent, "compare": parent / "src"}[case]
+    out = {"foreign": tmp_path / "home", "model": parent, "compare": parent / "src",
+           "inside": parent / "src" / "eval"}[case]
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "notes.txt").write_text("keep")
     args = ["--no-progress", "--out", str(out)]
@@ -104,8 +105,8 @@ def test_evaluate_out_is_refused_before_any_work(capsys, parent, tmp_path, case)
     before = tree(tmp_path)
     rc = evaluate_job.main(args)
     assert rc == 2
-    needle = {"foreign": "not an evaluation report", "model": "contains the source",
-              "compare": "the destination is the source"}[case]
+    needle = {"foreign": "not an evaluation report", "model": "not an evaluation report (src)",
+              "compare": "the destination is the source", "inside": "inside the source"}[case]
     one_line_error(capsys.readouterr().err, str(out), needle, "--out")
     assert tree(tmp_path) == before
 
@@ -121,3 +122,11 @@ def test_locations_are_compared_resolved(tmp_path):
     check_not_source("s3://bucket/model", "s3://bucket/model-w8a8")
     with pytest.raises(ValueError, match="contains"):
         check_not_source("s3://bucket/models/m", "s3://bucket/models")
+
+
+def test_evaluate_out_may_hold_the_outputs_it_compares(tmp_path):
+    """``--compare OUT/plain --out OUT``: the evaluation writes only its own names into OUT."""
+    out = tmp_path / "eval"
+    (out / "plain").mkdir(parents=True)
+    (out / "report.md").write_text("earlier")
+    evaluate_job.check_out(evaluate_job.parse_args(["--compare", str(out / "plain"), "--out", str(out)]))

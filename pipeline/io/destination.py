@@ -33,14 +33,15 @@ def _inside(child: str, parent: str) -> bool:
     return child != parent and child.startswith(parent + "/")
 
 
-def check_not_source(src: Optional[str], dst: str, flag: str = "--save-path") -> None:
-    """ValueError naming ``flag`` when ``dst`` is ``src``, contains it, or lies inside it."""
+def check_not_source(src: Optional[str], dst: str, flag: str = "--save-path", may_hold: bool = False) -> None:
+    """ValueError naming ``flag`` when ``dst`` is ``src``, contains it (unless ``may_hold``: a job that
+    replaces nothing in ``dst`` but its own named files), or lies inside it."""
     if src is None:
         return
     s, d = storage.resolve(src), storage.resolve(dst)
     if s == d:
         raise ValueError(f"{dst}: the destination is the source {src}; choose another {flag}")
-    if _inside(s, d):
+    if _inside(s, d) and not may_hold:
         raise ValueError(f"{dst}: the destination contains the source {src} (writing it would replace the "
                          f"source); choose another {flag}")
     if _inside(d, s):
@@ -50,13 +51,14 @@ def check_not_source(src: Optional[str], dst: str, flag: str = "--save-path") ->
 
 def check_destination(dst: str, *, kind: str, is_own: Callable[[list[str]], bool], overwrite: bool,
                       sources: Iterable[Optional[str]] = (), flag: str = "--save-path",
-                      overwrite_flag: Optional[str] = "--overwrite") -> list[str]:
+                      overwrite_flag: Optional[str] = "--overwrite", may_hold: bool = False) -> list[str]:
     """The entries of an earlier output of ``kind`` (e.g. "an outlier variant") in ``dst`` that a new one
     will replace, after checking the module doc's rule; ``is_own(entries)`` says whether the non-empty
     entry list is such an output. Raises ValueError (the source) or FileExistsError (anything else),
-    naming ``dst`` and what to do. ``overwrite_flag`` None: the job always replaces its own kind."""
+    naming ``dst`` and what to do. ``overwrite_flag`` None: the job always replaces its own kind.
+    ``may_hold``: see :func:`check_not_source`."""
     for src in sources:
-        check_not_source(src, dst, flag)
+        check_not_source(src, dst, flag, may_hold)
     if not storage.exists(dst):
         return []
     if not storage.isdir(dst):
