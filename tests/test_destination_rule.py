@@ -130,3 +130,30 @@ def test_evaluate_out_may_hold_the_outputs_it_compares(tmp_path):
     (out / "plain").mkdir(parents=True)
     (out / "report.md").write_text("earlier")
     evaluate_job.check_out(evaluate_job.parse_args(["--compare", str(out / "plain"), "--out", str(out)]))
+
+
+def test_make_checkpoint_replaces_only_its_own_checkpoint_and_keeps_it_when_the_write_fails(capsys, tmp_path,
+                                                                                             monkeypatch):
+    from jobs import make_checkpoint as make_checkpoint_job
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("keep")
+    assert make_checkpoint_job.main(["--save-path", str(home), "--overwrite"]) == 2
+    one_line_error(capsys.readouterr().err, f"--save-path {home}", "not a checkpoint this job wrote (notes.txt)")
+    own = tmp_path / "ckpt"
+    own.mkdir()
+    for name in ("config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+                 "model-00001-of-00001.safetensors"):
+        (own / name).write_text("earlier")
+    before = tree(own)
+    assert make_checkpoint_job.main(["--save-path", str(own)]) == 2
+    one_line_error(capsys.readouterr().err, "already holds a checkpoint this job wrote", "--overwrite")
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device", str(own))
+    monkeypatch.setattr("pipeline.io.safetensors_io.save_safetensors", full_disk)
+    monkeypatch.setattr(make_checkpoint_job, "layer_bytes", lambda cfg, fp8: {None: 1})   # needs no disk room
+    assert make_checkpoint_job.main(["--save-path", str(own), "--overwrite", "--layers", "1"]) == 2
+    one_line_error(capsys.readouterr().err, "No space left on device")
+    assert tree(own) == before and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "home"]

@@ -1,5 +1,5 @@
 """The destination rule of every job that writes a directory (jobs.quantize, jobs.requantize,
-jobs.evaluate ``--out``, jobs.make_outlier_variant, jobs.make_fp8).
+jobs.evaluate ``--out``, jobs.make_outlier_variant, jobs.make_fp8, jobs.make_checkpoint).
 
 A destination is refused when
 
