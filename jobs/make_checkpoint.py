@@ -31,9 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dense", type=int, default=1, help="leading layers with a dense MLP (default: %(default)s)")
     p.add_argument("--mtp", type=int, default=1, choices=(0, 1), help="MTP layers (default: %(default)s)")
     p.add_argument("--vocab", type=int, default=16384, help="embedding and head rows (default: %(default)s)")
-    p.add_argument("--fp8", action="store_true", help="the release's FP8 block layout instead of bf16")
+    p.add_argument("--fp8", action="store_true",
+                   help="the release's FP8 block layout instead of bf16 (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint this job wrote")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing checkpoint this job wrote, kept until the new one is whole "
+                        "(default: %(default)s)")
     return p
 
 

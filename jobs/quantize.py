@@ -40,6 +40,7 @@ from typing import Any, Callable
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 DEFAULT_SAVE = os.path.join("out", "dsv3-tiny-pydoc-w8a8-fa3")
+SHARD_UNLIMITED = 1 << 62  # part_file_size 0: no split (msModelSlim's single file)
 
 
 def _flag(ap, *names, **kw):
@@ -182,7 +183,6 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
     from pipeline.quant.recipe_source import RecipeRequest, resolve
     from pipeline.quant.run import QuantizeOptions
 
-    SHARD_UNLIMITED = 1 << 62  # part_file_size 0: no split (msModelSlim's single file)
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")

@@ -31,6 +31,7 @@ def asked(monkeypatch) -> list:
 
     def record(src, dst, recipe, opts, dist, log=print):
         calls.append(recipe)
+        calls.append(opts)
         return {"status": "up-to-date", "fingerprint": "0" * 12}
     monkeypatch.setattr(qj, "quantize_distributed", record)
     return calls
@@ -40,7 +41,8 @@ def test_without_recipe_flags_the_outputs_own_recipe_runs(capsys, output, asked)
     rc = requantize_job.main(["--model-path", str(TINY_FIXTURE), "--save-path", str(output)])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    recipe = asked[0]
+    recipe, opts = asked
+    assert not opts.mindie_format and "as the earlier job ran" not in out      # no job state: nothing taken
     assert recipe.dynamic and not recipe.fa_quant and recipe.steps == (), recipe
     own = next(output.glob("*_best_practice.yaml"))
     assert f"recipe {own} (the output's own" in out, out
@@ -69,3 +71,24 @@ def test_an_s3_output_without_credentials_is_one_line(capsys, no_aws_credentials
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: s3://bucket/out: ") and "credentials" in err, err
     assert len(err.strip().splitlines()) == 1 and not asked
+
+
+def test_the_earlier_jobs_output_options_are_taken_from_its_state(capsys, output, tmp_path, asked):
+    import json
+    import shutil
+
+    dst = tmp_path / "q"
+    shutil.copytree(output, dst)
+    (dst / ".dsquant").mkdir()
+    (dst / ".dsquant" / "job.json").write_text(json.dumps({
+        "output_options": {"mindie_format": True}, "weight_options": {"smooth_alpha": 0.25, "shard_bytes": 2 ** 30}}))
+    rc = requantize_job.main(["--model-path", str(TINY_FIXTURE), "--save-path", str(dst)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    _, opts = asked
+    assert opts.mindie_format and opts.smooth_alpha == 0.25 and opts.shard_bytes == 2 ** 30
+    assert "--mindie-format --smooth-alpha 0.25 --shard-size-gb 1 as the earlier job ran" in out, out
+    asked.clear()
+    rc = requantize_job.main(["--model-path", str(TINY_FIXTURE), "--save-path", str(dst), "--smooth-alpha", "0.5"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and asked[1].smooth_alpha == 0.5 and "--smooth-alpha 0.25" not in out, out
