@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from actors.api_keys import check_key
 from pipeline.engine import cpu_pinning
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.worker.loader import DTYPES
@@ -98,8 +99,8 @@ class ServeConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f} must be an integer >= 1, got {v!r}")
         cpu_pinning.parse(self.engine_cpus)        # ValueError naming engine_cpus
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
-            raise ValueError("api_key must be a non-empty string or null")
+        if self.api_key is not None:
+            check_key(self.api_key, "api_key")     # visible ASCII: compared the same way everywhere
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         for name in ("parallel", "prefill_parallel"):

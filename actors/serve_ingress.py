@@ -25,7 +25,6 @@ ingress is bounded too): there is no unbounded queue; ``n`` above ``max_in_fligh
 # FastAPI view, and FastAPI cannot resolve string annotations (``request: "Request"``) in them.
 
 import asyncio
-import hmac
 import logging
 import time
 from typing import AsyncIterator, Optional
@@ -37,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from actors.api_keys import authorized
 from actors.engine_client import LocalEngine, RemoteEngine
 from actors.ray_errors import app_error
 from actors.serve_config import ServeConfig
@@ -136,8 +136,7 @@ class OpenAIIngress:
         if not header:
             return ApiError(401, "no API key was provided: send 'Authorization: Bearer <key>'",
                             "invalid_request_error", None, "invalid_api_key")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+        if not authorized(header, key):
             return ApiError(401, "the API key provided is not valid for this server", "invalid_request_error",
                             None, "invalid_api_key")
         return None

@@ -9,10 +9,13 @@ import os
 import sys
 from pathlib import Path
 
+from actors.api_keys import check_key, env_key
 from jobs._serve_env import HTTP_PROXIES
+from pipeline.io import storage
 from jobs._sharding_flags import add_sharding_flags, parallel_config
 
 DEFAULT_MODEL = os.path.join("out", "dsv3-tiny-pydoc-w8a8-fa3")
+KEY_FILE_BYTES = 64 * 1024       # a key file holds one line; a FIFO or /dev/zero is refused, not read
 DESCRIPTION = ("Serve a quantized model or a float checkpoint with an OpenAI-compatible API on Ray Serve: "
                "``python -m jobs.serve``.")
 
@@ -122,20 +125,19 @@ def api_key(args: argparse.Namespace):
     if args.api_key is not None and args.api_key_file is not None:
         raise ValueError("give --api-key or --api-key-file, not both")
     if args.api_key is not None:
-        if not args.api_key.strip():
-            raise ValueError("--api-key is empty")
-        return args.api_key
+        return check_key(args.api_key, "--api-key")
     if args.api_key_file is not None:
+        where = f"--api-key-file {args.api_key_file}"
         try:
-            lines = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()
+            lines = storage.read_small(args.api_key_file, KEY_FILE_BYTES, "key file").decode("utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as e:
             why = getattr(e, "strerror", None) or e
-            raise ValueError(f"--api-key-file {args.api_key_file}: cannot read it ({why})") from None
+            raise ValueError(f"{where}: cannot read it ({why})") from None
         key = lines[0].strip() if lines else ""
         if not key:
-            raise ValueError(f"--api-key-file {args.api_key_file}: its first line is empty")
-        return key
-    return os.environ.get("DSQUANT_API_KEY") or None
+            raise ValueError(f"{where}: its first line is empty")
+        return check_key(key, f"{where}: its first line")
+    return env_key()
 
 
 def make_config(args: argparse.Namespace):
