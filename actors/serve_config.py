@@ -89,6 +89,9 @@ class ServeConfig:
     # for tests only: every engine step first sleeps this long, so that a request meant to be long lasts long
     # however fast the machine is (a client's time-out, an abort, a fair share observed mid-request)
     step_delay_s: float = 0.0
+    # the chat responses' reasoning parser (pipeline.serving.reasoning): "deepseek_r1", "none", or None: on for a
+    # chat template that opens <think> (R1-family checkpoints)
+    reasoning_parser: Optional[str] = None
 
     def __post_init__(self):
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -110,6 +113,8 @@ class ServeConfig:
                 ParallelConfig(**value)
         if self.dtype not in (None, "auto", *DTYPES):
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, 'auto' or null, got {self.dtype!r}")
+        if self.reasoning_parser not in (None, "deepseek_r1", "none"):
+            raise ValueError(f"reasoning_parser must be deepseek_r1, none or null, got {self.reasoning_parser!r}")
         if self.moe_combine not in ("reduce", "exact"):
             raise ValueError(f"moe_combine must be 'reduce' or 'exact', got {self.moe_combine!r}")
         if not isinstance(self.engine_process, bool):
