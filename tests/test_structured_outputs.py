@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline.assets import EMBEDDED_MODEL_DIR
-from pipeline.engine.core.guided import GrammarCompiler, GrammarError, apply_bitmask
+from pipeline.engine.core.guided import GrammarCompiler, GrammarError, masked_rows
 from pipeline.serving import reasoning
 from pipeline.serving.openai_api import ApiError, parse_chat
 from pipeline.serving.structured_outputs import json_schema_grammar
@@ -143,13 +143,16 @@ def test_bitmask_applies_like_token_by_token(compiler):
     bm = lt.allocate_token_bitmask(2, v)
     lt.fill_next_token_bitmask(g, bm, 0)
     bm[1] = -1                                  # all allowed
-    logits = torch.randn(2, v)
-    got = apply_bitmask(logits.clone(), bm)
-    want = logits.clone()
+    bm[1, 3] = 0x40000001                       # ... but tokens 96 and 126
+    logits = torch.randn(3, v)
+    want = logits[[2, 0]].clone()
     for t in range(v):
         if not (int(bm[0, t // 32]) >> (t % 32)) & 1:
             want[0, t] = float("-inf")
+    want[1, 97:126] = want[1, 127:128] = float("-inf")
+    got = masked_rows(logits, [2, 0], bm)
     assert torch.equal(got, want) and torch.isfinite(got[0]).sum() >= 1
+    assert torch.equal(masked_rows(logits, [2, 0], bm, use_numpy=False), want)    # the device path
 
 
 def test_compiled_grammars_are_cached_per_text(etok):

@@ -279,6 +279,9 @@ class LLMEngine:
         for p, b in zip(batch.pieces, offsets[1:]):
             if p.samples:
                 rows += [b - 2, b - 1] if p.draft is not None else [b - 1]
+        guided = [p.seq for p in batch.pieces if p.samples and p.seq.seq_id in self.guides]
+        if guided:      # their masks are filled while the model runs (guided.Guides.prefetch)
+            self.guides.prefetch(guided)
         return StepWork(t0, batch, list(batch.finished), spans, offsets, rows)
 
     def sampled(self, st: "StepWork", logits: torch.Tensor) -> Optional["DraftWork"]:
