@@ -82,18 +82,30 @@ def test_tool_call_stream_at_every_split_is_the_whole_parse(dialect):
             + "<｜tool▁calls▁end｜>")
     spec = ToolSpec(("get_weather", "get_time"), "auto", dialect)
     for cut in range(0, len(text) + 1, 3):
-        s = ToolCallStream(spec)
-        content, got = "", []
-        for piece in (text[:cut], text[cut:]):
-            c, d = s.add(piece)
-            content, got = content + c, got + d
-        content += s.finish()
-        assert content == "Checking. " and [(g["function"]["name"], g["function"]["arguments"]) for g in got] == calls
-        assert [g["index"] for g in got] == [0, 1]
+        for step in (1, 7, len(text)):
+            s = ToolCallStream(spec)
+            content, got = "", {}
+            for piece in [text[:cut]] + [text[i:i + step] for i in range(cut, len(text), step)]:
+                c, deltas = s.add(piece)
+                content += c
+                for d in deltas:        # the first delta of a call names it; the others carry arguments
+                    call = got.setdefault(d["index"], {"name": None, "arguments": "", "id": d.get("id")})
+                    if "name" in d["function"]:
+                        assert call["name"] is None and d["id"].startswith("call_") and d["type"] == "function"
+                        call["name"] = d["function"]["name"]
+                    call["arguments"] += d["function"]["arguments"]
+            content += s.finish()
+            assert content == "Checking. " and sorted(got) == [0, 1]
+            assert [(got[i]["name"], got[i]["arguments"]) for i in (0, 1)] == calls
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in s.calls] == calls
     s = ToolCallStream(spec)                    # a text that only looks like the start of a call at its end
     assert s.add("see <｜tool▁ca") == ("see ", []) and s.finish() == "<｜tool▁ca"
     s = ToolCallStream(spec)                    # a call of a tool not offered is dropped
-    assert s.add("<｜tool▁calls▁begin｜>" + call_text("rm_rf", "{}", dialect)) == ("", [])
+    assert s.add("<｜tool▁calls▁begin｜>" + call_text("rm_rf", "{}", dialect)) == ("", []) and s.calls == []
+    s = ToolCallStream(spec)                    # streamed: the arguments as they come, the end held back
+    _, d = s.add("<｜tool▁calls▁begin｜>" + call_text("get_time", '{"zone":"utc"}', dialect)[:-len("<｜tool▁call▁end｜>")])
+    assert d[0]["function"] == {"name": "get_time", "arguments": ""}
+    assert "".join(x["function"]["arguments"] for x in d[1:]) == '{"zone":"utc"}'     # V3's "\n```" held back
 
 
 @pytest.mark.parametrize("dialect", [V3, V31])
@@ -219,5 +231,52 @@ def test_engine_constrained_beside_unconstrained(etok):
             assert set(obj) == {"city"} and len(obj["city"]) <= 10
         assert mixed["bias"] == [bias] * 5
         assert eng.guides.compiler.compiled == 1        # one grammar, compiled once for three requests
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_constrained_tokens_survive_preemption_and_a_kv_handoff(etok):
+    """The matcher follows the sequence's output: a constrained greedy request gives the same tokens when
+    it is preempted and recomputed, and when its prompt is prefilled on one engine and decoded on another."""
+    from pipeline.engine.core.engine import LLMEngine
+    from pipeline.engine.protocol import EngineRequest, SamplingParams
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        def engine(**kw):
+            return LLMEngine.from_dir(str(EMBEDDED_MODEL_DIR), tokenizer=etok, block_size=16, max_num_seqs=4,
+                                      max_batched_tokens=256, **{"num_blocks": 64, **kw})
+
+        def drain(eng, out):
+            while eng.has_work:
+                for o in eng.step():
+                    assert o.error is None, o.error
+                    out[o.request_id] = out.get(o.request_id, []) + list(o.token_ids)
+            return out
+
+        g = json_schema_grammar({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
+                                 "minItems": 12, "maxItems": 12})
+        questions = ["List numbers.", "Give twelve numbers as JSON.", "Numbers please.", "An array."]
+        reqs = [EngineRequest(f"q{i}", tuple(etok.encode_chat([{"role": "user", "content": q}])),
+                              SamplingParams(max_new_tokens=60, grammar=g)) for i, q in enumerate(questions)]
+        one = engine()
+        for r in reqs:
+            one.add(r)
+        want = drain(one, {})
+        for toks in want.values():
+            arr = json.loads(etok.decode(toks))
+            assert len(arr) == 12 and all(0 <= x <= 99 for x in arr)
+        tight = engine(num_blocks=8)         # 4 sequences of ~50 tokens need more: some are preempted
+        for r in reqs:
+            tight.add(r)
+        assert drain(tight, {}) == want and tight.counters.preemptions > 0
+        pre, dec = engine(), engine()
+        got = {}
+        for r in reqs:
+            h = pre.prefill(r)
+            got[r.request_id] = [h.first_token]
+            dec.add_prefilled(r, h)
+        assert drain(dec, got) == want
     finally:
         torch.set_num_threads(saved)

@@ -41,7 +41,6 @@ class ChoiceState:
         self.reasoning = ReasoningSplitter() if req.kind == CHAT and req.reasoning else None
         self.tool_stream = ToolCallStream(req.tools) if req.kind == CHAT and req.tools is not None else None
         self.reasoning_text, self.content = "", ""      # the parsed parts so far (chat with parsers)
-        self.tool_calls: list[dict] = []
 
     @property
     def parsed(self) -> bool:
@@ -60,8 +59,12 @@ class ChoiceState:
                 content += self.tool_stream.finish()
         self.reasoning_text += reasoning
         self.content += content
-        self.tool_calls += calls
         return reasoning, content, calls
+
+    @property
+    def tool_calls(self) -> list[dict]:
+        """The tool calls parsed so far, whole."""
+        return self.tool_stream.calls if self.tool_stream is not None else []
 
     @property
     def reported_finish(self) -> Optional[str]:
@@ -121,7 +124,6 @@ class ChoiceState:
         if not self.parsed:
             return choice(self.req, self.index, text, self.finish_reason, lp)
         self.reasoning_text = self.content = ""
-        self.tool_calls = []
         if self.reasoning is not None:
             self.reasoning = ReasoningSplitter()
         if self.tool_stream is not None:

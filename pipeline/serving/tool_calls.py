@@ -42,8 +42,6 @@ CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")   # OpenAI's rule for a function name
 CHOICES = ("none", "auto", "required")
-_V3_CALL = re.compile(r"(?P<type>[^\n]*?)" + SEP + r"(?P<name>[^\n]*)\n```json\n(?P<args>.*)\n```", re.S)
-_V31_CALL = re.compile(r"(?P<name>.*?)" + SEP + r"(?P<args>.*)", re.S)
 
 
 @dataclass(frozen=True)
@@ -208,50 +206,77 @@ def _held(text: str, marker: str) -> int:
     return 0
 
 
-def parse_call(body: str, dialect: str) -> Optional[tuple[str, str]]:
-    """(name, arguments) of one call's text between its begin and end tokens; None when malformed."""
-    m = (_V3_CALL if dialect == V3 else _V31_CALL).fullmatch(body)
-    if m is None:
-        return None
-    return m.group("name").strip(), m.group("args").strip()
-
-
 class ToolCallStream:
-    """Splits a choice's content, as it arrives, into plain content and tool calls: the text before the
-    calls' begin token is content (a possible start of that token is held back), then each call is
-    emitted whole once its end token arrives (OpenAI's streamed shape allows a call in one delta)."""
+    """Splits a choice's content, as it arrives, into plain content and tool calls, streamed as vLLM
+    streams them: the text before the calls' begin token is content (a possible start of that token is
+    held back); each call opens with a delta carrying its index, id, type and name once the name is
+    complete, then its arguments arrive as they are generated (a possible start of the call's end held
+    back). A call of a tool not offered is dropped. :attr:`calls`: the calls so far, whole."""
 
     def __init__(self, spec: ToolSpec):
         self.spec = spec
-        self.buf, self.in_calls, self.calls = "", False, []
+        self.buf, self.state = "", "content"     # content, between (calls), head, args, skip
+        self.calls: list[dict] = []
+        self._head_end = "\n```json\n" if spec.dialect == V3 else ""
+        self._args_end = ("\n```" if spec.dialect == V3 else "") + CALL_END
 
     def add(self, text: str) -> tuple[str, list[dict]]:
-        """(the content it settles, the tool-call deltas it completes)."""
+        """(the content it settles, the tool-call deltas it brings)."""
         self.buf += text
-        content = ""
-        if not self.in_calls:
-            i = self.buf.find(CALLS_BEGIN)
-            if i < 0:
-                k = _held(self.buf, CALLS_BEGIN)
-                content, self.buf = self.buf[:len(self.buf) - k], self.buf[len(self.buf) - k:]
-                return content, []
-            content, self.buf, self.in_calls = self.buf[:i], self.buf[i + len(CALLS_BEGIN):], True
-        deltas = []
+        content, deltas = "", []
         while True:
-            a, b = self.buf.find(CALL_BEGIN), self.buf.find(CALL_END)
-            if a < 0 or b < a:
-                break
-            got = parse_call(self.buf[a + len(CALL_BEGIN):b], self.spec.dialect)
-            self.buf = self.buf[b + len(CALL_END):]
-            if got is None or got[0] not in self.spec.names:
-                continue
-            call = {"index": len(self.calls), "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                    "function": {"name": got[0], "arguments": got[1]}}
-            self.calls.append(call)
-            deltas.append(call)
-        return content, deltas
+            if self.state == "content":
+                i = self.buf.find(CALLS_BEGIN)
+                if i < 0:
+                    k = _held(self.buf, CALLS_BEGIN)
+                    content += self.buf[:len(self.buf) - k]
+                    self.buf = self.buf[len(self.buf) - k:]
+                    return content, deltas
+                content += self.buf[:i]
+                self.buf, self.state = self.buf[i + len(CALLS_BEGIN):], "between"
+            elif self.state == "between":
+                a = self.buf.find(CALL_BEGIN)
+                if a < 0:
+                    return content, deltas
+                self.buf, self.state = self.buf[a + len(CALL_BEGIN):], "head"
+            elif self.state == "head":
+                j = self.buf.find(SEP)
+                if j < 0:
+                    return content, deltas
+                if self.spec.dialect == V3:
+                    e = self.buf.find(self._head_end, j)
+                    if e < 0:
+                        return content, deltas
+                    name, rest = self.buf[j + len(SEP):e].strip(), self.buf[e + len(self._head_end):]
+                else:
+                    name, rest = self.buf[:j].strip(), self.buf[j + len(SEP):]
+                self.buf = rest
+                if name not in self.spec.names:
+                    self.state = "skip"
+                    continue
+                call = {"index": len(self.calls), "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                        "function": {"name": name, "arguments": ""}}
+                self.calls.append(call)
+                deltas.append({**call, "function": dict(call["function"])})
+                self.state = "args"
+            elif self.state == "args":
+                call = self.calls[-1]
+                e = self.buf.find(self._args_end)
+                piece = self.buf[:e] if e >= 0 else self.buf[:len(self.buf) - _held(self.buf, self._args_end)]
+                if piece:
+                    call["function"]["arguments"] += piece
+                    deltas.append({"index": call["index"], "function": {"arguments": piece}})
+                if e < 0:
+                    self.buf = self.buf[len(piece):]
+                    return content, deltas
+                self.buf, self.state = self.buf[e + len(self._args_end):], "between"
+            else:   # skip: a call of a tool not offered
+                e = self.buf.find(CALL_END)
+                if e < 0:
+                    return content, deltas
+                self.buf, self.state = self.buf[e + len(CALL_END):], "between"
 
     def finish(self) -> str:
         """The content held back at the end (nothing once the calls began)."""
-        rest, self.buf = ("" if self.in_calls else self.buf), ""
+        rest, self.buf = (self.buf if self.state == "content" else ""), ""
         return rest
