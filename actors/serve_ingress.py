@@ -114,7 +114,8 @@ class OpenAIIngress:
         self.tokenizer = Tokenizer.from_dir(config.model_path)
         self.strings = TokenStrings(self.tokenizer)     # token strings and bytes, for logprobs (cached)
         self.parse_chat = functools.partial(api.parse_chat, reasoning=parser_for(config.reasoning_parser,
-                                                                                  self.tokenizer.chat_template))
+                                                                                  self.tokenizer.chat_template),
+                                            constrain_reasoning=config.constrain_reasoning)
         self.metrics = ServeMetrics()
         self.in_flight = 0
         self.answer_limit = proxy_limit()               # bytes a non-streamed answer may have (None: any)

@@ -1,6 +1,7 @@
 """Structured outputs, tool calls, R1's reasoning split and ``logit_bias`` over HTTP, with the official
 ``openai`` client against the real Serve app on the test cluster: two colocated apps on the embedded
-quantized model, ``plain`` at / and ``r1`` (``reasoning_parser: deepseek_r1``) at /r1.
+quantized model, ``plain`` at / and ``r1`` (``reasoning_parser: deepseek_r1``, its grammars covering the
+reasoning too, so that a regex can shape a whole reasoning-then-answer output) at /r1.
 
 - JSON under a schema, sampled with many seeds: every output parses and validates (jsonschema), finished
   by the model (``stop``), streamed and not; ``guided_choice``, ``guided_regex``, ``guided_grammar``
@@ -58,7 +59,9 @@ def server(serve_http, qdir):
 
     cpu, small = DeploymentOptions(1, {"num_cpus": 0.5}), DeploymentOptions(1, {"num_cpus": 0.1})
     plain = ServeConfig(qdir, MODEL, ENGINE, max_in_flight=16, llm=cpu, ingress=small, reasoning_parser="none")
-    r1 = ServeConfig(qdir, MODEL, ENGINE, max_in_flight=16, llm=cpu, ingress=small, reasoning_parser="deepseek_r1")
+    # the reasoning split is tested on an output a grammar shapes whole: reasoning, </think>, answer
+    r1 = ServeConfig(qdir, MODEL, ENGINE, max_in_flight=16, llm=cpu, ingress=small, reasoning_parser="deepseek_r1",
+                     constrain_reasoning=True)
     with deployed({"structured-plain": (plain, "/"), "structured-r1": (r1, "/r1")}):
         yield serve_http
 

@@ -68,6 +68,9 @@ def test_reasoning_parser_on_for_r1_templates(etok):
     r1 = etok.chat_template.replace("{{ '<｜Assistant｜>' }}{% endif %}", "{{ '<｜Assistant｜><think>\\n' }}{% endif %}")
     assert r1 != etok.chat_template and reasoning.parser_for(None, r1) == "deepseek_r1"
     assert reasoning.parser_for("none", r1) is None and reasoning.parser_for("deepseek_r1", None) == "deepseek_r1"
+    v31 = r1.replace("{{ '<｜Assistant｜><think>\\n' }}", "{% if thinking %}{{ '<｜Assistant｜><think>' }}{% else %}"
+                                                          "{{ '<｜Assistant｜></think>' }}{% endif %}")
+    assert v31 != r1 and reasoning.parser_for(None, v31) is None    # V3.1: thinking is off by default
     with pytest.raises(ValueError, match="reasoning_parser"):
         reasoning.parser_for("qwen3", None)
 
@@ -280,3 +283,21 @@ def test_constrained_tokens_survive_preemption_and_a_kv_handoff(etok):
         assert drain(dec, got) == want
     finally:
         torch.set_num_threads(saved)
+
+
+def test_r1_constraints_start_after_the_reasoning(etok, compiler):
+    """With the reasoning parser on, a chat's grammar holds after </think> (free reasoning first), unless
+    the server constrains the reasoning too."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "guided_json": schema}
+    free = parse_chat(body, etok, "m", 4096, reasoning="deepseek_r1").params.grammar
+    whole = parse_chat(body, etok, "m", 4096, reasoning="deepseek_r1", constrain_reasoning=True).params.grammar
+    assert whole == parse_chat(body, etok, "m", 4096).params.grammar
+    assert accepts(compiler, etok, free, 'Some thinking, {"not": json}.</think>{"a":7}')
+    assert not accepts(compiler, etok, free, '{"a":7}') and accepts(compiler, etok, whole, '{"a":7}')
+    assert not accepts(compiler, etok, free, 'thinking</think>not json')
+    tools = [{"type": "function", "function": TOOLS[0]}]
+    forced = parse_chat({"model": "m", "messages": body["messages"], "tools": tools, "tool_choice": "required"},
+                        etok, "m", 4096, reasoning="deepseek_r1").params.grammar
+    call = "<｜tool▁calls▁begin｜>" + call_text("get_weather", '{"city":"Oslo"}', V3) + "<｜tool▁calls▁end｜>"
+    assert accepts(compiler, etok, forced, "I should call it.</think>" + call)

@@ -202,12 +202,14 @@ def parse_completion(body: Mapping[str, Any], tokenizer, served_model: str, max_
 
 
 def parse_chat(body: Mapping[str, Any], tokenizer, served_model: str, max_model_len: int,
-               rid: Optional[str] = None, reasoning: Optional[str] = None) -> GenerateRequest:
+               rid: Optional[str] = None, reasoning: Optional[str] = None,
+               constrain_reasoning: bool = False) -> GenerateRequest:
     """Validate a ``/v1/chat/completions`` body; the messages go through the model's chat template with
     the generation prompt (``<｜Assistant｜>``) added (with tools, or tool calls and results in the
     messages, through a template with DeepSeek's tool branches: the checkpoint's own when it has them,
     else chat_templates.DEEPSEEK_V3_TOOLS). ``rid``: as parse_completion's; ``reasoning``: the reasoning
-    parser in use (reasoning.parser_for), None for none."""
+    parser in use (reasoning.parser_for), None for none; with one, a constraint starts after the reasoning
+    unless ``constrain_reasoning`` (vLLM's ``enable_in_reasoning``: the whole output is constrained)."""
     _check_fields(body, _CHAT_FIELDS)
     model = _check_model(body, served_model)
     messages = _chat_messages(body.get("messages"))
@@ -247,6 +249,10 @@ def parse_chat(body: Mapping[str, Any], tokenizer, served_model: str, max_model_
         param = "max_completion_tokens"
     else:
         param = "max_tokens"
+    if grammar is not None and reasoning and not constrain_reasoning:  # the reasoning before the answer is free
+        from pipeline.serving.structured_outputs import after_reasoning, compile_or_400
+        grammar = compile_or_400(tokenizer, after_reasoning(grammar), structured[1] if structured else "tool_choice",
+                                 structured[1] if structured else "tool_choice")
     req = _finish_parse(body, CHAT, model, prompt_ids, max_model_len, None, max_tokens_param=param,
                         rid=rid or request_id(CHAT), logit_bias=_logit_bias(body, tokenizer), grammar=grammar)
     return replace(req, reasoning=reasoning, tools=spec)

@@ -5,7 +5,7 @@ output often starts inside the reasoning); an output without ``</think>`` is all
 in neither part. Usage counts every generated token as before.
 
 On for R1-family checkpoints (:func:`parser_for`: a chat template whose generation prompt opens
-``<think>``) or with ``--reasoning-parser deepseek_r1``; off with ``--reasoning-parser none``.
+``<think>``, V3.1's thinking switch excepted) or with ``--reasoning-parser deepseek_r1``; off with ``--reasoning-parser none``.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ def parser_for(setting: Optional[str], chat_template: Optional[str]) -> Optional
         if setting not in PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(PARSERS)} or null, got {setting!r}")
         return None if setting == "none" else setting
-    if chat_template and START in chat_template.replace(END, ""):
-        return "deepseek_r1"
+    if chat_template and START in chat_template.replace(END, "") and "thinking" not in chat_template:
+        return "deepseek_r1"       # not V3.1's template, whose `thinking` switch closes </think> itself
     return None
 
 
-def _held(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
+    """How many trailing characters of ``text`` could begin ``marker`` (held back while streaming)."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-k:]):
             return k
@@ -58,7 +59,7 @@ class ReasoningSplitter:
             reasoning, content = self.buf[:i], self.buf[i + len(END):]
             self.buf, self.done = "", True
             return reasoning, content
-        k = _held(self.buf, END)
+        k = held_back(self.buf, END)
         reasoning, self.buf = self.buf[:len(self.buf) - k], self.buf[len(self.buf) - k:]
         return reasoning, ""
 

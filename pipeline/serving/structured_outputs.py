@@ -9,7 +9,9 @@ turned into one grammar for the engine (``SamplingParams.grammar``, run by
   EBNF as llama.cpp writes it: llguidance converts), and the newer ``structured_outputs`` object with one
   of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``.
 
-At most one of them per request (a 400 naming the second otherwise). JSON is generated compact (no
+At most one of them per request (a 400 naming the second otherwise). With R1's reasoning parser on, a
+chat's constraint starts after the reasoning (:func:`after_reasoning`: free text up to ``</think>``, then
+the constrained answer), as in vLLM. JSON is generated compact (no
 whitespace between tokens: ``{"a":1,"b":[2,3]}``; llguidance's ``whitespace_flexible`` off), so that a
 model cannot spend its tokens on blank space. Every grammar is compiled here, at validation, with the
 API's tokenizer (:func:`compiler_for`, whose compiled grammars are cached per grammar text): one the
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from typing import Any, Mapping, Optional
 
 from pipeline.serving.api_errors import invalid
@@ -31,6 +34,7 @@ FIELDS = ("response_format", "structured_outputs") + GUIDED_FIELDS
 COMPACT_JSON = {"whitespace_flexible": False}   # llguidance JsonCompileOptions: no free whitespace
 
 _lock = threading.Lock()
+_compilers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def compiler_for(tokenizer):
@@ -38,10 +42,9 @@ def compiler_for(tokenizer):
     from pipeline.engine.core.guided import GrammarCompiler
 
     with _lock:
-        c = getattr(tokenizer, "_grammar_compiler", None)
+        c = _compilers.get(tokenizer)
         if c is None:
-            c = GrammarCompiler(tokenizer)
-            tokenizer._grammar_compiler = c
+            c = _compilers[tokenizer] = GrammarCompiler(tokenizer)
     return c
 
 
@@ -185,3 +188,20 @@ def parse_structured(body: Mapping[str, Any], tokenizer) -> Optional[tuple[str, 
         raise invalid(f"give one structured-output field, got {found[0][1].split('.')[0]} and {second}", second)
     grammar, where = found[0]
     return compile_or_400(tokenizer, grammar, where, where.split(".")[0]), where.split(".")[0]
+
+
+# R1 reasons freely first: any text up to </think>, then the constrained answer (as vLLM starts the grammar
+# after the reasoning ends); the answer's grammar is referenced as a grammar of its own
+_REASONING_FIRST = 'start: reasoning @answer\nreasoning[stop="</think>"]: /(.|\\n)*/'
+
+
+def after_reasoning(grammar: str) -> str:
+    """``grammar`` (an llguidance grammar: its JSON form, or Lark text) preceded by free reasoning that
+    ends with ``</think>``."""
+    if grammar.lstrip().startswith("{"):
+        top = json.loads(grammar)
+        answer, rest = dict(top["grammars"][0]), top["grammars"][1:]
+    else:
+        answer, rest = {"lark_grammar": grammar}, []
+    answer["name"] = "answer"
+    return json.dumps({"grammars": [{"lark_grammar": _REASONING_FIRST}, answer, *rest]})

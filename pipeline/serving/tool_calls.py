@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from pipeline.serving.api_errors import invalid
+from pipeline.serving.reasoning import held_back
 
 V3, V31 = "v3", "v3.1"
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -198,14 +199,6 @@ def call_grammar(tools: list[dict], choice: str, parallel: bool, dialect: str, t
 
 # ----- parsing the output --------------------------------------------------------------------------------
 
-def _held(text: str, marker: str) -> int:
-    """How many trailing characters of ``text`` could begin ``marker`` (held back while streaming)."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
-
-
 class ToolCallStream:
     """Splits a choice's content, as it arrives, into plain content and tool calls, streamed as vLLM
     streams them: the text before the calls' begin token is content (a possible start of that token is
@@ -228,7 +221,7 @@ class ToolCallStream:
             if self.state == "content":
                 i = self.buf.find(CALLS_BEGIN)
                 if i < 0:
-                    k = _held(self.buf, CALLS_BEGIN)
+                    k = held_back(self.buf, CALLS_BEGIN)
                     content += self.buf[:len(self.buf) - k]
                     self.buf = self.buf[len(self.buf) - k:]
                     return content, deltas
@@ -262,7 +255,7 @@ class ToolCallStream:
             elif self.state == "args":
                 call = self.calls[-1]
                 e = self.buf.find(self._args_end)
-                piece = self.buf[:e] if e >= 0 else self.buf[:len(self.buf) - _held(self.buf, self._args_end)]
+                piece = self.buf[:e] if e >= 0 else self.buf[:len(self.buf) - held_back(self.buf, self._args_end)]
                 if piece:
                     call["function"]["arguments"] += piece
                     deltas.append({"index": call["index"], "function": {"arguments": piece}})
