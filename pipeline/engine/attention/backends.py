@@ -48,13 +48,14 @@ class StepInputs:
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """A layer's absorbed weights as contiguous float32: W_UK [H, d_n, C], W_UV^T [H, C, d_v], the MHA
-    prefill's kv_weights [H, C, d_n + d_v], and the C prefill's packed form of the last (None where that
-    call does not run)."""
+    """A layer's absorbed weights, contiguous: W_UK [H, d_n, C], W_UV^T [H, C, d_v], the MHA prefill's
+    kv_weights [H, C, d_n + d_v], and the C prefill's packed form of the last (None where that call does not
+    run). float32, except where the C kernels do both the decode and the prefill (NativeAttention): then the
+    first two are in the checkpoint's dtype and kv_weights is None."""
 
     w_uk: torch.Tensor
     w_uv_t: torch.Tensor
-    w_kv: torch.Tensor
+    w_kv: Optional[torch.Tensor]
     w_pack: Optional[torch.Tensor] = None
 
 
@@ -154,7 +155,13 @@ class NativeAttention(TorchAttention):
         w = super()._make_weights(w_uk, w_uv)
         if not (self.mha_prefill and lib is not None):
             return w
-        return LayerWeights(w.w_uk, w.w_uv_t, w.w_kv, mha.native_weights(w.w_kv))
+        w_pack = mha.native_weights(w.w_kv)
+        if w_pack is None or not self.absorbs or w_uk.dtype not in (torch.float32, torch.bfloat16):
+            return LayerWeights(w.w_uk, w.w_uv_t, w.w_kv, w_pack)
+        # C decode and C prefill: the decode reads the absorbed weights as the checkpoint stores them (bf16:
+        # the same products as their float32 copies, half the bytes a step reads), the prefill its packed
+        # form; no float32 copy is kept
+        return LayerWeights(w_uk.contiguous(), w_uv.transpose(1, 2).contiguous(), None, w_pack)
 
     def write(self, cache, slots, c, k_pe) -> None:
         if not (self.write_c and cpu_attention.write_slots(cache, slots, c, k_pe)):

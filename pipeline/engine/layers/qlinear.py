@@ -35,8 +35,8 @@ which says why each is exact; a module's ``kernel`` forces one, ``last_kernel`` 
   (:mod:`pipeline.engine.native.cpu_linear`), bit-identical to the torch path in both epilogues. ``auto`` takes
   it where the module's ``native`` is on (chosen when it is built: the engine's kernels, or for a module
   built alone :func:`native_default`: the kernels backend ``native`` and the library built) for
-  float32 / bf16 input (int8 rows for ``apply_quantized`` and ``_acc``) of any size when torch runs one
-  intra-op thread (``_int_mm`` then has no second core: the C kernel is faster up to 2048 rows),
+  float32 / bf16 input (int8 rows for ``apply_quantized`` and ``_acc``) of any size when the C kernels'
+  pool has as many threads as torch (``cpu_linear.threads``: an engine keeps them equal),
   else of at most ``cpu_linear.max_rows(k, n)`` rows (64, fewer for wide weights); larger batches keep
   ``select_kernel``'s. ``kernel="native"`` forces it (an error where it cannot run);
   ``DSQUANT_KERNELS=torch``, ``DSQUANT_NATIVE=0`` or ``DSQUANT_NATIVE_LINEAR=0`` when it is built turn it
@@ -148,7 +148,8 @@ class Int8Linear(nn.Module):
                 raise Int8LinearError(f"{self.name}: kernel 'native' cannot run on {x.device} for {x.dtype} "
                                       f"input ({why}; it takes {', '.join(map(str, dtypes))})")
             return False
-        if kernel == AUTO and x.numel() > self._native_rows * self.in_features and torch.get_num_threads() > 1:
+        if kernel == AUTO and x.numel() > self._native_rows * self.in_features \
+                and torch.get_num_threads() > cpu_linear.threads():
             return False
         self.__dict__["last_kernel"] = NATIVE       # (nn.Module.__setattr__ costs a microsecond)
         return True

@@ -39,6 +39,7 @@ CSRC = Path(__file__).with_name("csrc")
 #: Tokens per tile: 32 x C=512 float32 is 64 KiB, held in L2 between the scores and the V sum.
 DEFAULT_TILE = 32
 _DTYPES = {torch.int8: 0, torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)     # the absorbed weights
 _ERRORS = {1: "out of memory", 2: "a length outside 1 .. W * block_size (or a slot outside the cache)",
            3: "a block id outside the cache"}
 
@@ -48,9 +49,10 @@ def _declare_attention(dll: ctypes.CDLL) -> None:
     dll.mla_decode.argtypes = [p, p, i64, i64, i64, i64, p, i32, i64, i64, i64, i64, p, i32, i64, i64, i64, i64,
                                p, i64, p, i64, i64, f32, f32, i64, p]
     dll.mla_decode.restype = i32
-    dll.mla_decode_absorbed.argtypes = [p, i64, p, p, i64] + dll.mla_decode.argtypes[1:]
+    dll.mla_decode_absorbed.argtypes = [p, i64, p, p, i32, i64] + dll.mla_decode.argtypes[1:]
     dll.mla_decode_absorbed.restype = i32
     dll.mla_decode_vectorized.argtypes, dll.mla_decode_vectorized.restype = [], i32
+    dll.pool_set_threads.argtypes, dll.pool_set_threads.restype = [i32], i32
 
 
 def _declare_write(dll: ctypes.CDLL) -> None:
@@ -88,6 +90,20 @@ def status() -> str:
     dll = _ATTENTION.library()
     plain = " (plain C: the engine serves with torch's ops)" if dll is not None and not dll.mla_decode_vectorized() else ""
     return f"attention: {_ATTENTION.status()}{plain}; cache write: {_WRITE.status()}"
+
+
+_pool = {"threads": 1}
+
+
+def set_threads(n: int) -> int:
+    """Threads for the decode attention's pool (csrc/pool.h: the heads in groups; the bits do not depend on
+    it), the caller included; returns the count set (1 when the library is not built)."""
+    lib = _ATTENTION.loaded()
+    if lib is None:
+        return 1
+    if n != _pool["threads"]:
+        _pool["threads"] = lib.pool_set_threads(int(n))
+    return _pool["threads"]
 
 
 def reset() -> None:
@@ -135,10 +151,10 @@ def decode_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, cache, batch, soft
         raise ValueError(f"native decode attention: {name} {tuple(q_abs.shape)}, q_pe {tuple(q_pe.shape)}, table "
                          f"{tuple(table.shape)}, lengths {tuple(lengths.shape)} for C={cache.C}, d_r={cache.d_r}")
     if absorbed and (w_uk.shape != (H, width, C) or w_uv_t.dim() != 3 or w_uv_t.shape[:2] != (H, C)
-                     or w_uk.dtype != torch.float32 or w_uv_t.dtype != torch.float32):
+                     or w_uk.dtype not in _WEIGHT_DTYPES or w_uv_t.dtype != w_uk.dtype):
         raise ValueError(f"native decode attention: w_uk {tuple(w_uk.shape)} {w_uk.dtype} / w_uv_t "
-                         f"{tuple(w_uv_t.shape)} {w_uv_t.dtype} for {name} {tuple(q_abs.shape)}: float32 "
-                         f"[H, d_n, C] and [H, C, d_v] expected")
+                         f"{tuple(w_uv_t.shape)} {w_uv_t.dtype} for {name} {tuple(q_abs.shape)}: float32 or bf16 "
+                         f"[H, d_n, C] and [H, C, d_v] (one dtype) expected")
     if q_abs.device.type != "cpu" or cache.c.device.type != "cpu":
         raise ValueError(f"native decode attention: CPU tensors needed, got {name} on {q_abs.device}, the "
                          f"cache on {cache.c.device}")
@@ -174,8 +190,8 @@ def _decode_parts(lib, q: torch.Tensor, q_pe: torch.Tensor, cache, softmax_scale
     tail = (cache.block_size, cache.num_blocks, cache.scale_value, softmax_scale, tile, out.data_ptr())
     if w_uk is None:
         return lib.mla_decode, (q.data_ptr(), *head), tail
-    return lib.mla_decode_absorbed, (q.data_ptr(), width, w_uk.data_ptr(), w_uv_t.data_ptr(), w_uv_t.shape[2],
-                                     *head), tail
+    return lib.mla_decode_absorbed, (q.data_ptr(), width, w_uk.data_ptr(), w_uv_t.data_ptr(),
+                                     _DTYPES[w_uk.dtype], w_uv_t.shape[2], *head), tail
 
 
 def bind_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, cache, softmax_scale: float, w_uk: torch.Tensor,
@@ -187,7 +203,9 @@ def bind_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, cache, softmax_scale: 
     lib = _ATTENTION.loaded()               # (the engine chose the C decode when it was built)
     B, H, d_n = q_nope.shape
     ok = (lib is not None and all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
-                                  for t in (q_nope, q_pe, w_uk, w_uv_t, out))
+                                  for t in (q_nope, q_pe, out))
+          and w_uk.dtype in _WEIGHT_DTYPES and w_uv_t.dtype == w_uk.dtype
+          and all(t.is_cpu and t.is_contiguous() for t in (w_uk, w_uv_t))
           and cache.c.is_cpu and cache.c.dtype in _DTYPES and cache.pe.dtype in _DTYPES
           and q_pe.shape == (B, H, cache.d_r) and w_uk.shape == (H, d_n, cache.C)
           and w_uv_t.dim() == 3 and w_uv_t.shape[:2] == (H, cache.C) and out.shape == (B, H, w_uv_t.shape[2]))

@@ -22,12 +22,18 @@ bits); the quantization and the epilogue run 16 lanes at a time with the scalar 
 
 Which path runs is the module's ``native`` (chosen when it is built: the kernels backend ``native``, the
 library built, ``DSQUANT_NATIVE_LINEAR`` not ``0``: pipeline.engine.config) and, for ``kernel="auto"``,
-the batch. The C kernel is single-threaded.
-With one torch thread (the engine profile's and a one-core engine's setting) it beat the torch path at
-every size measured (1 to 2048 rows, benchmarks/cpu_linear.json: ~4x at decode sizes, 1.03-2.1x from
-512 rows), so it takes every batch. With two threads ``_int_mm`` (oneDNN) catches up once a call holds
-about 2^24 multiply-adds (k = 256 -> 768 at 64 rows: 0.91x; 7168 -> 1536 at 16 rows: 0.85x, at 8 rows
-still 1.39x), so it takes at most :func:`max_rows` rows: 64, fewer for wide weights, 8 at least.
+the batch.
+
+Threads: a call splits its work over the library's pool of threads (csrc/pool.h): the output columns in
+panels of 64 (each panel's products and epilogue are the same operations whichever thread runs it, so the
+bits do not depend on the thread count), the rows' quantization in groups of rows. The pool has
+:func:`threads` threads, the caller included: 1 until :func:`set_threads`; an engine's runner keeps it at
+torch's intra-op thread count (:func:`follow_torch`), so ``--torch-threads N`` gives the kernels N cores.
+At DeepSeek's width a decode step's linears stream hundreds of MB of weights, and one core reaches about
+half of the memory's read bandwidth (benchmarks/real_width.json). With the pool as wide as torch's threads
+the C kernel takes every batch; with more torch threads than pool threads ``_int_mm`` (oneDNN) catches up
+once a call holds about 2^24 multiply-adds, so ``kernel="auto"`` then gives the C kernel at most
+:func:`max_rows` rows: 64, fewer for wide weights, 8 at least.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class LinearParams(ctypes.Structure):
 def _declare(dll: ctypes.CDLL) -> None:
     dll.native_has_vnni.argtypes, dll.native_has_vnni.restype = [], ctypes.c_int
     dll.native_has_amx.argtypes, dll.native_has_amx.restype = [], ctypes.c_int
+    dll.pool_set_threads.argtypes, dll.pool_set_threads.restype = [ctypes.c_int], ctypes.c_int
     dll.int8_pack.argtypes, dll.int8_pack.restype = [p, i64, i64, i64, i64, p, p], None
     dll.int8_linear.argtypes, dll.int8_linear.restype = [p, p, i64, i64, i32, p], ctypes.c_int
     dll.int8_linear_q.argtypes, dll.int8_linear_q.restype = [p, p, p, i64, p], ctypes.c_int
@@ -102,6 +109,38 @@ def loaded() -> Optional[ctypes.CDLL]:
 def reset() -> None:
     """Forget the loaded library (tests that flip the switch variables)."""
     _LIB.reset()
+
+
+_pool = {"threads": 1}
+
+
+def set_threads(n: int) -> int:
+    """Threads for the kernels' pool, the caller included (1 .. 256); returns the count set (1 when the
+    library is not built)."""
+    lib = _LIB.loaded()
+    if lib is None:
+        return 1
+    if n != _pool["threads"]:
+        _pool["threads"] = lib.pool_set_threads(int(n))
+    return _pool["threads"]
+
+
+def threads() -> int:
+    """The pool's thread count (module docstring)."""
+    return _pool["threads"]
+
+
+def follow_torch() -> int:
+    """The pools as wide as torch's intra-op threads now: this library's, the decode attention's and the bf16
+    linears' (an engine's runner calls it once per step)."""
+    n = torch.get_num_threads()
+    if n != _pool["threads"]:
+        from pipeline.engine.native import cpu_attention, cpu_float
+
+        cpu_attention.set_threads(n)
+        cpu_float.set_threads(n)
+        set_threads(n)
+    return n
 
 
 def padded(n: int, k: int) -> tuple[int, int]:

@@ -31,7 +31,7 @@ from pipeline.engine.attention.backends import StepInputs, attention_backend
 from pipeline.engine.attention.batched import DecodeBatch
 from pipeline.engine.cache.paged_cache import PagedLatentCache
 from pipeline.engine.layers import decoder
-from pipeline.engine.native import cpu_float
+from pipeline.engine.native import cpu_float, cpu_linear
 from pipeline.engine.worker import decode_graph
 from pipeline.engine.worker.decode_graph import DecodeGraph
 from pipeline.engine.worker.loader import LoadedModel
@@ -133,6 +133,8 @@ class ModelRunner:
         """The main model over ``spans`` (their cache slots reserved); returns (logits [R, V] float32,
         final normed hidden [N, h] of every token) with logits at the flat token ``rows``."""
         model = self.model
+        if self.loaded.kernels.linears or self.loaded.kernels.float_ops:
+            cpu_linear.follow_torch()       # the C kernels' threads: torch's (--torch-threads)
         st = self._positions(spans)
         graph = self._graph(st, rows)
         if graph is not None:

@@ -25,6 +25,7 @@
 #include <immintrin.h>
 #endif
 #include "bf16_gemm.h"
+#include "pool.h"
 
 static inline float load_elem(const void *p, int dtype, int64_t i) {
     return dtype == DT_BF16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -54,14 +55,34 @@ static inline __m256 ld_bf16(const uint16_t *p) {
 /* 1 when bf16_linear's calls with k % 32 == 0 run on the AMX tiles */
 int bf16_linear_has_amx(void) { return bf16_gemm_has_amx(); }
 
+/* Columns in tasks of BF16_TASK_COLS for the pool's threads (pool.h): a column's result does not depend on
+ * the tiling (bf16_gemm.h), so the bits do not depend on the thread count. */
+#define BF16_TASK_COLS 128
+
+typedef struct {
+    const float *const *xr;
+    int64_t m, k, n;
+    const uint32_t *pack;
+    float *y;
+    _Atomic int err;
+} bf16_job_t;
+
+static void bf16_task(void *ctx, int64_t t) {
+    bf16_job_t *J = ctx;
+    const int64_t c0 = t * BF16_TASK_COLS, nc = J->n - c0 < BF16_TASK_COLS ? J->n - c0 : BF16_TASK_COLS;
+    if (bf16_gemm(J->xr, J->m, J->k, J->pack + (c0 / 16) * bf16_gemm_pairs(J->k) * 16, nc, J->y + c0, J->n))
+        J->err = 1;
+}
+
 int bf16_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const uint32_t *pack, int64_t n, float *y) {
     if (m < 0 || n < 1 || k < 1 || ldx < k) return 2;
     const float **xr = (const float **)malloc((size_t)(m ? m : 1) * sizeof(float *));
     if (!xr) return 1;
     for (int64_t i = 0; i < m; i++) xr[i] = x + i * ldx;
-    const int rc = bf16_gemm(xr, m, k, pack, n, y, n);
+    bf16_job_t J = {xr, m, k, n, pack, y, 0};
+    if (m) pool_run(bf16_task, &J, (n + BF16_TASK_COLS - 1) / BF16_TASK_COLS);
     free(xr);
-    return rc;
+    return J.err ? 1 : 0;
 }
 
 /* sum_k a[k] * b[k] in float32 (a float32, b float32 or bf16 bits) */

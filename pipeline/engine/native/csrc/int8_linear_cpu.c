@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "dtypes.h"
+#include "pool.h"
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -303,15 +304,31 @@ static void widen_rows(const uint8_t *const *ar, int mr, int64_t kp, uint16_t *w
 }
 #endif
 
+/* A thread's scratch, kept between calls (the pool's workers and the caller each have their own): the AVX2
+ * tiles' widened rows, the AMX tiles' staged rows. */
+static __thread void *tl_buf;
+static __thread size_t tl_cap;
+
+static __attribute__((unused)) void *thread_scratch(size_t bytes) {
+    if (bytes > tl_cap) {
+        void *p = realloc(tl_buf, bytes);
+        if (!p) return NULL;
+        tl_buf = p;
+        tl_cap = bytes;
+    }
+    return tl_buf;
+}
+
 #if HAVE_AMX
-/* The product of gemm() on the AMX tiles, kp % 64 == 0: blocks of 32 rows x 32 columns (C tiles 0-3, the
- * rows' A tiles 4-5, the columns' B tiles 6-7), k in steps of 64. A block of gathered rows (``rows``) or
- * the last, short block is copied into ``stage`` [32][kp] first; c must have room for m rounded up to 32
- * rows (the extra rows are scratch). The tile configuration is loaded on every call (it is per thread,
- * and other code on this thread, oneDNN's, may have changed it) and released at the end. */
+/* Panels [p0, p1) of gemm_panels() on the AMX tiles, kp % 64 == 0: blocks of 32 rows x 32 columns (C tiles
+ * 0-3, the rows' A tiles 4-5, the columns' B tiles 6-7), k in steps of 64. A block of gathered rows
+ * (``rows``) or the last, short block is copied into ``stage`` [32][kp] first; c must have room for m
+ * rounded up to 32 rows (the extra rows are scratch). The tile configuration is loaded on every call (it is
+ * per thread, and other code on this thread, oneDNN's, may have changed it) and released at the end. */
 static void gemm_amx(const uint8_t *a, int64_t lda, const int64_t *rows, int64_t m, const int8_t *wpack,
-                     const int32_t *wsum, int64_t np, int64_t kp, int32_t *c, uint8_t *stage) {
-    int64_t ks = kp / 4, kc = kp / 64, ldc = np * 4;
+                     const int32_t *wsum, int64_t kp, int32_t *c, int64_t ldc, int64_t p0, int64_t p1,
+                     uint8_t *stage) {
+    int64_t ks = kp / 4, kc = kp / 64, ldb = ldc * 4;
     amx_load_config();
     for (int64_t r0 = 0; r0 < m; r0 += AMX_ROWS) {
         int64_t mr = m - r0 < AMX_ROWS ? m - r0 : AMX_ROWS;
@@ -325,7 +342,7 @@ static void gemm_amx(const uint8_t *a, int64_t lda, const int64_t *rows, int64_t
             ab = stage;
             ld = kp;
         }
-        for (int64_t cb = 0; cb < np / COLS; cb += 2) {
+        for (int64_t cb = p0 * PANEL; cb < p1 * PANEL; cb += 2) {
             const int8_t *b0 = wpack + cb * ks * 64, *b1 = b0 + ks * 64;
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int64_t q = 0; q < kc; q++) {
@@ -336,35 +353,38 @@ static void gemm_amx(const uint8_t *a, int64_t lda, const int64_t *rows, int64_t
                 _tile_dpbusd(0, 4, 6); _tile_dpbusd(1, 4, 7);
                 _tile_dpbusd(2, 5, 6); _tile_dpbusd(3, 5, 7);
             }
-            int32_t *cp = c + r0 * np + cb * COLS;
-            _tile_stored(0, cp, ldc); _tile_stored(1, cp + COLS, ldc);
-            _tile_stored(2, cp + 16 * np, ldc); _tile_stored(3, cp + 16 * np + COLS, ldc);
+            int32_t *cp = c + r0 * ldc + cb * COLS;
+            _tile_stored(0, cp, ldb); _tile_stored(1, cp + COLS, ldb);
+            _tile_stored(2, cp + 16 * ldc, ldb); _tile_stored(3, cp + 16 * ldc + COLS, ldb);
         }
         for (int64_t i = 0; i < mr; i++) {
-            uint32_t *cr = (uint32_t *)(c + (r0 + i) * np);
-            for (int64_t j = 0; j < np; j++) cr[j] -= (uint32_t)wsum[j];
+            uint32_t *cr = (uint32_t *)(c + (r0 + i) * ldc);
+            for (int64_t j = p0 * COLS * PANEL; j < p1 * COLS * PANEL; j++) cr[j] -= (uint32_t)wsum[j];
         }
     }
     _tile_release();
 }
 #endif
 
-/* stage16: scratch of MR_AVX2 * kp u16 for the AVX2 tiles (scratch_t.w16; unused by the other paths) */
-static void gemm(const uint8_t *a, int64_t lda, const int64_t *rows, int64_t m, const int8_t *wpack,
-                 const int32_t *wsum, int64_t np, int64_t kp, int32_t *c, uint16_t *stage16) {
+/* The exact product of m rows (a[r] = a + r * lda, or a + rows[r] * lda) with the packed weight, for the
+ * output panels [p0, p1) (64 columns each): c[r][j] (row stride ldc) for j in those panels. The result of a
+ * panel does not depend on which others are computed with it, nor on the thread. Returns -1 when a thread's
+ * scratch cannot be had. c must have room for m rounded up to 32 rows where the AMX tiles may run. */
+static int gemm_panels(const uint8_t *a, int64_t lda, const int64_t *rows, int64_t m, const int8_t *wpack,
+                       const int32_t *wsum, int64_t kp, int32_t *c, int64_t ldc, int64_t p0, int64_t p1) {
     int64_t ks = kp / 4;
 #if HAVE_AMX
     if (m >= AMX_MIN_ROWS && kp % 64 == 0 && amx_usable()) {
-        uint8_t *stage = malloc((size_t)(AMX_ROWS * kp));
-        if (stage) {
-            gemm_amx(a, lda, rows, m, wpack, wsum, np, kp, c, stage);
-            free(stage);
-            return;
-        }
+        uint8_t *stage = thread_scratch((size_t)(AMX_ROWS * kp));
+        if (!stage) return -1;
+        gemm_amx(a, lda, rows, m, wpack, wsum, kp, c, ldc, p0, p1, stage);
+        return 0;
     }
 #endif
 #if HAVE_AVX2_GEMM
-    for (int64_t p = 0; p < np / (COLS * PANEL); p++) {
+    uint16_t *stage16 = thread_scratch((size_t)(MR_AVX2 * kp) * 2);
+    if (!stage16) return -1;
+    for (int64_t p = p0; p < p1; p++) {
         const int8_t *wb = wpack + p * PANEL * ks * 64;
         const int32_t *sb = wsum + p * COLS * PANEL;
         for (int64_t r0 = 0; r0 < m; r0 += MR_AVX2) {
@@ -376,33 +396,32 @@ static void gemm(const uint8_t *a, int64_t lda, const int64_t *rows, int64_t m, 
                 wr[i] = stage16 + i * kp;
             }
             widen_rows(ar, mr, kp, stage16);
-            int32_t *cp = c + r0 * np + p * COLS * PANEL;
+            int32_t *cp = c + r0 * ldc + p * COLS * PANEL;
             for (int b = 0; b < PANEL; b++) {
                 const int8_t *wbb = wb + b * ks * 64;
                 switch (mr) {
-                case 3: tile_avx2(3, wr, wbb, ks, sb + b * COLS, cp + b * COLS, np); break;
-                case 2: tile_avx2(2, wr, wbb, ks, sb + b * COLS, cp + b * COLS, np); break;
-                default: tile_avx2(1, wr, wbb, ks, sb + b * COLS, cp + b * COLS, np); break;
+                case 3: tile_avx2(3, wr, wbb, ks, sb + b * COLS, cp + b * COLS, ldc); break;
+                case 2: tile_avx2(2, wr, wbb, ks, sb + b * COLS, cp + b * COLS, ldc); break;
+                default: tile_avx2(1, wr, wbb, ks, sb + b * COLS, cp + b * COLS, ldc); break;
                 }
             }
         }
     }
 #else
-    (void)stage16;
-    for (int64_t p = 0; p < np / (COLS * PANEL); p++) {
+    for (int64_t p = p0; p < p1; p++) {
         const int8_t *wb = wpack + p * PANEL * ks * 64;
         const int32_t *sb = wsum + p * COLS * PANEL;
         for (int64_t r0 = 0; r0 < m; r0 += MR) {
             int mr = (int)(m - r0 < MR ? m - r0 : MR);
             const uint8_t *ar[MR];
             for (int i = 0; i < mr; i++) ar[i] = a + (rows ? rows[r0 + i] : r0 + i) * lda;
-            int32_t *cp = c + r0 * np + p * COLS * PANEL;
+            int32_t *cp = c + r0 * ldc + p * COLS * PANEL;
 #if HAVE_VNNI
             switch (mr) {
-            case 4: tile(4, ar, wb, ks, sb, cp, np); break;
-            case 3: tile(3, ar, wb, ks, sb, cp, np); break;
-            case 2: tile(2, ar, wb, ks, sb, cp, np); break;
-            default: tile(1, ar, wb, ks, sb, cp, np); break;
+            case 4: tile(4, ar, wb, ks, sb, cp, ldc); break;
+            case 3: tile(3, ar, wb, ks, sb, cp, ldc); break;
+            case 2: tile(2, ar, wb, ks, sb, cp, ldc); break;
+            default: tile(1, ar, wb, ks, sb, cp, ldc); break;
             }
 #else
             for (int i = 0; i < mr; i++)
@@ -414,12 +433,13 @@ static void gemm(const uint8_t *a, int64_t lda, const int64_t *rows, int64_t m, 
                             for (int t = 0; t < 4; t++)
                                 acc[col] += (uint32_t)((int32_t)ar[i][4 * s + t] * wbb[s * 64 + col * 4 + t]);
                     for (int col = 0; col < COLS; col++)
-                        cp[i * np + b * COLS + col] = (int32_t)(acc[col] - (uint32_t)sb[b * COLS + col]);
+                        cp[i * ldc + b * COLS + col] = (int32_t)(acc[col] - (uint32_t)sb[b * COLS + col]);
                 }
 #endif
         }
     }
 #endif
+    return 0;
 }
 
 /* ----- epilogues ---------------------------------------------------------------------------------- */
@@ -532,27 +552,28 @@ static inline void store_bf16x8(uint16_t *y, __m256 v) {
 }
 #endif
 
-static void epilogue(const linear_t *L, const int32_t *c, const float *s, int64_t m, int use_bias, void *y,
-                     int32_t dt) {
+/* Columns [j0, j1) of m rows' epilogue: int32 products c (row stride ldc) -> y [m, n] in dt. */
+static void epilogue_cols(const linear_t *L, const int32_t *c, int64_t ldc, const float *s, int64_t m,
+                          int use_bias, void *y, int32_t dt, int64_t j0, int64_t j1) {
     int64_t n = L->n;
     for (int64_t r = 0; r < m; r++) {
-        const int32_t *cr = c + r * L->np;
+        const int32_t *cr = c + r * ldc;
         float sr = L->kind == KIND_STATIC ? 0.0f : s[r];
-        int64_t j = 0;
+        int64_t j = j0;
 #if HAVE_VNNI
-        for (; j + 16 <= n; j += 16) {
+        for (; j + 16 <= j1; j += 16) {
             __m512 v = epi16(L, cr, sr, j, use_bias);
             if (dt == DT_BF16) store_bf16x16((uint16_t *)y + r * n + j, v);
             else _mm512_storeu_ps((float *)y + r * n + j, v);
         }
 #elif HAVE_AVX2_GEMM
-        for (; j + 8 <= n; j += 8) {
+        for (; j + 8 <= j1; j += 8) {
             __m256 v = epi8v(L, cr, sr, j, use_bias);
             if (dt == DT_BF16) store_bf16x8((uint16_t *)y + r * n + j, v);
             else _mm256_storeu_ps((float *)y + r * n + j, v);
         }
 #endif
-        for (; j < n; j++) {
+        for (; j < j1; j++) {
             float v = epi1(L, cr, sr, j, use_bias);
             if (dt == DT_BF16) ((uint16_t *)y)[r * n + j] = float_to_bf16(v);
             else ((float *)y)[r * n + j] = v;
@@ -561,18 +582,74 @@ static void epilogue(const linear_t *L, const int32_t *c, const float *s, int64_
 }
 
 /* scratch for m rows: int32 products [m + 32][np] (gemm_amx's last block writes whole tiles), scales [m],
- * the AVX2 tiles' widened rows [3][kp] u16, u8 activations [m][kp] */
-typedef struct { uint8_t *u; int32_t *c; float *s; uint16_t *w16; } scratch_t;
+ * u8 activations [m][kp] */
+typedef struct { uint8_t *u; int32_t *c; float *s; } scratch_t;
 
 static int scratch(scratch_t *t, int64_t m, int64_t kp, int64_t np) {
-    size_t cb = (size_t)((m + 32) * np) * 4, sb = (size_t)m * 4, wb = (size_t)(3 * kp) * 2, ub = (size_t)(m * kp);
-    char *p = malloc(cb + sb + wb + ub + 64);
+    size_t cb = (size_t)((m + 32) * np) * 4, sb = (size_t)m * 4, ub = (size_t)(m * kp);
+    char *p = malloc(cb + sb + ub + 64);
     if (!p) return -1;
     t->c = (int32_t *)p;
     t->s = (float *)(p + cb);
-    t->w16 = (uint16_t *)(p + cb + sb);
-    t->u = (uint8_t *)(p + cb + sb + wb);
+    t->u = (uint8_t *)(p + cb + sb);
     return 0;
+}
+
+/* ----- the calls, split over the pool (pool.h): rows for the quantization, output panels for the rest ---- */
+#define QUANT_ROWS 8      /* rows per quantization task */
+
+typedef struct {          /* quantize m rows of x (static with scale/offset, or dynamic: scales into s) */
+    int32_t kind, dt;
+    const void *x;
+    int64_t m, k, ldx, kp;
+    float in_scale, in_offset;
+    uint8_t *u;
+    float *s;
+} quant_job_t;
+
+static void quant_task(void *ctx, int64_t i) {
+    const quant_job_t *J = ctx;
+    const int64_t r0 = i * QUANT_ROWS, mr = J->m - r0 < QUANT_ROWS ? J->m - r0 : QUANT_ROWS;
+    const void *xr = (const char *)J->x + (size_t)(r0 * J->ldx) * dtype_size(J->dt);
+    if (J->kind == KIND_STATIC)
+        quant_static(xr, J->dt, mr, J->k, J->ldx, J->in_scale, J->in_offset, J->u + r0 * J->kp, J->kp);
+    else
+        quant_dynamic(xr, J->dt, mr, J->k, J->ldx, J->u + r0 * J->kp, J->kp, J->s + r0);
+}
+
+static void quantize_rows(int32_t kind, const void *x, int32_t dt, int64_t m, int64_t k, int64_t ldx, float sc,
+                          float off, uint8_t *u, int64_t kp, float *s) {
+    quant_job_t J = {kind, dt, x, m, k, ldx, kp, sc, off, u, s};
+    pool_run(quant_task, &J, (m + QUANT_ROWS - 1) / QUANT_ROWS);
+}
+
+enum { OUT_LINEAR = 0, OUT_DYNAMIC_F32 = 1, OUT_INT32 = 2 };
+
+typedef struct {          /* one row block of a linear: the product and the output, panel by panel */
+    const linear_t *L;
+    const uint8_t *u;
+    int64_t m;
+    int32_t *c;
+    const float *s;
+    void *y;
+    int32_t dt, out;
+    _Atomic int err;
+} linear_job_t;
+
+static void linear_task(void *ctx, int64_t p) {
+    linear_job_t *J = ctx;
+    const linear_t *L = J->L;
+    if (gemm_panels(J->u, L->kp, NULL, J->m, L->wpack, L->wsum, L->kp, J->c, L->np, p, p + 1)) {
+        J->err = 1;
+        return;
+    }
+    const int64_t j0 = p * COLS * PANEL, j1 = L->n < j0 + COLS * PANEL ? L->n : j0 + COLS * PANEL;
+    if (J->out == OUT_INT32) {
+        for (int64_t r = 0; r < J->m && j0 < j1; r++)
+            memcpy((int32_t *)J->y + r * L->n + j0, J->c + r * L->np + j0, (size_t)(j1 - j0) * 4);
+    } else if (j0 < j1) {
+        epilogue_cols(L, J->c, L->np, J->s, J->m, J->out == OUT_LINEAR, J->y, J->dt, j0, j1);
+    }
 }
 
 /* Rows are done ROW_BLOCK at a time (quantize, product, epilogue), so that the int32 products and the u8
@@ -581,24 +658,22 @@ static int scratch(scratch_t *t, int64_t m, int64_t kp, int64_t np) {
 #define ROW_BLOCK 128
 
 /* y [m, n] (x's dtype) = the linear of x [m, k] (row stride ldx). Returns 0, or -1 when out of memory. */
-
 int int8_linear(const linear_t *L, const void *x, int64_t m, int64_t ldx, int32_t dt, void *y) {
     scratch_t t = {0};
     const int64_t rb = m < ROW_BLOCK ? m : ROW_BLOCK;
     const size_t es = dtype_size(dt);
     if (scratch(&t, rb, L->kp, L->np)) return -1;
-    for (int64_t r0 = 0; r0 < m; r0 += rb) {
+    int rc = 0;
+    for (int64_t r0 = 0; r0 < m && !rc; r0 += rb) {
         const int64_t mr = m - r0 < rb ? m - r0 : rb;
-        const void *xr = (const char *)x + (size_t)(r0 * ldx) * es;
-        if (L->kind == KIND_STATIC)
-            quant_static(xr, dt, mr, L->k, ldx, L->in_scale, L->in_offset, t.u, L->kp);
-        else
-            quant_dynamic(xr, dt, mr, L->k, ldx, t.u, L->kp, t.s);
-        gemm(t.u, L->kp, NULL, mr, L->wpack, L->wsum, L->np, L->kp, t.c, t.w16);
-        epilogue(L, t.c, t.s, mr, 1, (char *)y + (size_t)(r0 * L->n) * es, dt);
+        quantize_rows(L->kind, (const char *)x + (size_t)(r0 * ldx) * es, dt, mr, L->k, ldx, L->in_scale,
+                      L->in_offset, t.u, L->kp, t.s);
+        linear_job_t J = {L, t.u, mr, t.c, t.s, (char *)y + (size_t)(r0 * L->n) * es, dt, OUT_LINEAR, 0};
+        pool_run(linear_task, &J, L->np / (COLS * PANEL));
+        rc = J.err ? -1 : 0;
     }
     free(t.c);
-    return 0;
+    return rc;
 }
 
 /* Already quantized rows q int8 [m, k]: the exact product int32 [m, n] (s == NULL), or the dynamic
@@ -607,18 +682,17 @@ int int8_linear_q(const linear_t *L, const int8_t *q, const float *s, int64_t m,
     scratch_t t = {0};
     const int64_t rb = m < ROW_BLOCK ? m : ROW_BLOCK;
     if (scratch(&t, rb, L->kp, L->np)) return -1;
-    for (int64_t r0 = 0; r0 < m; r0 += rb) {
+    int rc = 0;
+    for (int64_t r0 = 0; r0 < m && !rc; r0 += rb) {
         const int64_t mr = m - r0 < rb ? m - r0 : rb;
-        void *yr = (char *)y + (size_t)(r0 * L->n) * 4;      /* int32 or float32 */
         shift_int8(q + r0 * L->k, mr, L->k, t.u, L->kp);
-        gemm(t.u, L->kp, NULL, mr, L->wpack, L->wsum, L->np, L->kp, t.c, t.w16);
-        if (s == NULL)
-            for (int64_t r = 0; r < mr; r++) memcpy((int32_t *)yr + r * L->n, t.c + r * L->np, (size_t)L->n * 4);
-        else
-            epilogue(L, t.c, s + r0, mr, 0, yr, DT_F32);
+        linear_job_t J = {L, t.u, mr, t.c, s ? s + r0 : NULL, (char *)y + (size_t)(r0 * L->n) * 4, DT_F32,
+                          s ? OUT_DYNAMIC_F32 : OUT_INT32, 0};
+        pool_run(linear_task, &J, L->np / (COLS * PANEL));
+        rc = J.err ? -1 : 0;
     }
     free(t.c);
-    return 0;
+    return rc;
 }
 
 /* ----- the routed experts (cpu_moe.py) ------------------------------------------------------------ */
@@ -634,13 +708,55 @@ typedef struct {            /* must match cpu_moe.MoEParams */
     int32_t epilogue;
 } moe_t;
 
+typedef struct {          /* the routed experts' gate+up, panel by panel (every expert's rows in turn) */
+    const moe_t *M;
+    const uint8_t *u;
+    const int64_t *tok, *start;
+    int32_t *c;
+    const float *s;
+    float *gu;
+    _Atomic int err;
+} gate_up_job_t;
+
+static void gate_up_task(void *ctx, int64_t p) {
+    gate_up_job_t *J = ctx;
+    const moe_t *M = J->M;
+    const int64_t I2 = 2 * M->I, j0 = p * COLS * PANEL, j1 = I2 < j0 + COLS * PANEL ? I2 : j0 + COLS * PANEL;
+    for (int64_t e = 0; e < M->E; e++) {
+        const int64_t n_e = J->start[e + 1] - J->start[e];
+        if (!n_e) continue;
+        if (gemm_panels(J->u, M->gu_kp, J->tok + J->start[e], n_e, M->gu_pack + e * M->gu_np * M->gu_kp,
+                        M->gu_sum + e * M->gu_np, M->gu_kp, J->c, M->gu_np, p, p + 1)) {
+            J->err = 1;
+            return;
+        }
+        const float *ws = M->gu_scale + e * I2;
+        for (int64_t r = 0; r < n_e; r++) {
+            const float s = J->s[J->tok[J->start[e] + r]];
+            float *g = J->gu + (J->start[e] + r) * I2;
+            const int32_t *cr = J->c + r * M->gu_np;
+            int64_t j = j0;
+#if HAVE_VNNI
+            for (; j + 16 <= j1; j += 16)
+                _mm512_storeu_ps(g + j, epi_dynamic16(M->epilogue, _mm512_loadu_si512((const void *)(cr + j)), s,
+                                                      _mm512_loadu_ps(ws + j)));
+#elif HAVE_AVX2_GEMM
+            for (; j + 8 <= j1; j += 8)
+                _mm256_storeu_ps(g + j, epi_dynamic8(M->epilogue, _mm256_loadu_si256((const __m256i *)(cr + j)), s,
+                                                     _mm256_loadu_ps(ws + j)));
+#endif
+            for (; j < j1; j++) g[j] = epi_dynamic(M->epilogue, cr[j], s, ws[j]);
+        }
+    }
+}
+
 /* Routes the N * top_k slots: order [S] (slot ids sorted by expert, stable: torch.argsort(stable=True)),
  * load [E] (slots per expert); and gu [S, 2I] float32 = expert idx[slot]'s stacked gate and up projections
  * of the slot's token, the tokens x [N, H] quantized per token once. Returns 0, -1 (out of memory) or
  * -2 (an expert id outside [0, E)). */
 int moe_gate_up(const moe_t *M, const void *x, int32_t dt, int64_t N, int64_t top_k, const int64_t *idx,
                 int64_t *order, int64_t *load, float *gu) {
-    int64_t S = N * top_k, I2 = 2 * M->I;
+    int64_t S = N * top_k;
     for (int64_t e = 0; e < M->E; e++) load[e] = 0;
     for (int64_t i = 0; i < S; i++) {
         if (idx[i] < 0 || idx[i] >= M->E) return -2;
@@ -658,77 +774,81 @@ int moe_gate_up(const moe_t *M, const void *x, int32_t dt, int64_t N, int64_t to
     scratch_t t = {0};
     int64_t rows = N > S ? N : S;
     if (scratch(&t, rows, M->gu_kp, M->gu_np)) { free(start); return -1; }
-    quant_dynamic(x, dt, N, M->H, M->H, t.u, M->gu_kp, t.s);
-    for (int64_t e = 0; e < M->E; e++) {
-        int64_t n_e = start[e + 1] - start[e];
-        if (!n_e) continue;
-        gemm(t.u, M->gu_kp, tok + start[e], n_e, M->gu_pack + e * M->gu_np * M->gu_kp, M->gu_sum + e * M->gu_np,
-             M->gu_np, M->gu_kp, t.c, t.w16);
-        const float *ws = M->gu_scale + e * I2;
-        for (int64_t r = 0; r < n_e; r++) {
-            float s = t.s[tok[start[e] + r]];
-            float *g = gu + (start[e] + r) * I2;
-            const int32_t *cr = t.c + r * M->gu_np;
-            int64_t j = 0;
-#if HAVE_VNNI
-            for (; j + 16 <= I2; j += 16)
-                _mm512_storeu_ps(g + j, epi_dynamic16(M->epilogue, _mm512_loadu_si512((const void *)(cr + j)), s,
-                                                      _mm512_loadu_ps(ws + j)));
-#elif HAVE_AVX2_GEMM
-            for (; j + 8 <= I2; j += 8)
-                _mm256_storeu_ps(g + j, epi_dynamic8(M->epilogue, _mm256_loadu_si256((const __m256i *)(cr + j)), s,
-                                                     _mm256_loadu_ps(ws + j)));
-#endif
-            for (; j < I2; j++) g[j] = epi_dynamic(M->epilogue, cr[j], s, ws[j]);
-        }
-    }
+    quantize_rows(KIND_DYNAMIC, x, dt, N, M->H, M->H, 0.0f, 0.0f, t.u, M->gu_kp, t.s);
+    gate_up_job_t J = {M, t.u, tok, start, t.c, t.s, gu, 0};
+    pool_run(gate_up_task, &J, M->gu_np / (COLS * PANEL));
     free(t.c);
     free(start);
-    return 0;
+    return J.err ? -1 : 0;
+}
+
+typedef struct {          /* the routed experts' down projections, panel by panel, added in slot order */
+    const moe_t *M;
+    const uint8_t *u;
+    const int64_t *order, *load;
+    int64_t top_k;
+    int32_t *c;
+    const float *s, *weights;
+    float *out;
+    int32_t dt;
+    _Atomic int err;
+} down_job_t;
+
+static void down_task(void *ctx, int64_t p) {
+    down_job_t *J = ctx;
+    const moe_t *M = J->M;
+    const int64_t H = M->H, j0 = p * COLS * PANEL, j1 = H < j0 + COLS * PANEL ? H : j0 + COLS * PANEL;
+    for (int64_t e = 0, r0 = 0; e < M->E; r0 += J->load[e], e++) {
+        if (!J->load[e]) continue;
+        if (gemm_panels(J->u + r0 * M->dn_kp, M->dn_kp, NULL, J->load[e], M->dn_pack + e * M->dn_np * M->dn_kp,
+                        M->dn_sum + e * M->dn_np, M->dn_kp, J->c, M->dn_np, p, p + 1)) {
+            J->err = 1;
+            return;
+        }
+        const float *ws = M->dn_scale + e * H;
+        for (int64_t r = 0; r < J->load[e]; r++) {
+            const int64_t slot = J->order[r0 + r];
+            const float w = J->weights[slot], s = J->s[r0 + r];
+            float *o = J->out + (slot / J->top_k) * H;
+            const int32_t *cr = J->c + r * M->dn_np;
+            int64_t j = j0;
+#if HAVE_VNNI
+            for (; j + 16 <= j1; j += 16) {
+                __m512 v = epi_dynamic16(M->epilogue, _mm512_loadu_si512((const void *)(cr + j)), s,
+                                         _mm512_loadu_ps(ws + j));
+                if (J->dt == DT_BF16) v = round_bf16_ps(v);
+                _mm512_storeu_ps(o + j, _mm512_add_ps(_mm512_loadu_ps(o + j), _mm512_mul_ps(v, _mm512_set1_ps(w))));
+            }
+#elif HAVE_AVX2_GEMM
+            for (; j + 8 <= j1; j += 8) {
+                __m256 v = epi_dynamic8(M->epilogue, _mm256_loadu_si256((const __m256i *)(cr + j)), s,
+                                        _mm256_loadu_ps(ws + j));
+                if (J->dt == DT_BF16) v = round_bf16_8(v);
+                _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_mul_ps(v, _mm256_set1_ps(w))));
+            }
+#endif
+            for (; j < j1; j++) {
+                float v = epi_dynamic(M->epilogue, cr[j], s, ws[j]);
+                if (J->dt == DT_BF16) v = bf16_to_float(float_to_bf16(v));
+                o[j] = o[j] + v * w;
+            }
+        }
+    }
 }
 
 /* out [N, H] float32 = sum over each token's slots, in slot order (by expert, stable), of
  * w[slot] * (float)cast_dt(down_e(h[row])), h [S, I] (dtype dt) the SiLU(gate) * up rows in that order:
- * index_add_'s additions, one per slot, starting from 0. Returns 0 or -1 (out of memory). */
+ * index_add_'s additions, one per slot, starting from 0. Each output column's additions are one task's, in
+ * that order. Returns 0 or -1 (out of memory). */
 int moe_down(const moe_t *M, const void *h, int32_t dt, int64_t N, int64_t top_k, const int64_t *order,
              const int64_t *load, const float *weights, float *out) {
     int64_t S = N * top_k, H = M->H;
     scratch_t t = {0};
     if (scratch(&t, S, M->dn_kp, M->dn_np)) return -1;
-    quant_dynamic(h, dt, S, M->I, M->I, t.u, M->dn_kp, t.s);
+    quantize_rows(KIND_DYNAMIC, h, dt, S, M->I, M->I, 0.0f, 0.0f, t.u, M->dn_kp, t.s);
     memset(out, 0, (size_t)(N * H) * sizeof(float));
-    for (int64_t e = 0, r0 = 0; e < M->E; r0 += load[e], e++) {
-        if (!load[e]) continue;
-        gemm(t.u + r0 * M->dn_kp, M->dn_kp, NULL, load[e], M->dn_pack + e * M->dn_np * M->dn_kp,
-             M->dn_sum + e * M->dn_np, M->dn_np, M->dn_kp, t.c, t.w16);
-        const float *ws = M->dn_scale + e * H;
-        for (int64_t r = 0; r < load[e]; r++) {
-            int64_t slot = order[r0 + r];
-            float w = weights[slot], s = t.s[r0 + r], *o = out + (slot / top_k) * H;
-            const int32_t *cr = t.c + r * M->dn_np;
-            int64_t j = 0;
-#if HAVE_VNNI
-            for (; j + 16 <= H; j += 16) {
-                __m512 v = epi_dynamic16(M->epilogue, _mm512_loadu_si512((const void *)(cr + j)), s,
-                                         _mm512_loadu_ps(ws + j));
-                if (dt == DT_BF16) v = round_bf16_ps(v);
-                _mm512_storeu_ps(o + j, _mm512_add_ps(_mm512_loadu_ps(o + j), _mm512_mul_ps(v, _mm512_set1_ps(w))));
-            }
-#elif HAVE_AVX2_GEMM
-            for (; j + 8 <= H; j += 8) {
-                __m256 v = epi_dynamic8(M->epilogue, _mm256_loadu_si256((const __m256i *)(cr + j)), s,
-                                        _mm256_loadu_ps(ws + j));
-                if (dt == DT_BF16) v = round_bf16_8(v);
-                _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_mul_ps(v, _mm256_set1_ps(w))));
-            }
-#endif
-            for (; j < H; j++) {
-                float v = epi_dynamic(M->epilogue, cr[j], s, ws[j]);
-                if (dt == DT_BF16) v = bf16_to_float(float_to_bf16(v));
-                o[j] = o[j] + v * w;
-            }
-        }
-    }
+    down_job_t J = {M, t.u, order, load, top_k, t.c, t.s, weights, out, dt, 0};
+    pool_run(down_task, &J, M->dn_np / (COLS * PANEL));
     free(t.c);
-    return 0;
+    return J.err ? -1 : 0;
 }

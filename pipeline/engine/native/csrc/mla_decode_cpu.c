@@ -32,6 +32,7 @@
 #include <string.h>
 #include "dtypes.h"
 #include "cache_rows.h"
+#include "pool.h"
 #if defined(__AVX512F__) || DSQUANT_AVX2
 #include <immintrin.h>
 #include "vexp.h"
@@ -266,20 +267,43 @@ static float softmax_tile(float *restrict sh, int64_t n, float m_old, float *alp
     return mx;
 }
 
-/* y[r * ldy + j] = sum_{k < K} x[r * ldx + k] * w[k * N + j] for rows r < M, columns j < N: each element
- * one fused multiply-add chain over k in order from 0, whichever branch computes it (4 rows x 16 columns
- * at a time, a row alone, or a scalar column tail: the same bits), so a row's result never depends on M. */
-static void small_gemm(float *restrict y, int64_t ldy, const float *restrict x, int64_t ldx, const float *restrict w,
-                       int64_t M, int64_t K, int64_t N) {
-    int64_t j0 = 0;
+/* Weights of the absorption, float32 or bf16 (exact in float32: the same products either way). */
 #ifdef __AVX512F__
-    for (; j0 + 16 <= N; j0 += 16) {
-        int64_t r = 0;
-        for (; r + 4 <= M; r += 4) {
+static inline __m512 wload16(const void *w, int wdt, int64_t i) {
+    if (wdt == DT_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i))), 16));
+    return _mm512_loadu_ps((const float *)w + i);
+}
+#elif DSQUANT_AVX2
+static inline __m256 wload8(const void *w, int wdt, int64_t i) {
+    if (wdt == DT_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i))), 16));
+    return _mm256_loadu_ps((const float *)w + i);
+}
+#endif
+static inline float wload1(const void *w, int wdt, int64_t i) {
+    return wdt == DT_BF16 ? bf16_to_float(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
+/* y[r * ldy + j] = sum_{k < K} x[r * ldx + k] * w[k * N + j] for rows r < M, columns j < N (w float32 or
+ * bf16: wdt): each element one fused multiply-add chain over k in order from 0, whichever branch computes
+ * it (4 rows x 16 columns at a time, a row alone, or a scalar column tail: the same bits), so a row's
+ * result never depends on M. */
+static void small_gemm(float *restrict y, int64_t ldy, const float *restrict x, int64_t ldx, const void *w, int wdt,
+                       int64_t M, int64_t K, int64_t N) {
+    const int64_t M4 = M / 4 * 4;       /* rows taken four at a time; the others alone, 8 column vectors at once */
+    (void)M4;
+    int64_t jv = 0;                     /* columns done in vectors */
+#ifdef __AVX512F__
+    jv = N / 16 * 16;
+    for (int64_t j0 = 0; j0 < jv; j0 += 16)
+        for (int64_t r = 0; r < M4; r += 4) {
             const float *x0 = x + r * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int64_t k = 0; k < K; k++) {
-                const __m512 v = _mm512_loadu_ps(w + k * N + j0);
+                const __m512 v = wload16(w, wdt, k * N + j0);
                 a0 = _mm512_fmadd_ps(_mm512_set1_ps(x0[k]), v, a0);
                 a1 = _mm512_fmadd_ps(_mm512_set1_ps(x1[k]), v, a1);
                 a2 = _mm512_fmadd_ps(_mm512_set1_ps(x2[k]), v, a2);
@@ -290,21 +314,32 @@ static void small_gemm(float *restrict y, int64_t ldy, const float *restrict x, 
             _mm512_storeu_ps(y + (r + 2) * ldy + j0, a2);
             _mm512_storeu_ps(y + (r + 3) * ldy + j0, a3);
         }
-        for (; r < M; r++) {
-            const float *xr = x + r * ldx;
+    for (int64_t r = M4; r < M; r++) {  /* independent chains across columns: the FMA latency hidden */
+        const float *xr = x + r * ldx;
+        int64_t j0 = 0;
+        for (; j0 + 128 <= jv; j0 += 128) {
+            __m512 a[8];
+            for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k++) {
+                const __m512 xk = _mm512_set1_ps(xr[k]);
+                for (int i = 0; i < 8; i++) a[i] = _mm512_fmadd_ps(xk, wload16(w, wdt, k * N + j0 + 16 * i), a[i]);
+            }
+            for (int i = 0; i < 8; i++) _mm512_storeu_ps(y + r * ldy + j0 + 16 * i, a[i]);
+        }
+        for (; j0 < jv; j0 += 16) {
             __m512 a = _mm512_setzero_ps();
-            for (int64_t k = 0; k < K; k++) a = _mm512_fmadd_ps(_mm512_set1_ps(xr[k]), _mm512_loadu_ps(w + k * N + j0), a);
+            for (int64_t k = 0; k < K; k++) a = _mm512_fmadd_ps(_mm512_set1_ps(xr[k]), wload16(w, wdt, k * N + j0), a);
             _mm512_storeu_ps(y + r * ldy + j0, a);
         }
     }
 #elif DSQUANT_AVX2
-    for (; j0 + 8 <= N; j0 += 8) {
-        int64_t r = 0;
-        for (; r + 4 <= M; r += 4) {
+    jv = N / 8 * 8;
+    for (int64_t j0 = 0; j0 < jv; j0 += 8)
+        for (int64_t r = 0; r < M4; r += 4) {
             const float *x0 = x + r * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int64_t k = 0; k < K; k++) {
-                const __m256 v = _mm256_loadu_ps(w + k * N + j0);
+                const __m256 v = wload8(w, wdt, k * N + j0);
                 a0 = _mm256_fmadd_ps(_mm256_set1_ps(x0[k]), v, a0);
                 a1 = _mm256_fmadd_ps(_mm256_set1_ps(x1[k]), v, a1);
                 a2 = _mm256_fmadd_ps(_mm256_set1_ps(x2[k]), v, a2);
@@ -315,27 +350,109 @@ static void small_gemm(float *restrict y, int64_t ldy, const float *restrict x, 
             _mm256_storeu_ps(y + (r + 2) * ldy + j0, a2);
             _mm256_storeu_ps(y + (r + 3) * ldy + j0, a3);
         }
-        for (; r < M; r++) {
-            const float *xr = x + r * ldx;
+    for (int64_t r = M4; r < M; r++) {
+        const float *xr = x + r * ldx;
+        int64_t j0 = 0;
+        for (; j0 + 64 <= jv; j0 += 64) {
+            __m256 a[8];
+            for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+            for (int64_t k = 0; k < K; k++) {
+                const __m256 xk = _mm256_set1_ps(xr[k]);
+                for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(xk, wload8(w, wdt, k * N + j0 + 8 * i), a[i]);
+            }
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(y + r * ldy + j0 + 8 * i, a[i]);
+        }
+        for (; j0 < jv; j0 += 8) {
             __m256 a = _mm256_setzero_ps();
-            for (int64_t k = 0; k < K; k++) a = _mm256_fmadd_ps(_mm256_set1_ps(xr[k]), _mm256_loadu_ps(w + k * N + j0), a);
+            for (int64_t k = 0; k < K; k++) a = _mm256_fmadd_ps(_mm256_set1_ps(xr[k]), wload8(w, wdt, k * N + j0), a);
             _mm256_storeu_ps(y + r * ldy + j0, a);
         }
     }
 #endif
     for (int64_t r = 0; r < M; r++)
-        for (int64_t j = j0; j < N; j++) {
+        for (int64_t j = jv; j < N; j++) {
             float a = 0.0f;
-            for (int64_t k = 0; k < K; k++) a = fmaf(x[r * ldx + k], w[k * N + j], a);
+            for (int64_t k = 0; k < K; k++) a = fmaf(x[r * ldx + k], wload1(w, wdt, k * N + j), a);
             y[r * ldy + j] = a;
         }
 }
 
-/* The decode rows' attention (module comment); with w_uk / w_uv_t (else NULL) the absorption around it:
- * the queries are q_nope [B, H, dn] and q_abs[b, h] = q_nope[b, h] @ w_uk[h] ([H, dn, C]), and out holds
- * o[b, h] = o_lat[b, h] @ w_uv_t[h] ([H, C, dv]) [B, H, dv] instead of o_lat [B, H, C].
+typedef struct {                 /* one call of decode(): what every head group's task reads */
+    const float *q, *q_pe;
+    int64_t dn, dv, B, H, C, R, W, block_size, tile, group;
+    const void *w_uk, *w_uv_t;
+    int wdt;
+    const store_t *cs, *ps;
+    const int64_t *table, *lengths;
+    float s_k, softmax_scale;
+    float *out;
+    _Atomic int err;
+} decode_job_t;
+
+/* Heads [h0, h0 + g) of every row: their absorption (q_abs), their attention and their output. A head's
+ * bits do not depend on the other heads of its group (dots' and accumulate_v's comments), so the result is
+ * the same for any grouping and any thread. */
+static void decode_heads(void *ctx, int64_t task) {
+    decode_job_t *J = ctx;
+    const int64_t H = J->H, C = J->C, R = J->R, B = J->B, T = J->tile, dn = J->dn, dv = J->dv;
+    const int64_t h0 = task * J->group, g = H - h0 < J->group ? H - h0 : J->group;
+    const int64_t Cp = pad16(C), Rp = pad16(R), esz = J->wdt == DT_BF16 ? 2 : 4;
+    const int64_t rows = J->w_uk ? B * g * Cp : 0;  /* absorbed: every row's q_abs, then every row's o_lat */
+    size_t floats = (size_t)(T * Cp + T * Rp + g * Cp + g * Rp + g * Cp + g * T + 3 * g + rows);
+    float *buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
+    if (!buf) {
+        J->err = 1;
+        return;
+    }
+    memset(buf, 0, floats * 4);                    /* padding columns stay zero */
+    float *xc = buf, *xp = xc + T * Cp, *qa = xp + T * Rp, *qp = qa + g * Cp, *acc = qp + g * Rp;
+    float *s = acc + g * Cp, *m = s + g * T, *l = m + g, *alpha = l + g, *all = alpha + g;
+    for (int64_t i = 0; J->w_uk && i < g; i++)      /* q_abs[b, h] = q_nope[b, h] @ W_UK[h], all rows per head */
+        small_gemm(all + i * Cp, g * Cp, J->q + (h0 + i) * dn, H * dn,
+                   (const char *)J->w_uk + (size_t)((h0 + i) * dn * C) * esz, J->wdt, B, dn, C);
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t L = J->lengths[b];
+        const int64_t *blocks = J->table + b * J->W;
+        for (int64_t i = 0; i < g; i++) {
+            const int64_t h = h0 + i;
+            const float *qs = J->w_uk ? all + (b * g + i) * Cp : J->q + (b * H + h) * C;
+            for (int64_t j = 0; j < C; j++) qa[i * Cp + j] = qs[j] * J->s_k;    /* s_k folded into the query */
+            memcpy(qp + i * Rp, J->q_pe + (b * H + h) * R, (size_t)R * 4);
+            memset(acc + i * Cp, 0, (size_t)Cp * 4);
+            m[i] = -INFINITY;
+            l[i] = 0.0f;
+        }
+        for (int64_t t0 = 0; t0 < L; t0 += T) {
+            const int64_t n = L - t0 < T ? L - t0 : T;
+            for (int64_t i = 0; i < n;) {          /* runs of positions within one block */
+                const int64_t pos = t0 + i, blk = blocks[pos / J->block_size], off = pos % J->block_size;
+                const int64_t run = J->block_size - off < n - i ? J->block_size - off : n - i;
+                load_rows(xc + i * Cp, Cp, J->cs, blk, off, run);
+                load_rows(xp + i * Rp, Rp, J->ps, blk, off, run);
+                i += run;
+            }
+            dots(s, T, qa, qp, xc, xp, g, n, Cp, Rp, J->softmax_scale);
+            for (int64_t i = 0; i < g; i++) m[i] = softmax_tile(s + i * T, n, m[i], &alpha[i], &l[i]);
+            accumulate_v(acc, alpha, s, T, xc, g, n, Cp);
+        }
+        for (int64_t i = 0; i < g; i++) {       /* absorbed: o_lat over q_abs, which served its row */
+            const float f = J->s_k / l[i];
+            float *o = J->w_uv_t ? all + (b * g + i) * Cp : J->out + (b * H + h0 + i) * C;
+            for (int64_t j = 0; j < C; j++) o[j] = acc[i * Cp + j] * f;
+        }
+    }
+    for (int64_t i = 0; J->w_uv_t && i < g; i++)   /* o[b, h] = o_lat[b, h] @ W_UV^T[h], all rows per head */
+        small_gemm(J->out + (h0 + i) * dv, H * dv, all + i * Cp, g * Cp,
+                   (const char *)J->w_uv_t + (size_t)((h0 + i) * C * dv) * esz, J->wdt, B, C, dv);
+    free(buf);
+}
+
+/* The decode rows' attention (module comment); with w_uk / w_uv_t (else NULL; float32 or bf16: wdt) the
+ * absorption around it: the queries are q_nope [B, H, dn] and q_abs[b, h] = q_nope[b, h] @ w_uk[h]
+ * ([H, dn, C]), and out holds o[b, h] = o_lat[b, h] @ w_uv_t[h] ([H, C, dv]) [B, H, dv] instead of o_lat
+ * [B, H, C]. The heads go to the pool's threads in groups (a multiple of 4, at least two groups a thread).
  * Returns 0, or: 1 out of memory, 2 a length outside 1 .. W * block_size, 3 a block id outside the cache. */
-static int decode(const float *q, int64_t dn, const float *w_uk, const float *w_uv_t, int64_t dv,
+static int decode(const float *q, int64_t dn, const void *w_uk, const void *w_uv_t, int wdt, int64_t dv,
                   const float *q_pe, int64_t B, int64_t H, int64_t C, int64_t R, const store_t *cs,
                   const store_t *ps, const int64_t *table, int64_t W, const int64_t *lengths, int64_t block_size,
                   int64_t num_blocks, float s_k, float softmax_scale, int64_t tile, float *out) {
@@ -344,54 +461,13 @@ static int decode(const float *q, int64_t dn, const float *w_uk, const float *w_
         for (int64_t k = 0; k < (lengths[b] + block_size - 1) / block_size; k++)
             if (table[b * W + k] < 0 || table[b * W + k] >= num_blocks) return 3;
     }
-    const int64_t Cp = pad16(C), Rp = pad16(R), T = tile;
-    const int64_t rows = w_uk ? B * H * Cp : 0;    /* absorbed: every row's q_abs, then every row's o_lat */
-    size_t floats = (size_t)(T * Cp + T * Rp + H * Cp + H * Rp + H * Cp + H * T + 3 * H + rows);
-    float *buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
-    if (!buf) return 1;
-    memset(buf, 0, floats * 4);                    /* padding columns stay zero */
-    float *xc = buf, *xp = xc + T * Cp, *qa = xp + T * Rp, *qp = qa + H * Cp, *acc = qp + H * Rp;
-    float *s = acc + H * Cp, *m = s + H * T, *l = m + H, *alpha = l + H, *all = alpha + H;
-    for (int64_t h = 0; w_uk && h < H; h++)         /* q_abs[b, h] = q_nope[b, h] @ W_UK[h], all rows per head */
-        small_gemm(all + h * Cp, H * Cp, q + h * dn, H * dn, w_uk + h * dn * C, B, dn, C);
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t L = lengths[b];
-        const int64_t *blocks = table + b * W;
-        for (int64_t h = 0; h < H; h++) {
-            const float *qs = w_uk ? all + (b * H + h) * Cp : q + (b * H + h) * C;
-            for (int64_t j = 0; j < C; j++) qa[h * Cp + j] = qs[j] * s_k;    /* s_k folded into the query */
-            memcpy(qp + h * Rp, q_pe + (b * H + h) * R, (size_t)R * 4);
-            memset(acc + h * Cp, 0, (size_t)Cp * 4);
-            m[h] = -INFINITY;
-            l[h] = 0.0f;
-        }
-        for (int64_t t0 = 0; t0 < L; t0 += T) {
-            const int64_t n = L - t0 < T ? L - t0 : T;
-            for (int64_t i = 0; i < n;) {          /* runs of positions within one block */
-                const int64_t pos = t0 + i, blk = blocks[pos / block_size], off = pos % block_size;
-                const int64_t run = block_size - off < n - i ? block_size - off : n - i;
-                load_rows(xc + i * Cp, Cp, cs, blk, off, run);
-                load_rows(xp + i * Rp, Rp, ps, blk, off, run);
-                i += run;
-            }
-            dots(s, T, qa, qp, xc, xp, H, n, Cp, Rp, softmax_scale);
-            for (int64_t h = 0; h < H; h++) {
-                float *sh = s + h * T;
-                const float mx = softmax_tile(sh, n, m[h], &alpha[h], &l[h]);
-                m[h] = mx;
-            }
-            accumulate_v(acc, alpha, s, T, xc, H, n, Cp);
-        }
-        for (int64_t h = 0; h < H; h++) {       /* absorbed: o_lat over q_abs, which served its row */
-            const float f = s_k / l[h];
-            float *o = w_uv_t ? all + (b * H + h) * Cp : out + (b * H + h) * C;
-            for (int64_t j = 0; j < C; j++) o[j] = acc[h * Cp + j] * f;
-        }
-    }
-    for (int64_t h = 0; w_uv_t && h < H; h++)       /* o[b, h] = o_lat[b, h] @ W_UV^T[h], all rows per head */
-        small_gemm(out + h * dv, H * dv, all + h * Cp, H * Cp, w_uv_t + h * C * dv, B, C, dv);
-    free(buf);
-    return 0;
+    const int64_t threads = pool_get_threads();
+    int64_t group = threads <= 1 ? H : (H + 2 * threads - 1) / (2 * threads);
+    group = (group + 3) / 4 * 4;
+    decode_job_t J = {q, q_pe, dn, dv, B, H, C, R, W, block_size, tile, group, w_uk, w_uv_t, wdt, cs, ps, table,
+                      lengths, s_k, softmax_scale, out, 0};
+    pool_run(decode_heads, &J, (H + group - 1) / group);
+    return J.err ? 1 : 0;
 }
 
 /* 1 when built with the AVX-512 or AVX2 loops (else plain C, which the engine serves with torch's ops instead). */
@@ -410,12 +486,13 @@ int mla_decode(const float *q_abs, const float *q_pe, int64_t B, int64_t H, int6
                int64_t block_size, int64_t num_blocks, float s_k, float softmax_scale, int64_t tile, float *out) {
     store_t cs = {c_base, c_dtype, c_bstride, c_tstride, c_kstride, c_kwidth, C};
     store_t ps = {p_base, p_dtype, p_bstride, p_tstride, p_kstride, p_kwidth, R};
-    return decode(q_abs, C, NULL, NULL, C, q_pe, B, H, C, R, &cs, &ps, table, W, lengths, block_size, num_blocks,
+    return decode(q_abs, C, NULL, NULL, DT_F32, C, q_pe, B, H, C, R, &cs, &ps, table, W, lengths, block_size, num_blocks,
                   s_k, softmax_scale, tile, out);
 }
 
-/* mla_decode from q_nope [B, H, dn] with the absorption folded in (see decode): out [B, H, dv]. */
-int mla_decode_absorbed(const float *q_nope, int64_t dn, const float *w_uk, const float *w_uv_t, int64_t dv,
+/* mla_decode from q_nope [B, H, dn] with the absorption folded in (see decode), its weights float32 or bf16
+ * (w_dtype): out [B, H, dv]. */
+int mla_decode_absorbed(const float *q_nope, int64_t dn, const void *w_uk, const void *w_uv_t, int w_dtype, int64_t dv,
                         const float *q_pe, int64_t B, int64_t H, int64_t C, int64_t R,
                         const void *c_base, int c_dtype, int64_t c_bstride, int64_t c_tstride, int64_t c_kstride,
                         int64_t c_kwidth, const void *p_base, int p_dtype, int64_t p_bstride, int64_t p_tstride,
@@ -424,6 +501,6 @@ int mla_decode_absorbed(const float *q_nope, int64_t dn, const float *w_uk, cons
                         float softmax_scale, int64_t tile, float *out) {
     store_t cs = {c_base, c_dtype, c_bstride, c_tstride, c_kstride, c_kwidth, C};
     store_t ps = {p_base, p_dtype, p_bstride, p_tstride, p_kstride, p_kwidth, R};
-    return decode(q_nope, dn, w_uk, w_uv_t, dv, q_pe, B, H, C, R, &cs, &ps, table, W, lengths, block_size,
+    return decode(q_nope, dn, w_uk, w_uv_t, w_dtype, dv, q_pe, B, H, C, R, &cs, &ps, table, W, lengths, block_size,
                   num_blocks, s_k, softmax_scale, tile, out);
 }
