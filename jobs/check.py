@@ -48,7 +48,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.tp < 1:
             print(f"error: --tp must be >= 1, got {args.tp}", file=sys.stderr)
             return 2
-        report = check_runtime(args.path, args.runtime, args.tp) if args.runtime else \
+        report = check_runtime(args.path, args.runtime, args.tp, args.verify) if args.runtime else \
             check_dir(args.path, dialect=args.dialect, verify=args.verify)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)

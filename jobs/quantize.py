@@ -298,7 +298,7 @@ def main(argv=None) -> int:
     if rc:
         return rc
     src, dst, recipe, opts, dist = job
-    from jobs._runtime_targets import announce
+    from jobs._runtime_targets import announce, loads_in
 
     refused = announce(args.target_runtime, src, recipe, opts)
     if refused:
@@ -318,6 +318,7 @@ def main(argv=None) -> int:
         rc, _ = run_guarded(lambda: quantize_distributed(src, dst, recipe, opts, dist), failures(dist))
     if rc == 0:
         print(f"done: {dst} (check it with: python -m jobs.check {dst})")
+        print(loads_in(dst))
     return rc
 
 

@@ -144,3 +144,19 @@ def test_target_runtime_refuses_before_any_work(tmp_path):
     assert p.returncode == 2 and "--target-runtime vllm-ascend" in p.stderr and "mindie" in p.stderr.lower()
     assert "runtimes: this output will load in dsquant" in p.stdout
     assert not out.exists()
+
+
+def test_quantize_says_up_front_what_its_output_then_loads_in(tmp_path):
+    """The tiny checkpoint with the legacy flags: DeepSeek-V3's FA3 exclusion list covers all its layers,
+    so no FA3 tensor is written; the label said before the work equals the one checked on the output."""
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "jobs.quantize", "--model-path", str(FIXTURES / "tiny-deepseek-v3"),
+                        "--calib-data", str(FIXTURES / "calib.json"), "--save-path", str(out), "--no-estimate",
+                        "--no-progress", "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("runtimes: ")]
+    assert len(lines) == 2, p.stdout
+    before = lines[0].split("will load in ")[1].split(" (")[0].split(", ")
+    after = lines[1].split(" loads in ")[1].split(", ")
+    assert sorted(before) == sorted(after) == sorted([DSQUANT, VLLM_ASCEND, MINDIE])
+    assert all(check_runtime(str(out), r).ok for r in after)

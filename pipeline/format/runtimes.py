@@ -147,9 +147,10 @@ def read_output(path: str) -> Output:
     return Output(config, desc, specs)
 
 
-def check_runtime(path: str, runtime: str, tp: int = 1) -> RuntimeReport:
+def check_runtime(path: str, runtime: str, tp: int = 1, verify: bool = True) -> RuntimeReport:
     """The report of ``path`` against ``runtime``'s loader (``tp``: the tensor-parallel size it would
-    run with). CheckpointError when the directory or its config.json cannot be read."""
+    run with; ``verify``: dsquant's manifest sha256s re-read, as pipeline.format.checker.check_dir).
+    CheckpointError when the directory or its config.json cannot be read."""
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
     if tp < 1:
@@ -158,7 +159,7 @@ def check_runtime(path: str, runtime: str, tp: int = 1) -> RuntimeReport:
     if runtime == DSQUANT:
         from pipeline.format.checker import check_dir
 
-        for v in check_dir(path).violations:
+        for v in check_dir(path, verify=verify).violations:
             report.add(v.rule, v.where, v.message)
         return report
     out = read_output(path)
