@@ -87,6 +87,10 @@ def main(argv=None) -> int:
             raise FileNotFoundError(f"{path}: not a checkpoint directory")
         kind = dir_kind(path)
         tok = Tokenizer.from_dir(path)
+        if (kind == QUANTIZED or args.engine) and _parallel(args) is None:
+            from pipeline.engine.worker.memory import check_fits
+
+            check_fits(path)
         if kind == QUANTIZED or args.engine:
             from pipeline.engine.core.engine import LLMEngine
 

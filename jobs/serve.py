@@ -84,6 +84,11 @@ def main(argv=None) -> int:
     try:
         storage.check_reachable(cfg.model_path)      # a mute object store: seconds, not minutes
         kind = check_model_dir(cfg)
+        if not join_address(args.address):           # this machine runs every engine: do they fit?
+            from pipeline.engine.worker.memory import check_fits
+
+            check_fits(cfg.model_path, sum(o.num_replicas for n, o in cfg.deployments().items()
+                                           if n in ("llm", "prefill")))
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -30,7 +30,7 @@ from pipeline.engine.attention.mha_prefill import kv_weights, mha_prefill_attent
 from pipeline.engine.attention.paged import paged_prefill_attention
 from pipeline.engine.cache.paged_cache import PagedLatentCache
 from pipeline.engine.config import NATIVE, TRITON, Kernels
-from pipeline.engine.native import cpu_attention
+from pipeline.engine.native import cpu_attention, hugepages
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ class NativeAttention(TorchAttention):
         # C decode and C prefill: the decode reads the absorbed weights as the checkpoint stores them (bf16:
         # the same products as their float32 copies, half the bytes a step reads), the prefill its packed
         # form; no float32 copy is kept
-        return LayerWeights(w_uk.contiguous(), w_uv.transpose(1, 2).contiguous(), None, w_pack)
+        return LayerWeights(hugepages.copy(w_uk), hugepages.copy(w_uv.transpose(1, 2)), None, w_pack)
 
     def write(self, cache, slots, c, k_pe) -> None:
         if not (self.write_c and cpu_attention.write_slots(cache, slots, c, k_pe)):

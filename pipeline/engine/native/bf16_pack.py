@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pipeline.engine.native import hugepages
+
 
 def bf16_representable(w: torch.Tensor) -> bool:
     """Whether a float32 tensor holds bf16 values only (widening its bf16 rounding gives it back)."""
@@ -35,4 +37,6 @@ def pack_bf16(w: torch.Tensor, name: str = "weight") -> torch.Tensor:
     n, k = w.shape
     nb, kh, _ = packed_shape(n, k)
     bits = F.pad(w.to(torch.bfloat16).view(torch.int16), (0, 2 * kh - k, 0, 16 * nb - n))
-    return bits.view(nb, 16, kh, 2).permute(0, 2, 1, 3).contiguous().view(torch.int32).view(nb, kh, 16)
+    out = hugepages.empty((nb, kh, 16, 2), torch.int16)      # huge-page backed: the GEMMs stream it
+    out.copy_(bits.view(nb, 16, kh, 2).permute(0, 2, 1, 3))
+    return out.view(torch.int32).view(nb, kh, 16)

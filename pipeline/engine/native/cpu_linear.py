@@ -45,6 +45,7 @@ from typing import Optional
 import torch
 
 from pipeline.cbuild import EXACT_FLAGS, NativeLibrary
+from pipeline.engine.native import hugepages
 from pipeline.format.description import W8A8
 
 SOURCE = Path(__file__).with_name("csrc") / "int8_linear_cpu.c"
@@ -147,15 +148,21 @@ def padded(n: int, k: int) -> tuple[int, int]:
     return -(-n // PANEL_COLS) * PANEL_COLS, -(-k // K_STEP) * K_STEP
 
 
-def pack_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 [n, k] -> (packed int8 [np * kp], 128 * row sums int32 [np]) in the C kernel's layout."""
+def pack_weight(w: torch.Tensor, pack: Optional[torch.Tensor] = None,
+                wsum: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [n, k] -> (packed int8 [np * kp], 128 * row sums int32 [np]) in the C kernel's layout, into
+    ``pack`` / ``wsum`` where given (contiguous, of those sizes: a slice of a stacked buffer), else into new
+    tensors (the pack huge-page backed: :mod:`pipeline.engine.native.hugepages`)."""
     lib = _LIB.loaded()
     if lib is None:
         raise RuntimeError(f"pack_weight: {status()}")
     w = w.contiguous()
     n, k = w.shape
     np_, kp = padded(n, k)
-    pack, wsum = torch.empty(np_ * kp, dtype=torch.int8), torch.empty(np_, dtype=torch.int32)
+    pack = hugepages.empty(np_ * kp, torch.int8) if pack is None else pack
+    wsum = torch.empty(np_, dtype=torch.int32) if wsum is None else wsum
+    if pack.numel() != np_ * kp or wsum.numel() != np_ or not (pack.is_contiguous() and wsum.is_contiguous()):
+        raise ValueError(f"pack_weight: buffers of {np_ * kp} int8 and {np_} int32 needed for [{n}, {k}]")
     lib.int8_pack(w.data_ptr(), n, k, np_, kp, pack.data_ptr(), wsum.data_ptr())
     return pack, wsum
 

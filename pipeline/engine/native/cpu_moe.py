@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from pipeline.engine.native import cpu_linear
+from pipeline.engine.native import cpu_linear, hugepages
 from pipeline.format.description import W8A8_DYNAMIC
 
 #: The Int8Linear kernels (layers.qlinear's) that let the C path serve a linear.
@@ -56,18 +56,18 @@ class PackedExperts:
 
     def __init__(self, moe):
         ex = list(moe.experts)
-        I, H = ex[0].inter, ex[0].gate_up.in_features
-        gu_pack, gu_sum, dn_pack, dn_sum = [], [], [], []
-        for e in ex:
-            a, b = cpu_linear.pack_weight(e.gate_up.weight)
-            gu_pack.append(a), gu_sum.append(b)
-            a, b = cpu_linear.pack_weight(e.down_proj.weight)
-            dn_pack.append(a), dn_sum.append(b)
-        self.keep = [torch.cat(gu_pack), torch.cat(gu_sum), torch.cat(dn_pack), torch.cat(dn_sum),
-                     torch.cat([e.gate_up.weight_scale.float().reshape(-1) for e in ex]),
-                     torch.cat([e.down_proj.weight_scale.float().reshape(-1) for e in ex])]
+        I, H, E = ex[0].inter, ex[0].gate_up.in_features, len(ex)
         gu_np, gu_kp = cpu_linear.padded(2 * I, H)
         dn_np, dn_kp = cpu_linear.padded(H, I)
+        # each expert packed straight into its slice of the stacked (huge-page backed) buffers: no second copy
+        gu_pack, dn_pack = hugepages.empty((E, gu_np * gu_kp), torch.int8), hugepages.empty((E, dn_np * dn_kp), torch.int8)
+        gu_sum, dn_sum = torch.empty(E, gu_np, dtype=torch.int32), torch.empty(E, dn_np, dtype=torch.int32)
+        for i, e in enumerate(ex):
+            cpu_linear.pack_weight(e.gate_up.weight, gu_pack[i], gu_sum[i])
+            cpu_linear.pack_weight(e.down_proj.weight, dn_pack[i], dn_sum[i])
+        self.keep = [gu_pack, gu_sum, dn_pack, dn_sum,
+                     torch.cat([e.gate_up.weight_scale.float().reshape(-1) for e in ex]),
+                     torch.cat([e.down_proj.weight_scale.float().reshape(-1) for e in ex])]
         ptr = [t.data_ptr() for t in self.keep]
         self.params = MoEParams(len(ex), H, I, gu_np, gu_kp, dn_np, dn_kp, ptr[0], ptr[1], ptr[4], ptr[2], ptr[3],
                                 ptr[5], cpu_linear.EPILOGUES[ex[0].gate_up.epilogue])
