@@ -25,6 +25,7 @@ ingress is bounded too): there is no unbounded queue; ``n`` above ``max_in_fligh
 # FastAPI view, and FastAPI cannot resolve string annotations (``request: "Request"``) in them.
 
 import asyncio
+import functools
 import logging
 import time
 from typing import AsyncIterator, Optional
@@ -49,6 +50,7 @@ from pipeline.serving import tokenize_api
 from pipeline.serving.choices import ChoiceState
 from pipeline.serving.logprobs import TokenStrings
 from pipeline.serving.openai_api import ApiError, GenerateRequest
+from pipeline.serving.reasoning import parser_for
 
 STATS_TIMEOUT_S = 5.0
 log = logging.getLogger("dsquant.serve")
@@ -111,6 +113,9 @@ class OpenAIIngress:
         self.model = config.model_name
         self.tokenizer = Tokenizer.from_dir(config.model_path)
         self.strings = TokenStrings(self.tokenizer)     # token strings and bytes, for logprobs (cached)
+        self.parse_chat = functools.partial(api.parse_chat, reasoning=parser_for(config.reasoning_parser,
+                                                                                  self.tokenizer.chat_template),
+                                            constrain_reasoning=config.constrain_reasoning)
         self.metrics = ServeMetrics()
         self.in_flight = 0
         self.answer_limit = proxy_limit()               # bytes a non-streamed answer may have (None: any)
@@ -259,7 +264,7 @@ class OpenAIIngress:
 
     @openai_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await self._generate(request, "chat", api.parse_chat)
+        return await self._generate(request, "chat", self.parse_chat)
 
     @openai_app.post("/tokenize")
     async def tokenize(self, request: Request):

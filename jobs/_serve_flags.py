@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mindie-config", dest="mindie_config", default=None,
                     help="a MindIE config.json (or its ModelConfig block) to serve as it says; sizes the hardware "
                          "cannot honour are refused (default: none)")
+    ap.add_argument("--reasoning-parser", dest="reasoning_parser", choices=("deepseek_r1", "none"), default=None,
+                    help="split R1's reasoning into reasoning_content (deepseek_r1) or not (none); default: on for "
+                         "a chat template that opens <think> (R1-family checkpoints)")
+    ap.add_argument("--constrain-reasoning", dest="constrain_reasoning", action="store_true", default=None,
+                    help="with a reasoning parser, structured outputs and forced tool calls constrain the reasoning "
+                         "too (vLLM's enable_in_reasoning); default: they start after </think>")
     ap.add_argument("--mode", choices=("colocated", "disaggregated"), default=None,
                     help=f"prefill and decode in one deployment or apart (default: {dd.mode})")
     add_sharding_flags(ap, default_combine=None)
@@ -160,7 +166,8 @@ def make_config(args: argparse.Namespace):
         args.api_key = key
     top = {k: getattr(args, k) for k in ("model_path", "served_model_name", "host", "port", "api_key",
                                          "max_in_flight", "torch_threads", "mode", "dtype", "engine_process",
-                                         "engine_in_ingress", "engine_cpus")
+                                         "engine_in_ingress", "engine_cpus", "reasoning_parser",
+                                         "constrain_reasoning")
            if getattr(args, k) is not None}
     engine = {k: getattr(args, k) for k in ("num_blocks", "block_size", "max_num_seqs", "max_batched_tokens",
                                             "max_model_len", "nz", "mtp", "prefix_caching", "compile", "decode_graph",

@@ -103,6 +103,8 @@ def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -
                "agreement=0.98,ppl=1,sqnr=32)")
     _flag(ap, "--dynamic", action="store_true", help="every quantized linear W8A8_DYNAMIC")
     _flag(ap, "--mindie-format", action="store_true", help="add MindIE's config.json keys (and model_type deepseekv2)")
+    _flag(ap, "--target-runtime", choices=("vllm-ascend", "mindie", "dsquant"), default=None,
+          help="refuse, before any work, options whose output this runtime cannot load (jobs.check --runtime)")
     _flag(ap, "--smooth", action="store_true", help="anti-outlier smoothing (SmoothQuant + latent), format unchanged")
     _flag(ap, "--smooth-alpha", type=float, default=0.5, help="smoothing migration strength alpha in [0, 1]")
     _flag(ap, "--quantize-mtp", action="store_true", help="quantize the MTP layer too (else it stays FLOAT)")
@@ -320,6 +322,12 @@ def main(argv=None) -> int:
     if rc:
         return rc
     src, dst, recipe, opts, dist = job
+    from jobs._runtime_targets import announce, loads_in
+
+    refused = announce(args.target_runtime, src, recipe, opts)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
     if dist is None:
         rc = _run_here(args, src, dst, recipe, opts)
     else:
@@ -328,6 +336,7 @@ def main(argv=None) -> int:
         rc, _ = run_guarded(lambda: quantize_distributed(src, dst, recipe, opts, dist), failures(dist))
     if rc == 0:
         print(f"done: {dst} (check it with: python -m jobs.check {dst})")
+        print(loads_in(dst))
     return rc
 
 

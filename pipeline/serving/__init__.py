@@ -1,2 +1,3 @@
 """The serving protocol, without Ray: OpenAI request validation and responses (SSE chunks, incremental
-detokenization), and MindIE's ModelConfig block. The Serve deployments in ``actors/`` use it."""
+detokenization; structured outputs, tool calls, R1's reasoning split), and MindIE's ModelConfig block.
+The Serve deployments in ``actors/`` use it."""
