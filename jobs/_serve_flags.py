@@ -9,10 +9,13 @@ import os
 import sys
 from pathlib import Path
 
+from actors.serving.api_keys import check_key, env_key
 from jobs._serve_env import HTTP_PROXIES
+from pipeline.io import storage
 from jobs._sharding_flags import add_sharding_flags, parallel_config
 
 DEFAULT_MODEL = os.path.join("out", "dsv3-tiny-pydoc-w8a8-fa3")
+KEY_FILE_BYTES = 64 * 1024       # a key file holds one line; a FIFO or /dev/zero is refused, not read
 DESCRIPTION = ("Serve a quantized model or a float checkpoint with an OpenAI-compatible API on Ray Serve: "
                "``python -m jobs.serve``.")
 
@@ -92,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mindie-config", dest="mindie_config", default=None,
                     help="a MindIE config.json (or its ModelConfig block) to serve as it says; sizes the hardware "
                          "cannot honour are refused (default: none)")
+    ap.add_argument("--reasoning-parser", dest="reasoning_parser", choices=("deepseek_r1", "none"), default=None,
+                    help="split R1's reasoning into reasoning_content (deepseek_r1) or not (none); default: on for "
+                         "a chat template that opens <think> (R1-family checkpoints)")
+    ap.add_argument("--constrain-reasoning", dest="constrain_reasoning", action="store_true", default=None,
+                    help="with a reasoning parser, structured outputs and forced tool calls constrain the reasoning "
+                         "too (vLLM's enable_in_reasoning); default: they start after </think>")
     ap.add_argument("--mode", choices=("colocated", "disaggregated"), default=None,
                     help=f"prefill and decode in one deployment or apart (default: {dd.mode})")
     add_sharding_flags(ap, default_combine=None)
@@ -122,20 +131,19 @@ def api_key(args: argparse.Namespace):
     if args.api_key is not None and args.api_key_file is not None:
         raise ValueError("give --api-key or --api-key-file, not both")
     if args.api_key is not None:
-        if not args.api_key.strip():
-            raise ValueError("--api-key is empty")
-        return args.api_key
+        return check_key(args.api_key, "--api-key")
     if args.api_key_file is not None:
+        where = f"--api-key-file {args.api_key_file}"
         try:
-            lines = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()
+            lines = storage.read_small(args.api_key_file, KEY_FILE_BYTES, "key file").decode("utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as e:
             why = getattr(e, "strerror", None) or e
-            raise ValueError(f"--api-key-file {args.api_key_file}: cannot read it ({why})") from None
+            raise ValueError(f"{where}: cannot read it ({why})") from None
         key = lines[0].strip() if lines else ""
         if not key:
-            raise ValueError(f"--api-key-file {args.api_key_file}: its first line is empty")
-        return key
-    return os.environ.get("DSQUANT_API_KEY") or None
+            raise ValueError(f"{where}: its first line is empty")
+        return check_key(key, f"{where}: its first line")
+    return env_key()
 
 
 def make_config(args: argparse.Namespace):
@@ -158,7 +166,8 @@ def make_config(args: argparse.Namespace):
         args.api_key = key
     top = {k: getattr(args, k) for k in ("model_path", "served_model_name", "host", "port", "api_key",
                                          "max_in_flight", "torch_threads", "mode", "dtype", "engine_process",
-                                         "engine_in_ingress", "engine_cpus")
+                                         "engine_in_ingress", "engine_cpus", "reasoning_parser",
+                                         "constrain_reasoning")
            if getattr(args, k) is not None}
     engine = {k: getattr(args, k) for k in ("num_blocks", "block_size", "max_num_seqs", "max_batched_tokens",
                                             "max_model_len", "nz", "mtp", "prefix_caching", "compile", "decode_graph",

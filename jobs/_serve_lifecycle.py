@@ -183,7 +183,57 @@ def _gcs_alive() -> bool:
         return True
 
 
-def _stop_app_and_ray(app_name: str, private: bool, since: float, done: threading.Event) -> None:
+GRACE_S = 1.0        # each group of the private Ray's processes (raylet; the rest; the reaper) to exit on SIGTERM
+
+
+def _terminate_together(node, grace_s: float = GRACE_S) -> None:
+    """Stop the private Ray's processes as Ray's ``Node.kill_all_processes`` does (SIGTERM, then SIGKILL for
+    what did not exit), but the raylet first and then every other process at once, each group given
+    ``grace_s`` together: Ray's own gives each process its second in turn, which is seconds past the
+    documented stop time with the reaper, GCS, monitor, log monitor and dashboard to go."""
+    import subprocess
+
+    from ray._private import ray_constants as rc
+
+    procs = node.all_processes
+    others = [t for t in procs if t not in (rc.PROCESS_TYPE_RAYLET, rc.PROCESS_TYPE_REAPER)]
+    for types in ([rc.PROCESS_TYPE_RAYLET], others, [rc.PROCESS_TYPE_REAPER]):
+        group = [info.process for t in types for info in procs.get(t, ()) if info.process.poll() is None]
+        for p in group:
+            p.terminate()
+        end = time.monotonic() + grace_s
+        for p in group:
+            try:
+                p.wait(timeout=max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=grace_s)   # reaped, unless stuck in the kernel (the sweep then reports it)
+        for t in types:
+            procs.pop(t, None)
+
+
+def _shutdown_private_ray(stopping: threading.Event) -> None:
+    """ray.shutdown with the private Ray's processes stopped together (:func:`_terminate_together`); Ray's
+    own way where its internals are not as expected. ``stopping`` is set first: from then on the GCS
+    exits because this stop ends it, not because something else did."""
+    import ray
+
+    stopping.set()
+
+    try:
+        from ray._private import worker
+
+        node = worker._global_node
+        if node is not None and isinstance(getattr(node, "all_processes", None), dict):
+            node.kill_all_processes = lambda *a, **k: _terminate_together(node)
+    except Exception:  # noqa: BLE001 - Ray's internals moved: its own shutdown, bounded by stop() anyway
+        pass
+    ray.shutdown(wait_for_processes=True)
+
+
+def _stop_app_and_ray(app_name: str, private: bool, since: float, done: threading.Event,
+                      stopping: threading.Event) -> None:
     import ray
     from ray import serve
 
@@ -197,7 +247,10 @@ def _stop_app_and_ray(app_name: str, private: bool, since: float, done: threadin
             time.sleep(0.1)
     except Exception:  # noqa: BLE001 - no Serve yet (stopped during start-up), Ray going away: nothing to drain
         pass
-    ray.shutdown(wait_for_processes=private)
+    if private:
+        _shutdown_private_ray(stopping)
+    else:
+        ray.shutdown()
     done.set()
 
 
@@ -216,17 +269,18 @@ def stop(app_name: str, private: bool, since: float | None = None) -> bool:
     if not ray.is_initialized():
         return True
     since = time.monotonic() if since is None else since
-    done = threading.Event()
+    done, stopping = threading.Event(), threading.Event()
     mark = private_ray() if private else None
     if mark is not None and not _gcs_alive():   # signalled with this process: nothing left to drain through
         killed = sweep(*mark)
         print(f"stop: the private Ray's GCS had stopped already (signalled with this process); killed its "
               f"{len(killed)} remaining processes", file=sys.stderr, flush=True)
         return False
-    threading.Thread(target=_stop_app_and_ray, args=(app_name, private, since, done), name="stop",
+    threading.Thread(target=_stop_app_and_ray, args=(app_name, private, since, done, stopping), name="stop",
                      daemon=True).start()
     while not done.wait(0.1) and time.monotonic() < since + STOP_BY_S:
-        if mark is not None and not _gcs_alive():   # it went after the signal: nothing will answer
+        if mark is not None and not stopping.is_set() and not _gcs_alive():   # gone after the signal, and
+            # not by this stop's own shutdown: nothing will answer
             break
     if mark is not None:
         killed = sweep(*mark)

@@ -25,6 +25,9 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 VARIANT_FLAGS = {"full": "W8A8 + FA3", "w8a8-only": "W8A8 only", "fa3-only": "FA3 only"}
+TABLES = ("summary", "layers", "linears")
+OUT_ENTRIES = ("evaluation.json", *(f"{t}.parquet" for t in TABLES), "report.md", "report.png", "report.html",
+               "plain", "smooth")   # what an evaluation writes into --out (plain/smooth: without --compare)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +112,19 @@ def check_args(args) -> None:
         raise ValueError(f"--threads must be >= 0, got {args.threads}")
     if args.labels is not None and not args.compare:
         raise ValueError("--labels names --compare outputs; give --compare too")
+    check_out(args)
+
+
+def check_out(args) -> None:
+    """--out holds nothing but an earlier evaluation (replaced: the report files, and plain/ and smooth/ of
+    the quantizing form), and is none of the models read nor inside one (pipeline/io/destination.py); it may
+    hold one (``--compare OUT/plain --out OUT``): the job writes only its own names there."""
+    from pipeline.assets import EMBEDDED_MODEL_DIR
+    from pipeline.io.destination import check_destination
+
+    check_destination(args.out, kind="an evaluation report", is_own=lambda entries: set(entries) <= set(OUT_ENTRIES),
+                      overwrite=True, sources=(args.model_path or EMBEDDED_MODEL_DIR, *(args.compare or ())),
+                      flag="--out", overwrite_flag=None, may_hold=True)
 
 
 def run(args) -> tuple[str, object, str]:
@@ -169,7 +185,7 @@ def write_outputs(out: str, src: str, res, data_label: str) -> str:
     from pipeline.quant.evaluation.eval_report import model_label, write_report
     from pipeline.quant.evaluation.evaluate import write_parquet
 
-    for name, rows in (("summary", res.summary), ("layers", res.layers), ("linears", res.linears)):
+    for name, rows in zip(TABLES, (res.summary, res.layers, res.linears)):
         if rows:
             write_parquet(rows, storage.join(out, f"{name}.parquet"))
     doc = {"float_model": model_label(src), "text": data_label, **res.to_dict()}

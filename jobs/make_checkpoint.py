@@ -31,30 +31,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dense", type=int, default=1, help="leading layers with a dense MLP (default: %(default)s)")
     p.add_argument("--mtp", type=int, default=1, choices=(0, 1), help="MTP layers (default: %(default)s)")
     p.add_argument("--vocab", type=int, default=16384, help="embedding and head rows (default: %(default)s)")
-    p.add_argument("--fp8", action="store_true", help="the release's FP8 block layout instead of bf16 (default: bf16)")
+    p.add_argument("--fp8", action="store_true",
+                   help="the release's FP8 block layout instead of bf16 (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing checkpoint this job wrote (default: %(default)s)")
+                   help="replace an existing checkpoint this job wrote, kept until the new one is whole "
+                        "(default: %(default)s)")
     return p
 
 
+OWN = {"config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"}
+
+
+def _is_own(entries: list[str]) -> bool:
+    """Whether a directory's entries are a checkpoint this job wrote: its config, index, tokenizer and shards."""
+    return OWN <= set(entries) and all(e in OWN or (e.startswith("model-") and e.endswith(".safetensors"))
+                                       for e in entries)
+
+
 def _refuse_existing(dst: Path, overwrite: bool) -> Optional[str]:
-    """None when ``dst`` may be (re)written, else why not: only a directory this job made (its config.json
-    and index, nothing else) is replaced, and only with --overwrite."""
-    if not dst.exists():
-        return None
-    if not dst.is_dir():
-        return f"--save-path {dst}: exists and is not a directory"
-    entries = {p.name for p in dst.iterdir()}
-    if not entries:
-        return None
-    if not overwrite:
-        return f"--save-path {dst}: not empty (add --overwrite to replace a checkpoint this job wrote)"
-    ours = {"config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"}
-    foreign = sorted(e for e in entries if e not in ours and not (e.startswith("model-") and e.endswith(".safetensors")))
-    if foreign or not ours <= entries:
-        return f"--save-path {dst}: holds {foreign[0] if foreign else 'an incomplete checkpoint'}, " \
-               f"not a checkpoint this job wrote; refusing to replace it"
+    """None when ``dst`` may be (re)written, else why not (pipeline/io/destination.py): only a checkpoint this
+    job wrote is replaced, only with --overwrite, and it stays whole until the new one is in place."""
+    from pipeline.io.destination import check_destination
+
+    try:
+        check_destination(str(dst), kind="a checkpoint this job wrote", is_own=_is_own, overwrite=overwrite)
+    except (OSError, ValueError) as e:
+        return f"--save-path {e}"
     return None
 
 
@@ -82,9 +85,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"(top-{args.top_k} of {cfg['n_group']} groups, {cfg['topk_group']} kept), "
           f"{'fp8' if args.fp8 else 'bf16'}, {need / 1e9:.2f} GB", flush=True)
     t0 = time.perf_counter()
-    if dst.exists():
-        shutil.rmtree(dst)
-    total = make_checkpoint(dst, shape, fp8=args.fp8, seed=args.seed, progress=lambda s: print(f"  {s}", flush=True))
+    from pipeline.io.dest_lock import DestinationBusy, DestinationLock
+
+    try:
+        with DestinationLock(str(dst)):    # one writer; an earlier checkpoint is replaced only once the new one is whole
+            total = make_checkpoint(dst, shape, fp8=args.fp8, seed=args.seed,
+                                    progress=lambda s: print(f"  {s}", flush=True))
+    except (DestinationBusy, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"{dst}: {total} bytes in {time.perf_counter() - t0:.0f} s")
     return 0
 

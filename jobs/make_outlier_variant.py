@@ -15,6 +15,7 @@ dequantized); default: the embedded model. Exit status: 0 written, 2 bad input (
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Optional, Sequence
 
@@ -51,8 +52,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.channels < 0:
             raise ValueError(f"--channels must be >= 0, got {args.channels}")
-        if not args.shard_size_gb > 0:
-            raise ValueError(f"--shard-size-gb must be > 0, got {args.shard_size_gb}")
+        if not 0 < args.shard_size_gb < math.inf:
+            raise ValueError(f"--shard-size-gb must be a finite number > 0, got {args.shard_size_gb}")
         spec = VariantSpec(seed=args.seed, channels=parse_norms(args.norms, args.channels),
                            log2_range=parse_log2_range(args.factor_log2), layers=args.layers,
                            shared_channels=args.shared_channels)

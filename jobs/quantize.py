@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 from typing import Any, Callable
@@ -39,6 +40,7 @@ from typing import Any, Callable
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 DEFAULT_SAVE = os.path.join("out", "dsv3-tiny-pydoc-w8a8-fa3")
+SHARD_UNLIMITED = 1 << 62  # part_file_size 0: no split (msModelSlim's single file)
 
 
 def _flag(ap, *names, **kw):
@@ -101,6 +103,8 @@ def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -
                "agreement=0.98,ppl=1,sqnr=32)")
     _flag(ap, "--dynamic", action="store_true", help="every quantized linear W8A8_DYNAMIC")
     _flag(ap, "--mindie-format", action="store_true", help="add MindIE's config.json keys (and model_type deepseekv2)")
+    _flag(ap, "--target-runtime", choices=("vllm-ascend", "mindie", "dsquant"), default=None,
+          help="refuse, before any work, options whose output this runtime cannot load (jobs.check --runtime)")
     _flag(ap, "--smooth", action="store_true", help="anti-outlier smoothing (SmoothQuant + latent), format unchanged")
     _flag(ap, "--smooth-alpha", type=float, default=0.5, help="smoothing migration strength alpha in [0, 1]")
     _flag(ap, "--quantize-mtp", action="store_true", help="quantize the MTP layer too (else it stays FLOAT)")
@@ -181,7 +185,6 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
     from pipeline.quant.recipe.recipe_source import RecipeRequest, resolve
     from pipeline.quant.job.run import QuantizeOptions
 
-    SHARD_UNLIMITED = 1 << 62  # part_file_size 0: no split (msModelSlim's single file)
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -191,8 +194,8 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
         raise ValueError("--calib-batch > 1 needs the layer-wise job (drop --two-pass)")
     if args.stages is not None and args.stages < 1:
         raise ValueError(f"--stages must be >= 1, got {args.stages} (leave it out for the single-process job)")
-    if args.shard_size_gb is not None and not args.shard_size_gb > 0:
-        raise ValueError(f"--shard-size-gb must be > 0, got {args.shard_size_gb}")
+    if args.shard_size_gb is not None and not 0 < args.shard_size_gb < math.inf:
+        raise ValueError(f"--shard-size-gb must be a finite number > 0, got {args.shard_size_gb}")
     if args.quantize_mtp and args.quant_mtp not in (None, "mix"):
         raise ValueError(f"--quantize-mtp quantizes the MTP layer, --quant-mtp {args.quant_mtp} does not: give one")
     if args.max_calib_tokens < 1:
@@ -202,8 +205,12 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
     check_device(args.device)           # an unknown device, or CUDA without it: before anything loads
     from pipeline.quant.evaluation.fallback import TARGET, parse_choice, parse_target
 
-    fallback = (parse_choice(args.fa_fallback, "--fa-fallback"), parse_choice(args.linear_fallback, "--linear-fallback"))
+    fallback = tuple(None if c == 0 else c for c in (parse_choice(args.fa_fallback, "--fa-fallback"),
+                                                     parse_choice(args.linear_fallback, "--linear-fallback")))
     target = parse_target(args.fallback_target) if args.fallback_target is not None else TARGET
+    if args.fallback_target is not None and fallback == (None, None):
+        raise ValueError("--fallback-target: no --fa-fallback or --linear-fallback given (the target is what "
+                         "their auto pick meets)")
     if fallback != (None, None) and args.stages:
         raise ValueError("--fa-fallback / --linear-fallback run in the one-process job (drop --stages)")
     if args.s3_endpoint:
@@ -222,6 +229,10 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
     resolved = resolve(req, args.model_path, cfg, log)
     recipe = resolved.recipe
     log(f"recipe: {resolved.source}")
+    if fallback != (None, None):
+        from pipeline.quant.evaluation.fallback import check_choices
+
+        fallback = check_choices(recipe, cfg, *fallback)     # from the recipe and config: before any work
     args.fallback = None if fallback == (None, None) else (
         *fallback, lambda r: dataclasses.replace(resolved, recipe=r).yaml_text(), target)
     shard_gb = args.shard_size_gb if args.shard_size_gb is not None else (resolved.part_file_size or 4.0)
@@ -290,26 +301,42 @@ def failures(dist) -> tuple:
     return (JobFailed,)
 
 
+def _run_here(args, src, dst, recipe, opts) -> int:
+    """The one-process job (with its fallback probe when asked); SIGTERM stops it cleanly (exit 143)."""
+    from jobs._stop_signal import Terminated, sigterm_raises, stopped
+    from pipeline.quant.evaluation.fallback import quantize_with_fallback
+    from pipeline.quant.job.run import quantize_checkpoint
+
+    try:
+        with sigterm_raises():
+            if args.fallback:
+                return run_guarded(lambda: quantize_with_fallback(src, dst, recipe, opts, *args.fallback))[0]
+            return run_guarded(lambda: quantize_checkpoint(src, dst, recipe, opts))[0]
+    except Terminated:
+        return stopped(f"{dst} is as it was before the job (its partial files and probe removed)")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     rc, job = run_guarded(lambda: make_job(args))
     if rc:
         return rc
     src, dst, recipe, opts, dist = job
-    if dist is None and args.fallback:
-        from pipeline.quant.evaluation.fallback import quantize_with_fallback
+    from jobs._runtime_targets import announce, loads_in
 
-        rc, _ = run_guarded(lambda: quantize_with_fallback(src, dst, recipe, opts, *args.fallback))
-    elif dist is None:
-        from pipeline.quant.job.run import quantize_checkpoint
-
-        rc, _ = run_guarded(lambda: quantize_checkpoint(src, dst, recipe, opts))
+    refused = announce(args.target_runtime, src, recipe, opts)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
+    if dist is None:
+        rc = _run_here(args, src, dst, recipe, opts)
     else:
         from actors.quantize.quantize_job import quantize_distributed
 
         rc, _ = run_guarded(lambda: quantize_distributed(src, dst, recipe, opts, dist), failures(dist))
     if rc == 0:
         print(f"done: {dst} (check it with: python -m jobs.check {dst})")
+        print(loads_in(dst))
     return rc
 
 

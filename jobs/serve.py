@@ -88,7 +88,7 @@ def main(argv=None) -> int:
             from pipeline.engine.worker.memory import check_fits
 
             check_fits(cfg.model_path, sum(o.num_replicas for n, o in cfg.deployments().items()
-                                           if n in ("llm", "prefill")))
+                                           if n in ("llm", "prefill")), with_mtp=cfg.engine.mtp)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_io import write_result  # noqa: E402
+from bench_io import embedded_quantized, write_result  # noqa: E402
 
 QUESTIONS = ["What's deep learning?", "What does the os module do?", "Explain list comprehensions.",
              "How do I open a file?", "What is a decorator?", "Describe the json module.",
@@ -43,20 +43,14 @@ def main() -> int:
 
     import torch
 
-    from pipeline.assets import EMBEDDED_MODEL_DIR
     from pipeline.engine.config import EngineConfig
     from pipeline.engine.core.engine import LLMEngine
     from pipeline.engine.worker.loader import load_quantized
-    from pipeline.quant.recipe.recipe import Recipe
-    from pipeline.quant.job.run import QuantizeOptions, quantize_checkpoint
     from pipeline.engine.protocol import SamplingParams
     from pipeline.text.tokenizer import Tokenizer
 
     torch.set_num_threads(2)
-    qdir = Path(args.dir) / "q"
-    if not (qdir / "quant_model_description.json").exists():
-        quantize_checkpoint(str(EMBEDDED_MODEL_DIR), str(qdir), Recipe(), QuantizeOptions(overwrite=True),
-                            log=lambda m: None)
+    qdir = embedded_quantized(args.dir)
     tok = Tokenizer.from_dir(str(qdir))
     loaded = load_quantized(str(qdir))
     prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in (QUESTIONS * 4)[: args.prompts]]

@@ -39,3 +39,17 @@ def median_us(fn, reps: int, digits: int = 1) -> float:
         fn()
         ts.append(time.perf_counter() - t0)
     return round(1e6 * statistics.median(ts), digits)
+
+
+def embedded_quantized(folder: str | Path) -> Path:
+    """The embedded model quantized with the default recipe (W8A8 + FA3) in ``folder``/q, made once and
+    reused by the engine benchmarks."""
+    from pipeline.assets import EMBEDDED_MODEL_DIR
+    from pipeline.quant.recipe.recipe import Recipe
+    from pipeline.quant.job.run import QuantizeOptions, quantize_checkpoint
+
+    qdir = Path(folder) / "q"
+    if not (qdir / "quant_model_description.json").exists():
+        quantize_checkpoint(str(EMBEDDED_MODEL_DIR), str(qdir), Recipe(), QuantizeOptions(overwrite=True),
+                            log=lambda m: None)
+    return qdir

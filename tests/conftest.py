@@ -208,3 +208,15 @@ def tiny_references(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("tiny-references")
     return {"plain": reference(str(TINY_FIXTURE), root / "plain", PLAIN),
             "smooth-mtp": reference(str(TINY_FIXTURE), root / "smooth", SMOOTH_MTP)}
+
+
+@pytest.fixture
+def no_aws_credentials(monkeypatch, tmp_path):
+    """An environment with no AWS credentials anywhere (no variables, files or instance metadata) and an
+    endpoint nobody listens on: an s3:// read fails signing its request, before any connection."""
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")

@@ -44,3 +44,17 @@ def test_generate_refuses_a_model_that_does_not_fit(embedded_quantized):
     assert out.returncode == 2, out.stderr
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert lines[-1].startswith("error: ") and "GB is free" in lines[-1] and "Traceback" not in out.stderr
+
+
+def test_without_the_mtp_layer_its_tensors_are_not_counted(tmp_path):
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 3}))
+    save_file({"model.layers.2.w": torch.zeros(100, dtype=torch.int8),
+               "model.layers.3.w": torch.zeros(1000, dtype=torch.int8),
+               "lm_head.weight": torch.zeros(10, dtype=torch.bfloat16)}, str(tmp_path / "a.safetensors"))
+    assert memory.weight_bytes(str(tmp_path), with_mtp=False) == 100 + 20
+    assert memory.weight_bytes(str(tmp_path)) == (tmp_path / "a.safetensors").stat().st_size

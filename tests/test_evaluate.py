@@ -189,6 +189,7 @@ def test_job_compare_with_a_parquet_dataset(tmp_path):
      "--labels: 2 given for 1 --compare outputs"),
     (["--compare", str(FIXTURES / "msmodelslim-v1-bf16"), "--dataset", "x.txt"], "x.txt: unknown calibration format"),
     (["--compare", str(FIXTURES / "msmodelslim-v1-bf16"), "--seq", "1"], "--seq must be >= 2, got 1"),
+    (["--compare", str(TINY_FIXTURE)], "not a valid quantized directory: [description] quant_model_description.json"),
 ])
 def test_job_bad_input_is_one_line(tmp_path, args, message):
     r = run_job("--model-path", str(TINY_FIXTURE), "--out", str(tmp_path / "o"), *args)

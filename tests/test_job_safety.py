@@ -384,7 +384,8 @@ def test_lone_surrogate_in_calibration_text_names_the_sample(capsys, tmp_path):
     one_line_error(err, str(bad), "sample 1", "surrogate")
 
 
-@pytest.mark.parametrize("flag,value,message", [("--shard-size-gb", "0", "--shard-size-gb must be > 0"),
+@pytest.mark.parametrize("flag,value,message", [("--shard-size-gb", "0", "--shard-size-gb must be a finite number > 0"),
+                                                ("--shard-size-gb", "inf", "--shard-size-gb must be a finite number > 0"),
                                                 ("--max-calib-tokens", "0", "--max-calib-tokens must be >= 1"),
                                                 ("--smooth-alpha", "1.5", r"--smooth-alpha must be in [0, 1]")])
 def test_bad_option_values_fail_before_calibration(capsys, tmp_path, calib, flag, value, message):

@@ -108,7 +108,7 @@ def test_stop_forms(tok):
     ("ignore_eos", "yes", "ignore_eos", "ignore_eos must be a boolean, got 'yes'"),
     ("min_tokens", "x", "min_tokens", "min_tokens must be an integer, got 'x'"),
     ("logprobs", "yes", "logprobs", None),   # the message differs by route: tests/test_api_fields.py
-    ("logit_bias", {"5": 1}, "logit_bias", "logit_bias is not supported by this server"),
+    ("logit_bias", {"5": 101}, "logit_bias", "logit_bias['5'] must be a number in [-100, 100], got 101"),
     ("stream_options", {"include_usage": True}, "stream_options", "stream_options is only allowed with stream=true"),
     ("bogus", 1, "bogus", "unrecognized request argument(s): bogus"),
 ])
@@ -145,7 +145,7 @@ def test_unknown_and_missing_model(tok):
     ([], "messages is empty"),
     ("hi", "messages must be a list, got str"),
     ([{"role": "wizard", "content": "x"}], "messages[0].role must be one of system, developer, user, assistant, "
-                                           "got 'wizard'"),
+                                           "tool, got 'wizard'"),
     ([{"role": "user"}], "messages[0].content is required"),
     ([{"role": "user", "content": 3}], "messages[0].content must be a string or a list of text parts, got int"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 STOP_S = 5.0                       # the bound, signal to exit
 START_STOP_S = 20.0                # during start-up: Ray's start is let finish first (seconds on a loaded CPU)
 ALARMS = ("Controller failed to shut down", "killed by ray.kill", "Connecting to existing Serve app",
-          "Traceback", "\x1b[")
+          "Traceback", "\x1b[", "did not shut down in time")   # the last: the private Ray killed, not stopped
 
 
 class Served:

@@ -20,17 +20,12 @@ import time
 import pytest
 
 from actors.serving.app import serve_proxy
+from local_uvicorn import serving, test_app
 
 MARGIN_S = 2.0                     # in-process: slack past the timeout for a closing to be seen (a loaded CPU)
 SERVE_TIMEOUT_S = 2.0              # jobs.serve's header timeout in the end-to-end test
 SERVE_MARGIN_S = 3.0               # its slack (a loaded 2-core machine, a proxy in another process)
 SLOW_HEAD = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nUser-Agent: slowloris\r\nX-Padding: " + b"a" * 4096
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SlowClients:
@@ -100,32 +95,9 @@ class SlowClients:
 
 # ----- in-process: the protocols ----------------------------------------------------------------------------
 
-async def _app(scope, receive, send):
-    """``/stream``: 8 chunks 0.25 s apart; ``/echo``: the body; else ``ok``."""
-    assert scope["type"] == "http"
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            break
-    if scope["path"] == "/stream":
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
-        for i in range(8):
-            await asyncio.sleep(0.25)
-            await send({"type": "http.response.body", "body": f"data: {i}\n\n".encode(), "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
-        return
-    out = body if scope["path"] == "/echo" else b"ok"
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(out)).encode())]})
-    await send({"type": "http.response.body", "body": out})
-
-
 @pytest.fixture(params=["httptools", "h11"])
 def local_server(request):
     """uvicorn on a free port with the protocol's timeout-keeping subclass (0.8 s); yields (port, timeout)."""
-    import uvicorn
     from uvicorn.importer import import_from_string
 
     from uvicorn.config import HTTP_PROTOCOLS
@@ -137,18 +109,8 @@ def local_server(request):
     assert HTTP_PROTOCOLS[request.param] == serve_proxy._PROTOCOLS[request.param][0]  # nothing installed here
     cls = serve_proxy.head_timeout_protocol(base, timeout)
     assert issubclass(cls, base) and cls.head_timeout_s == timeout
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(_app, host="127.0.0.1", port=port, http=cls, log_level="error",
-                                           lifespan="off", timeout_keep_alive=30))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            time.sleep(0.02)
+    with serving(test_app, cls) as port:
         yield port, timeout
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def _request(port: int, raw: bytes, pieces: int = 1, step: float = 0.0) -> bytes:
@@ -300,7 +262,7 @@ def test_install_replaces_uvicorns_protocols_once(fresh_install, monkeypatch):
     assert {n: c.head_timeout_s for n, c in classes.items() if n != "zttp"} == {"auto": 3.5, "h11": 3.5,
                                                                                 "httptools": 3.5}
     assert serve_proxy.install_header_timeout(1.0) is True and dict(table) == classes  # once per process
-    config = uvicorn.Config(_app, http="auto")
+    config = uvicorn.Config(test_app, http="auto")
     config.load()
     assert config.http_protocol_class is classes["auto"] is classes["httptools"]
     assert warnings == []

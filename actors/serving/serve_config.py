@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from actors.serving.api_keys import check_key
 from pipeline.engine import cpu_pinning
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.worker.loader import DTYPES
@@ -89,6 +90,12 @@ class ServeConfig:
     # for tests only: every engine step first sleeps this long, so that a request meant to be long lasts long
     # however fast the machine is (a client's time-out, an abort, a fair share observed mid-request)
     step_delay_s: float = 0.0
+    # the chat responses' reasoning parser (pipeline.serving.reasoning): "deepseek_r1", "none", or None: on for a
+    # chat template that opens <think> (R1-family checkpoints)
+    reasoning_parser: Optional[str] = None
+    # with a reasoning parser: constrain the reasoning too (vLLM's enable_in_reasoning); False: a request's
+    # grammar starts after </think>
+    constrain_reasoning: bool = False
 
     def __post_init__(self):
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -98,8 +105,8 @@ class ServeConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f} must be an integer >= 1, got {v!r}")
         cpu_pinning.parse(self.engine_cpus)        # ValueError naming engine_cpus
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
-            raise ValueError("api_key must be a non-empty string or null")
+        if self.api_key is not None:
+            check_key(self.api_key, "api_key")     # visible ASCII: compared the same way everywhere
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         for name in ("parallel", "prefill_parallel"):
@@ -110,6 +117,10 @@ class ServeConfig:
                 ParallelConfig(**value)
         if self.dtype not in (None, "auto", *DTYPES):
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, 'auto' or null, got {self.dtype!r}")
+        if self.reasoning_parser not in (None, "deepseek_r1", "none"):
+            raise ValueError(f"reasoning_parser must be deepseek_r1, none or null, got {self.reasoning_parser!r}")
+        if not isinstance(self.constrain_reasoning, bool):
+            raise ValueError(f"constrain_reasoning must be true or false, got {self.constrain_reasoning!r}")
         if self.moe_combine not in ("reduce", "exact"):
             raise ValueError(f"moe_combine must be 'reduce' or 'exact', got {self.moe_combine!r}")
         if not isinstance(self.engine_process, bool):

@@ -154,6 +154,21 @@ class NativeLibrary:
                     warnings.warn(f"{self.what} unavailable, using torch ops: {e}")
             return self._state["lib"]  # type: ignore[return-value]
 
+    def set_threads(self, n: int) -> int:
+        """Threads of the library's kernel pool (its ``pool_set_threads``: pipeline/engine/native/csrc/pool.h),
+        the caller included, 1 .. 256; returns the count set (1 when the library is not built)."""
+        dll = self.loaded()
+        if dll is None:
+            return 1
+        if self._state.get("threads") != n:
+            dll.pool_set_threads.argtypes, dll.pool_set_threads.restype = [ctypes.c_int], ctypes.c_int
+            self._state["threads"] = dll.pool_set_threads(int(n))
+        return self._state["threads"]  # type: ignore[return-value]
+
+    def threads(self) -> int:
+        """The pool's thread count as last set here (1 before any)."""
+        return self._state.get("threads", 1)  # type: ignore[return-value]
+
     def status(self) -> str:
         """``native (<path>)`` or ``torch ops (<why>)``, for logs, metrics and benchmark records."""
         off = self._off()

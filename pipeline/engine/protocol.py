@@ -39,7 +39,11 @@ class SamplingParams:
     ``frequency_penalty`` subtract ``presence * (count > 0) + frequency * count`` over the output.
     ``logprobs``: None, no logprobs (no work at all); k in [0, MAX_LOGPROBS], each generated token's raw
     logprob and the k most likely tokens at its position (:class:`TokenLogprobs`). ``group``: scheduling only
-    (which client request the sequence is part of), never the tokens."""
+    (which client request the sequence is part of), never the tokens. ``logit_bias``: (token id, bias)
+    pairs added to those tokens' logits before sampling (OpenAI's ``logit_bias``; after the penalties, the
+    logprobs stay raw). ``grammar``: constrained decoding, an llguidance grammar (Lark text or its JSON
+    form, :mod:`pipeline.engine.core.guided`): only tokens that keep the output in the grammar can be
+    sampled, and once it is complete only the end-of-sequence token."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -56,6 +60,8 @@ class SamplingParams:
     # the client request the sequence belongs to (an API request's ``n`` choices share one): the scheduler
     # shares its slots and cache blocks between groups (pipeline.engine.core.scheduler); None: a group of its own
     group: str | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: str | None = None
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -77,10 +83,19 @@ class SamplingParams:
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for t, b in self.logit_bias:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or not math.isfinite(b):
+                raise ValueError(f"logit_bias takes (token id >= 0, finite bias) pairs, got {(t, b)!r}")
 
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def biased(self) -> bool:
+        """Whether the raw logits are changed before sampling by more than penalties: a logit bias or a
+        grammar's mask."""
+        return bool(self.logit_bias) or self.grammar is not None
 
     @property
     def greedy(self) -> bool:

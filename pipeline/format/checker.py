@@ -27,6 +27,7 @@ here:
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
@@ -312,6 +313,22 @@ def _check_description(desc: Description, specs: dict[str, TensorSpec], report: 
             report.add("layer-quant-type", k, "entry for a layer without FA3 tensors")
 
 
+def _outside_entry(path: str, name: str) -> Optional[str]:
+    """Why manifest entry ``name`` is not a file of directory ``path`` (an absolute path, a step out with
+    ``..``, a link leading out, a device or a FIFO), or None. Such an entry is never opened."""
+    parts = name.split("/")
+    if not name or name.startswith("/") or "\\" in name or "://" in name or any(p in ("", ".", "..") for p in parts):
+        return "not a file name inside the directory (absolute, or stepping out of it): not read"
+    if storage.is_url(path):
+        return None
+    base, where = os.path.realpath(path), os.path.realpath(os.path.join(path, name))
+    if not where.startswith(base + os.sep):
+        return "leads out of the directory (a symbolic link): not read"
+    if os.path.lexists(where) and not os.path.isfile(where):
+        return "not a regular file (a directory, device or FIFO): not read"
+    return None
+
+
 def _check_manifest(path: str, entries: list[str], report: Report, verify: bool, ours: bool) -> None:
     """``ours``: the weights carry this project's shard metadata (SHARD_METADATA): the manifest must be there."""
     if MANIFEST_NAME not in entries:
@@ -332,7 +349,10 @@ def _check_manifest(path: str, entries: list[str], report: Report, verify: bool,
         size = entry.get("size") if isinstance(entry, dict) else None
         digest = entry.get("sha256") if isinstance(entry, dict) else None
         where = storage.join(path, name)
-        if (name not in entries) if "/" not in name else not storage.exists(where):  # optional/... in a folder
+        outside = _outside_entry(path, name)
+        if outside:
+            report.add("manifest", name, outside)
+        elif (name not in entries) if "/" not in name else not storage.exists(where):  # optional/... in a folder
             report.add("manifest", name, "listed in the manifest but missing")
         elif size != storage.size(where):
             report.add("manifest", name, f"size {storage.size(where)}, the manifest says {size}")

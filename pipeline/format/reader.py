@@ -43,7 +43,10 @@ class QuantizedSource:
     def __init__(self, path: str):
         report = check_dir(path, verify=False)  # sizes only (see read_quantized)
         if not report.ok:
-            raise CheckpointError(f"{path}: not a valid quantized directory:\n{report.to_text()}")
+            v = report.violations[0]
+            more = f" and {len(report.violations) - 1} more" if len(report.violations) > 1 else ""
+            raise CheckpointError(f"{path}: not a valid quantized directory: [{v.rule}] {v.where}: {v.message}{more} "
+                                  f"(python -m jobs.check {path} lists them)\n{report.to_text()}")
         self.path = path
         self.types = read_types(path)
         self.config = carried_model(path, self.types)

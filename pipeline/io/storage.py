@@ -222,13 +222,15 @@ def join(base: str, *names: str) -> str:
 
 
 def exists(path: str) -> bool:
-    fs, p = filesystem(path)
-    return fs.exists(p)
+    with _named(path):
+        fs, p = filesystem(path)
+        return fs.exists(p)
 
 
 def isdir(path: str) -> bool:
-    fs, p = filesystem(path)
-    return fs.isdir(p)
+    with _named(path):
+        fs, p = filesystem(path)
+        return fs.isdir(p)
 
 
 def size(path: str) -> int:
@@ -268,15 +270,56 @@ def version(path: str) -> dict[str, Any]:
 
 def listdir(path: str) -> list[str]:
     """Base names of the entries of a directory, sorted."""
-    fs, p = filesystem(path)
-    own = p.rstrip("/")
-    return sorted(posixpath.basename(e.rstrip("/")) for e in fs.ls(p, detail=False) if e.rstrip("/") != own)
+    with _named(path):
+        fs, p = filesystem(path)
+        own = p.rstrip("/")
+        return sorted(posixpath.basename(e.rstrip("/")) for e in fs.ls(p, detail=False) if e.rstrip("/") != own)
+
+
+@contextmanager
+def _named(path: str) -> Iterator[None]:
+    """An object store client's own error (botocore's NoCredentialsError, ...) as a StorageError naming
+    ``path``: bad input, not a crash."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - only the store clients' own errors are translated
+        if not type(e).__module__.startswith(("botocore", "aiobotocore", "s3fs")):
+            raise
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        hint = " (credentials: the usual AWS_* environment or ~/.aws)" if "credentials" in reason.lower() else ""
+        raise StorageError(f"{path}: {reason}{hint}") from None
 
 
 def read_bytes(path: str) -> bytes:
-    fs, p = filesystem(path)
-    with fs.open(p, "rb") as f:
-        return f.read()
+    with _named(path):
+        fs, p = filesystem(path)
+        with fs.open(p, "rb") as f:
+            return f.read()
+
+
+def read_small(path: str, limit: int, what: str = "file") -> bytes:
+    """The content of a small input file (a recipe, a key): StorageError naming ``path`` when it is not a
+    regular file (a FIFO or device would block or never end) or holds more than ``limit`` bytes; never
+    reads more than ``limit`` + 1 bytes."""
+    with _named(path):
+        fs, p = filesystem(path)
+        if isinstance(fs, LocalFileSystem):
+            import stat
+
+            mode = os.stat(p).st_mode          # FileNotFoundError / IsADirectoryError stay as they are
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+            if not stat.S_ISREG(mode):
+                raise StorageError(f"{path}: not a regular file (a FIFO, socket or device); the {what} must be a file")
+        elif int(fs.size(p) or 0) > limit:
+            raise StorageError(f"{path}: larger than {limit} bytes; not a {what}")
+        with fs.open(p, "rb") as f:
+            data = f.read(limit + 1)
+    if len(data) > limit:
+        raise StorageError(f"{path}: larger than {limit} bytes; not a {what}")
+    return data
 
 
 def read_range(path: str, start: int, end: int) -> bytes | np.ndarray:
@@ -306,7 +349,7 @@ def file_sha256(path: str, chunk: int = 64 * 1024 ** 2) -> tuple[int, str]:
     import hashlib
 
     digest, n = hashlib.sha256(), 0
-    with open_read(path) as f:
+    with _named(path), open_read(path) as f:
         while True:
             block = f.read(chunk)
             if not block:

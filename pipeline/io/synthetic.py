@@ -22,6 +22,8 @@ from typing import Callable, Optional
 
 import torch
 
+from pipeline.io import storage
+
 #: DeepSeek-V3/R1's dimensions (its config.json), less the counts this module makes smaller.
 REAL_WIDTH = dict(
     architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
@@ -172,7 +174,10 @@ def make_checkpoint(dst: str | Path, shape: Shape, fp8: bool = False, seed: int 
         (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2))
         for f in TOKENIZER_FILES:
             shutil.copy(Path(EMBEDDED_MODEL_DIR) / f, tmp / f)
-        tmp.rename(dst)
+        if dst.exists():
+            storage.replace_dir(str(tmp), str(dst))   # the earlier checkpoint kept until this one is in place
+        else:
+            tmp.rename(dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

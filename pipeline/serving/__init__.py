@@ -1,4 +1,4 @@
 """The serving protocol, without Ray: OpenAI request validation and responses (SSE chunks, incremental
-detokenization), and MindIE's ModelConfig block. The Serve deployments in ``actors/`` use it. Beside it,
-``sharding``: one replica sharded over ranks on paper (capacity and communication, for planning a
-deployment)."""
+detokenization; structured outputs, tool calls, R1's reasoning split), and MindIE's ModelConfig block.
+The Serve deployments in ``actors/`` use it. Beside it, ``sharding``: one replica sharded over ranks on
+paper (capacity and communication, for planning a deployment)."""

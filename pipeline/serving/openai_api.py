@@ -8,10 +8,10 @@ stream flag, the output options), or refused with an :class:`ApiError` whose :me
 OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``:
 
 - 400 ``invalid_request_error``: a malformed or out-of-range field (the message names it), an empty
-  prompt or message list, an unknown role, a field this server does not support (``suffix``,
-  ``logit_bias``, tools, ``response_format``, ``echo`` together with ``logprobs``, ``best_of`` other than
-  ``n``) or does not know (vLLM's ``prompt_logprobs`` among them), and a prompt that does not fit the
-  context (code ``context_length_exceeded``, with the token counts and the limit);
+  prompt or message list, an unknown role, a field this server does not support (``suffix``, ``echo``
+  together with ``logprobs``, ``best_of`` other than ``n``) or does not know (vLLM's ``prompt_logprobs``
+  among them), a schema, grammar or tool the grammar engine cannot compile, and a prompt that does not fit
+  the context (code ``context_length_exceeded``, with the token counts and the limit);
 - 404 ``invalid_request_error`` with code ``model_not_found`` for a model this server does not serve.
 
 Output (:mod:`pipeline.serving.api_options`): ``n`` choices in [1, 16] (choice i of a seeded request uses
@@ -27,7 +27,15 @@ in (0, 1], ``top_k`` (an extension, 0 or -1 disables it), ``seed`` (in torch's r
 ``stop`` (a string or up to 4 strings, each at most ``MAX_STOP_CHARS`` characters); vLLM's extensions
 that its benchmark client always sends and users rely on: ``ignore_eos`` (boolean), ``min_tokens`` (in
 [0, max_tokens]), ``repetition_penalty`` (in (0, 2]); and OpenAI's ``presence_penalty`` and
-``frequency_penalty`` (in [-2, 2]).
+``frequency_penalty`` (in [-2, 2]); ``logit_bias`` as OpenAI defines it (token ids, as strings or
+integers, in the vocabulary; values in [-100, 100]; at most ``MAX_LOGIT_BIAS`` entries), added to the
+logits before sampling.
+
+Structured outputs (:mod:`pipeline.serving.structured_outputs`: ``response_format``, vLLM's
+``guided_*`` and ``structured_outputs``), tools (chat: :mod:`pipeline.serving.tool_calls`: ``tools``,
+``tool_choice``, ``parallel_tool_calls``, assistant ``tool_calls`` and ``tool`` messages) and R1's
+reasoning split (chat: :mod:`pipeline.serving.reasoning`) are parsed here too: a constraint becomes
+``SamplingParams.grammar``, the tools and the reasoning parser ride in the request for its responses.
 
 Text: a chat message's content is tokenized as plain text (a special-token string in it, such as
 ``<｜Assistant｜>``, becomes ordinary tokens: only the chat template's structure yields special ids). A
@@ -54,13 +62,19 @@ from typing import Any, Mapping, Optional, Sequence
 from pipeline.engine.protocol import SEED_RANGE, EngineRequest, SamplingParams
 from pipeline.serving.api_errors import ApiError, invalid
 from pipeline.serving.api_options import OutputOptions, choice_seed, parse_output_options
+from pipeline.serving.structured_outputs import FIELDS as STRUCTURED_FIELDS
+from pipeline.serving.structured_outputs import parse_structured
+from pipeline.serving.tool_calls import ToolSpec, call_grammar, check_messages_tools, dialect_of, parse_tools
+from pipeline.serving.tool_calls import with_tools_prompt
 
 COMPLETION, CHAT = "completion", "chat"
 DEFAULT_COMPLETION_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 4                    # OpenAI's limit
 MAX_STOP_CHARS = 256                    # per stop string: bounds the matching work per token
 MAX_JSON_DEPTH = 32                     # an OpenAI body needs 5 levels; deeper is refused, not recursed into
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_LOGIT_BIAS = 300                    # OpenAI's limit on logit_bias entries
+LOGIT_BIAS_RANGE = 100.0                # ... and on each value, [-100, 100]
 
 # An X-Request-ID taken as the request's id (the rule of actors.serving.app.serve_proxy, which cleans it in Serve's proxy)
 VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -69,9 +83,10 @@ _IGNORED = {"user"}                     # accepted, not used
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
            "n", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
            "ignore_eos", "min_tokens", "repetition_penalty"}   # the last three: vLLM's extensions
+_COMMON |= set(STRUCTURED_FIELDS)
 _COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "suffix", "best_of"}
 _CHAT_FIELDS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                                     "response_format", "parallel_tool_calls"}
+                                     "parallel_tool_calls"}
 
 
 @dataclass(frozen=True)
@@ -90,6 +105,8 @@ class GenerateRequest:
     n: int = 1
     echo: Optional[str] = None      # completions with echo: the prompt text, before each choice's text
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: the usage so far on every chunk
+    reasoning: Optional[str] = None     # chat: the reasoning parser ("deepseek_r1") splitting the output
+    tools: Optional[ToolSpec] = None    # chat: the tools whose calls are parsed from the output
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -169,12 +186,13 @@ def parse_completion(body: Mapping[str, Any], tokenizer, served_model: str, max_
     (:func:`request_id`; a fresh one when None)."""
     _check_fields(body, _COMPLETION_FIELDS)
     model = _check_model(body, served_model)
-    _refuse_unsupported(body)
     if body.get("suffix") not in (None, ""):
         raise invalid("suffix (insertion) is not supported by this server", "suffix")
     prompt_ids = _completion_prompt(body.get("prompt"), tokenizer)
+    structured = parse_structured(body, tokenizer)
     req = _finish_parse(body, COMPLETION, model, prompt_ids, max_model_len, DEFAULT_COMPLETION_MAX_TOKENS,
-                        rid=rid or request_id(COMPLETION))
+                        rid=rid or request_id(COMPLETION), logit_bias=_logit_bias(body, tokenizer),
+                        grammar=structured[0] if structured else None)
     if req.echo is not None:  # a text prompt as sent; token ids decoded as the model reads them (specials shown)
         raw = body["prompt"]
         if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
@@ -184,20 +202,45 @@ def parse_completion(body: Mapping[str, Any], tokenizer, served_model: str, max_
 
 
 def parse_chat(body: Mapping[str, Any], tokenizer, served_model: str, max_model_len: int,
-               rid: Optional[str] = None) -> GenerateRequest:
+               rid: Optional[str] = None, reasoning: Optional[str] = None,
+               constrain_reasoning: bool = False) -> GenerateRequest:
     """Validate a ``/v1/chat/completions`` body; the messages go through the model's chat template with
-    the generation prompt (``<｜Assistant｜>``) added. ``rid``: as parse_completion's."""
+    the generation prompt (``<｜Assistant｜>``) added (with tools, or tool calls and results in the
+    messages, through a template with DeepSeek's tool branches: the checkpoint's own when it has them,
+    else chat_templates.DEEPSEEK_V3_TOOLS). ``rid``: as parse_completion's; ``reasoning``: the reasoning
+    parser in use (reasoning.parser_for), None for none; with one, a constraint starts after the reasoning
+    unless ``constrain_reasoning`` (vLLM's ``enable_in_reasoning``: the whole output is constrained)."""
     _check_fields(body, _CHAT_FIELDS)
     model = _check_model(body, served_model)
-    _refuse_unsupported(body)
-    for f in ("tools", "tool_choice", "response_format"):
-        if body.get(f) is not None and not (f == "tool_choice" and body.get(f) == "none"):
-            raise invalid(f"{f} is not supported by this server", f)
     messages = _chat_messages(body.get("messages"))
+    tools, choice = parse_tools(body, tokenizer)
+    structured = parse_structured(body, tokenizer)
+    own = dialect_of(tokenizer.chat_template)
+    dialect = own or "v3"
+    uses_tools = bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+    template = None
+    if uses_tools and own is None:
+        from pipeline.text.chat_templates import DEEPSEEK_V3_TOOLS
+        template = DEEPSEEK_V3_TOOLS
+    offered = tools and choice != "none"
+    if offered and "tools" not in (template or tokenizer.chat_template or ""):
+        messages = with_tools_prompt(messages, tools, dialect)
     try:
-        prompt_ids = tokenizer.encode_chat(messages)
+        prompt_ids = tokenizer.encode_chat(messages, template=template, **({"tools": tools} if offered else {}))
     except ValueError as e:
         raise invalid(f"messages cannot be formatted with the chat template: {e}", "messages") from None
+    grammar = structured[0] if structured else None
+    spec = None
+    if offered:
+        spec = ToolSpec(tuple(t["name"] for t in tools), choice, dialect, named=choice not in ("auto", "required"))
+        if choice != "auto":
+            if structured:
+                raise invalid(f"tool_choice {choice!r} forces a tool call: it cannot be combined with "
+                              f"{structured[1]}", "tool_choice")
+            from pipeline.serving.structured_outputs import compile_or_400
+            grammar = compile_or_400(tokenizer, _lark(call_grammar(tools, choice, body.get("parallel_tool_calls")
+                                                                   is not False, dialect, tokenizer)),
+                                     "tool_choice", "tool_choice")
     if "max_tokens" in body and "max_completion_tokens" in body and body["max_tokens"] is not None \
             and body["max_completion_tokens"] is not None:
         raise invalid("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
@@ -206,8 +249,45 @@ def parse_chat(body: Mapping[str, Any], tokenizer, served_model: str, max_model_
         param = "max_completion_tokens"
     else:
         param = "max_tokens"
-    return _finish_parse(body, CHAT, model, prompt_ids, max_model_len, None, max_tokens_param=param,
-                         rid=rid or request_id(CHAT))
+    if grammar is not None and reasoning and not constrain_reasoning:  # the reasoning before the answer is free
+        from pipeline.serving.structured_outputs import after_reasoning, compile_or_400
+        grammar = compile_or_400(tokenizer, after_reasoning(grammar), structured[1] if structured else "tool_choice",
+                                 structured[1] if structured else "tool_choice")
+    req = _finish_parse(body, CHAT, model, prompt_ids, max_model_len, None, max_tokens_param=param,
+                        rid=rid or request_id(CHAT), logit_bias=_logit_bias(body, tokenizer), grammar=grammar)
+    return replace(req, reasoning=reasoning, tools=spec)
+
+
+def _lark(text: str) -> str:
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_lark(text)
+
+
+def _logit_bias(body: Mapping[str, Any], tokenizer) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: {token id (a string or integer): bias in [-100, 100]}, at most
+    MAX_LOGIT_BIAS entries, ids in the vocabulary; a 400 naming logit_bias otherwise."""
+    lb = body.get("logit_bias")
+    if lb is None:
+        return ()
+    if not isinstance(lb, dict):
+        raise invalid(f"logit_bias must be an object mapping token ids to biases, got {lb!r}", "logit_bias")
+    if len(lb) > MAX_LOGIT_BIAS:
+        raise invalid(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(lb)}", "logit_bias")
+    vocab = tokenizer.vocab_size
+    out = []
+    for k, v in lb.items():
+        try:
+            t = int(k)
+        except (TypeError, ValueError):
+            raise invalid(f"logit_bias keys must be token ids, got {k!r}", "logit_bias") from None
+        if not 0 <= t < vocab:
+            raise invalid(f"logit_bias token ids must be in [0, {vocab}), got {t}", "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or not -LOGIT_BIAS_RANGE <= v <= LOGIT_BIAS_RANGE:
+            raise invalid(f"logit_bias[{k!r}] must be a number in [-100, 100], got {v!r}", "logit_bias")
+        out.append((t, float(v)))
+    return tuple(sorted(out))
 
 
 def _check_fields(body: Mapping[str, Any], known: set) -> None:
@@ -226,11 +306,6 @@ def _check_model(body: Mapping[str, Any], served_model: str) -> str:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves {served_model!r}",
                        "invalid_request_error", "model", "model_not_found")
     return model
-
-
-def _refuse_unsupported(body: Mapping[str, Any]) -> None:
-    if body.get("logit_bias") not in (None, {}):
-        raise invalid("logit_bias is not supported by this server", "logit_bias")
 
 
 def _is_token_list(x: Any) -> bool:
@@ -290,9 +365,15 @@ def _chat_messages(messages: Any) -> list[dict]:
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", "messages")
-        if "content" not in m or (m["content"] is None):
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if m.get("content") is None and not calls:
             raise invalid(f"messages[{i}].content is required", "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": _message_text(m["content"], i)})
+        msg = {"role": "system" if role == "developer" else role,
+               "content": None if m.get("content") is None else _message_text(m["content"], i)}
+        if calls is not None:
+            msg["tool_calls"] = [{"type": "function", **c} if isinstance(c, dict) else c for c in calls]
+        out.append(msg)
+    check_messages_tools(out)
     if not any(m["role"] == "user" for m in out):
         raise invalid("messages needs at least one message with role 'user'", "messages")
     return out
@@ -340,7 +421,7 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
 
 def _finish_parse(body: Mapping[str, Any], kind: str, model: str, prompt_ids: Sequence[int], max_model_len: int,
                   default_max_tokens: Optional[int], max_tokens_param: str = "max_tokens",
-                  rid: str = "") -> GenerateRequest:
+                  rid: str = "", logit_bias: tuple = (), grammar: Optional[str] = None) -> GenerateRequest:
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise invalid(f"stream must be a boolean, got {stream!r}", "stream")
@@ -384,6 +465,7 @@ def _finish_parse(body: Mapping[str, Any], kind: str, model: str, prompt_ids: Se
         raise invalid(f"min_tokens must be in [0, {max_tokens_param}={max_tokens}], got {min_tokens}", "min_tokens")
     params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
                             top_k=0 if top_k in (None, -1) else top_k, top_p=top_p, seed=seed, stop=stop,
-                            ignore_eos=ignore_eos, min_tokens=min_tokens, logprobs=out.logprobs, **penalties)
+                            ignore_eos=ignore_eos, min_tokens=min_tokens, logprobs=out.logprobs,
+                            logit_bias=logit_bias, grammar=grammar, **penalties)
     return GenerateRequest(kind, model, tuple(prompt_ids), params, bool(stream), out.include_usage, rid, out.n,
                            "" if out.echo else None, out.continuous_usage)

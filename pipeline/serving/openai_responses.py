@@ -29,14 +29,20 @@ def openai_finish_reason(reason: Optional[str]) -> Optional[str]:
     return {"stop": "stop", "length": "length", "abort": "stop"}.get(reason, reason) if reason else None
 
 
-def choice(req: GenerateRequest, index: int, text: str, finish_reason: Optional[str],
-           logprobs: Optional[dict] = None) -> dict:
-    """One choice of a non-streaming response: a completion's ``text``, or a chat's assistant message."""
+def choice(req: GenerateRequest, index: int, text: Optional[str], finish_reason: Optional[str],
+           logprobs: Optional[dict] = None, reasoning: Any = False, tool_calls: Optional[list] = None) -> dict:
+    """One choice of a non-streaming response: a completion's ``text``, or a chat's assistant message
+    (with ``reasoning_content`` when a reasoning parser runs, ``reasoning`` not False; with
+    ``tool_calls`` when the output made any)."""
     reason = openai_finish_reason(finish_reason)
     if req.kind == COMPLETION:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": reason}
+    message: dict = {"role": "assistant", "content": text}
+    if reasoning is not False:
+        message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
 def choices_response(req: GenerateRequest, choices: list[dict], completion_tokens: int,
@@ -61,7 +67,7 @@ def sse(payload: Mapping[str, Any]) -> str:
 
 def stream_chunk(req: GenerateRequest, created: int, text: Optional[str], finish_reason: Optional[str] = None,
                  first: bool = False, index: int = 0, logprobs: Optional[dict] = None,
-                 completion_tokens: int = 0) -> dict:
+                 completion_tokens: int = 0, reasoning: str = "", tool_calls: Optional[list] = None) -> dict:
     """A streaming chunk of choice ``index``: ``text_completion`` with ``text``, or
     ``chat.completion.chunk`` with a ``delta`` (the first one carries the role; an empty text, an empty
     delta). ``finish_reason`` rides on the chunk of the choice's last text, ``logprobs`` are those of the
@@ -74,8 +80,12 @@ def stream_chunk(req: GenerateRequest, created: int, text: Optional[str], finish
         delta: dict = {}
         if first:
             delta["role"] = "assistant"
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if text is not None and (text or first):
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         out = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         obj = "chat.completion.chunk"
     chunk = {"id": req.request_id, "object": obj, "created": created, "model": req.model, "choices": [out]}

@@ -97,7 +97,9 @@ def render_chat_template(
     """Render a chat template as transformers does: a sandboxed jinja2 environment with trim_blocks and
     lstrip_blocks, ``raise_exception`` available, and the special tokens as variables."""
     for i, message in enumerate(messages):
-        if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+        content = message.get("content")
+        if not isinstance(message.get("role"), str) or not (
+                isinstance(content, str) or (content is None and message.get("tool_calls"))):
             raise TokenizerError(f"message {i} needs string 'role' and 'content', got {dict(message)!r}")
     try:
         compiled = _compiled_template(template)
@@ -174,6 +176,10 @@ class Tokenizer:
             raise TokenizerError(f"{cfg_path}: expected a JSON object, got {type(config).__name__}")
         return cls(tokenizer, config, cfg_path)
 
+    def to_json(self) -> str:
+        """The ``tokenizer.json`` text of this tokenizer (what a grammar engine builds its own from)."""
+        return self._tk.to_str()
+
     @property
     def vocab_size(self) -> int:
         """Number of ids, added (special) tokens included."""
@@ -199,24 +205,34 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        """The chat as one string (bos included), rendered as transformers' ``apply_chat_template`` would."""
-        if self.chat_template is None:
+    def special_id(self, text: str) -> int | None:
+        """The id of the special token ``text``; None when it is not one."""
+        return self._special_ids.get(text)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            template: str | None = None, **extra: Any) -> str:
+        """The chat as one string (bos included), rendered as transformers' ``apply_chat_template`` would
+        (``template``: another template than the tokenizer's; ``extra``: more template variables)."""
+        template = template or self.chat_template
+        if template is None:
             raise TokenizerError(f"{self._config_path} has no chat_template: this tokenizer cannot format chats")
         return render_chat_template(
-            self.chat_template, messages, bos_token=self.bos_token, eos_token=self.eos_token,
-            pad_token=self.pad_token, add_generation_prompt=add_generation_prompt,
+            template, [{k: v for k, v in m.items() if k != "trusted"} for m in messages], bos_token=self.bos_token,
+            eos_token=self.eos_token, pad_token=self.pad_token, add_generation_prompt=add_generation_prompt, **extra,
         )
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    template: str | None = None, **extra: Any) -> list[int]:
         """Ids of :meth:`apply_chat_template`'s text; the template writes the bos, so none is added. Only
         the template's own structure yields special ids: a special-token string inside a message's
-        content is encoded as ordinary text (so no content can forge a turn or a system prompt)."""
+        content (or an assistant's tool call) is encoded as ordinary text (so no content can forge a turn
+        or a system prompt); a message marked ``trusted`` (the server's own, such as the tools section of
+        pipeline.serving.tool_calls) is rendered as the template's own text."""
         if self._special_re is None:
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=False)
-        marked = [{**m, "content": self._mark(m["content"])} if isinstance(m.get("content"), str) else m
-                  for m in messages]
-        text = self.apply_chat_template(marked, add_generation_prompt)
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, template, **extra),
+                               add_bos=False)
+        marked = [m if m.get("trusted") else self._mark_message(m) for m in messages]
+        text = self.apply_chat_template(marked, add_generation_prompt, template, **extra)
         ids: list[int] = []
         pos = 0
         for m in self._special_re.finditer(text):  # the template's special tokens (content's are marked)
@@ -224,6 +240,17 @@ class Tokenizer:
             ids.append(self._special_ids[m.group()])
             pos = m.end()
         return ids + self.encode_plain(self._unmark(text[pos:]))
+
+    def _mark_message(self, m: Mapping[str, Any]) -> dict:
+        out = dict(m)
+        if isinstance(m.get("content"), str):
+            out["content"] = self._mark(m["content"])
+        if isinstance(m.get("tool_calls"), list):
+            out["tool_calls"] = [{**c, "function": {k: self._mark(v) if isinstance(v, str) else v
+                                                    for k, v in c["function"].items()}}
+                                 if isinstance(c, dict) and isinstance(c.get("function"), dict) else c
+                                 for c in m["tool_calls"]]
+        return out
 
     def _mark(self, content: str) -> str:
         content = content.replace(_MARK, _MARK + _MARK)

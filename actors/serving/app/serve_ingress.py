@@ -25,7 +25,7 @@ ingress is bounded too): there is no unbounded queue; ``n`` above ``max_in_fligh
 # FastAPI view, and FastAPI cannot resolve string annotations (``request: "Request"``) in them.
 
 import asyncio
-import hmac
+import functools
 import logging
 import time
 from typing import AsyncIterator, Optional
@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from actors.serving.api_keys import authorized
 from actors.serving.app.engine_client import LocalEngine, RemoteEngine
 from actors.cluster.ray_errors import app_error
 from actors.serving.serve_config import ServeConfig
@@ -49,6 +50,7 @@ from pipeline.serving import tokenize_api
 from pipeline.serving.choices import ChoiceState
 from pipeline.serving.logprobs import TokenStrings
 from pipeline.serving.openai_api import ApiError, GenerateRequest
+from pipeline.serving.reasoning import parser_for
 
 STATS_TIMEOUT_S = 5.0
 log = logging.getLogger("dsquant.serve")
@@ -111,6 +113,9 @@ class OpenAIIngress:
         self.model = config.model_name
         self.tokenizer = Tokenizer.from_dir(config.model_path)
         self.strings = TokenStrings(self.tokenizer)     # token strings and bytes, for logprobs (cached)
+        self.parse_chat = functools.partial(api.parse_chat, reasoning=parser_for(config.reasoning_parser,
+                                                                                  self.tokenizer.chat_template),
+                                            constrain_reasoning=config.constrain_reasoning)
         self.metrics = ServeMetrics()
         self.in_flight = 0
         self.answer_limit = proxy_limit()               # bytes a non-streamed answer may have (None: any)
@@ -136,8 +141,7 @@ class OpenAIIngress:
         if not header:
             return ApiError(401, "no API key was provided: send 'Authorization: Bearer <key>'",
                             "invalid_request_error", None, "invalid_api_key")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+        if not authorized(header, key):
             return ApiError(401, "the API key provided is not valid for this server", "invalid_request_error",
                             None, "invalid_api_key")
         return None
@@ -260,7 +264,7 @@ class OpenAIIngress:
 
     @openai_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await self._generate(request, "chat", api.parse_chat)
+        return await self._generate(request, "chat", self.parse_chat)
 
     @openai_app.post("/tokenize")
     async def tokenize(self, request: Request):

@@ -7,7 +7,11 @@ holds connections open for as long as it likes.
 :class:`ProxyGuard` (an ASGI middleware, outermost in the proxy) replaces an ``X-Request-ID`` that is not
 1-128 characters of ``[A-Za-z0-9._:-]`` with a fresh id, drops any other header whose value is not
 UTF-8 (Serve decodes some of them), and with an API key answers ``/-/routes`` only with
-``Authorization: Bearer <key>`` (``/-/healthz`` stays open, like ``/health``).
+``Authorization: Bearer <key>`` (``/-/healthz`` stays open, like ``/health``). A request head (request line
+and headers) larger than ``DSQUANT_MAX_HEADER_BYTES`` (default 16 KiB, as HAProxy's front door) is answered
+``431`` with an OpenAI-style ``request_header_fields_too_large`` error: by the guard once it is in, and by the
+httptools protocol below while it arrives (so a 100 MB header is not buffered first; h11 refuses heads over
+its own 16 KiB with a 400).
 
 The header timeout (:func:`install_header_timeout`, run once by the callback in the proxy's process):
 uvicorn's HTTP/1.1 protocols (httptools, which Serve's ``http="auto"`` picks when it is installed, and h11)
@@ -29,12 +33,12 @@ existing cluster set it where the cluster is started); the other variables are r
     RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=actors.serving.app.serve_proxy:proxy_middlewares
     DSQUANT_API_KEY=sk-...        # the key /-/routes then needs (optional)
     DSQUANT_HEADER_TIMEOUT_S=10   # seconds a request head may take to arrive (optional; 0: no limit)
+    DSQUANT_MAX_HEADER_BYTES=16384  # the largest request head (optional)
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import math
@@ -43,11 +47,14 @@ import re
 import uuid
 from typing import Optional
 
+from actors.serving.api_keys import KEY_ENV, authorized
+
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK = "actors.serving.app.serve_proxy:proxy_middlewares"
-KEY_ENV = "DSQUANT_API_KEY"
 HEADER_TIMEOUT_ENV = "DSQUANT_HEADER_TIMEOUT_S"
 DEFAULT_HEADER_TIMEOUT_S = 10.0
+HEADER_BYTES_ENV = "DSQUANT_MAX_HEADER_BYTES"
+DEFAULT_MAX_HEADER_BYTES = 16 * 1024   # a request head's bytes (request line and headers), as HAProxy's buffer
 REQUEST_ID = b"x-request-id"
 _VALID_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 KEYED_PATHS = ("/-/routes",)
@@ -76,31 +83,68 @@ def clean_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes
     return out
 
 
+def _env_number(environ, name: str, default: float, ok, what: str) -> float:
+    """``name``'s value as a float, ``default`` when unset; one that is not a number or fails ``ok`` is
+    warned about (saying it must be ``what``) and the default used."""
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if math.isnan(value) or not ok(value):
+        log.warning("dsquant: %s=%r is not %s; using %g", name, raw, what, default)
+        return default
+    return value
+
+
+def header_bytes_limit(environ=os.environ) -> int:
+    """``DSQUANT_MAX_HEADER_BYTES`` (default 16 KiB); a value that is not a whole number >= 1024 is warned
+    about and the default used."""
+    return int(_env_number(environ, HEADER_BYTES_ENV, DEFAULT_MAX_HEADER_BYTES,
+                           lambda v: 1024 <= v < math.inf and v == int(v), "a number of bytes >= 1024"))
+
+
+def _error_body(message: str, code: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}},
+                      separators=(",", ":")).encode()
+
+
+def _too_large_body(limit: int) -> bytes:
+    return _error_body(f"the request head (request line and headers) is larger than this server's limit of "
+                       f"{limit} bytes", "request_header_fields_too_large")
+
+
 class ProxyGuard:
     """ASGI middleware; see the module docstring."""
 
-    def __init__(self, app, api_key: Optional[str] = None):
+    def __init__(self, app, api_key: Optional[str] = None, max_header_bytes: Optional[int] = None):
         self.app, self.api_key = app, api_key
+        self.max_header_bytes = max_header_bytes if max_header_bytes is not None else header_bytes_limit()
+
+    @staticmethod
+    async def _answer(send, status: int, body: bytes) -> None:
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
     def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        given = dict((k.lower(), v) for k, v in headers).get(b"authorization", b"")
-        scheme, _, token = given.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key.encode())
+        return authorized(dict((k.lower(), v) for k, v in headers).get(b"authorization"), self.api_key)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
-        scope = {**scope, "headers": clean_headers(list(scope.get("headers", [])))}
+        headers = list(scope.get("headers", []))
+        head = (len(scope.get("raw_path") or scope.get("path", "").encode()) + len(scope.get("query_string") or b"")
+                + sum(len(k) + len(v) + 4 for k, v in headers))
+        if scope["type"] == "http" and head > self.max_header_bytes:
+            return await self._answer(send, 431, _too_large_body(self.max_header_bytes))
+        scope = {**scope, "headers": clean_headers(headers)}
         if self.api_key and scope["type"] == "http" and scope.get("path", "").endswith(KEYED_PATHS) \
                 and not self._authorized(scope["headers"]):
-            body = json.dumps({"error": {"message": "no valid API key was provided: send 'Authorization: Bearer "
-                                                    "<key>'", "type": "invalid_request_error", "param": None,
-                                         "code": "invalid_api_key"}}).encode()
-            await send({"type": "http.response.start", "status": 401,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
-            return
+            return await self._answer(send, 401, _error_body("no valid API key was provided: send 'Authorization: "
+                                                             "Bearer <key>'", "invalid_api_key"))
         await self.app(scope, receive, send)
 
 
@@ -109,26 +153,19 @@ class ProxyGuard:
 def header_timeout_s(environ=os.environ) -> Optional[float]:
     """``DSQUANT_HEADER_TIMEOUT_S`` in seconds (default 10); None for no limit (0 or less). A value that is
     not a finite number is warned about and the default used."""
-    raw = environ.get(HEADER_TIMEOUT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_HEADER_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if math.isnan(value) or math.isinf(value):
-        log.warning("dsquant: %s=%r is not a number of seconds; using %g", HEADER_TIMEOUT_ENV, raw,
-                    DEFAULT_HEADER_TIMEOUT_S)
-        return DEFAULT_HEADER_TIMEOUT_S
+    value = _env_number(environ, HEADER_TIMEOUT_ENV, DEFAULT_HEADER_TIMEOUT_S, lambda v: not math.isinf(v),
+                        "a number of seconds")
     return value if value > 0 else None
 
 
-def _timeout_response(timeout_s: float) -> bytes:
-    body = json.dumps({"error": {"message": f"the request head did not arrive within {timeout_s:g} s",
-                                 "type": "invalid_request_error", "param": None, "code": "request_timeout"}},
-                      separators=(",", ":")).encode()
-    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: "
+def _raw_response(status: bytes, body: bytes) -> bytes:
+    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: "
             + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+
+
+def _timeout_response(timeout_s: float) -> bytes:
+    return _raw_response(b"408 Request Timeout", _error_body(f"the request head did not arrive within {timeout_s:g} s",
+                                                              "request_timeout"))
 
 
 class _HeadDeadline:
@@ -136,9 +173,21 @@ class _HeadDeadline:
     awaited; when it fires the connection gets a 408 (if part of a request came) and is closed."""
 
     head_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    head_max_bytes: int = DEFAULT_MAX_HEADER_BYTES
     _head_timer: Optional[asyncio.TimerHandle] = None
     _head_started = False          # some bytes of the awaited head have come
+    _head_bytes = 0                # bytes of the awaited head received (whole reads while it was awaited)
     _head_transport = None
+
+    def _count_head(self, n: int) -> None:
+        """``n`` more bytes of a head still incomplete: past ``head_max_bytes`` the connection gets a 431 and
+        is closed, before the parser buffers more (ProxyGuard answers a complete head over the limit)."""
+        self._head_bytes += n
+        transport = self._head_transport
+        if self._head_bytes > self.head_max_bytes and transport is not None and not transport.is_closing():
+            self._cancel_head_timer()
+            transport.write(_raw_response(b"431 Request Header Fields Too Large", _too_large_body(self.head_max_bytes)))
+            transport.close()
 
     def _arm_head_timer(self) -> None:
         if self._head_timer is None and self._head_transport is not None:
@@ -149,6 +198,7 @@ class _HeadDeadline:
             self._head_timer.cancel()
             self._head_timer = None
         self._head_started = False
+        self._head_bytes = 0
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
@@ -176,14 +226,18 @@ class _HeadDeadline:
         super().connection_lost(exc)
 
 
-def _httptools_subclass(base: type, timeout_s: float) -> type:
+def _httptools_subclass(base: type, timeout_s: float, max_bytes: int) -> type:
     class HeadTimeoutHttpToolsProtocol(_HeadDeadline, base):
         head_timeout_s = timeout_s
+        head_max_bytes = max_bytes
 
         def data_received(self, data: bytes) -> None:
+            awaited = self._head_timer is not None   # a read that ends one request and starts the next: not counted
             super().data_received(data)
             if self._head_timer is not None and data:
                 self._head_started = True
+                if awaited:
+                    self._count_head(len(data))
 
         def on_message_begin(self) -> None:  # the parser: the first byte of a request
             super().on_message_begin()
@@ -196,11 +250,12 @@ def _httptools_subclass(base: type, timeout_s: float) -> type:
     return HeadTimeoutHttpToolsProtocol
 
 
-def _h11_subclass(base: type, timeout_s: float) -> type:
+def _h11_subclass(base: type, timeout_s: float, max_bytes: int) -> type:
     import h11
 
-    class HeadTimeoutH11Protocol(_HeadDeadline, base):
+    class HeadTimeoutH11Protocol(_HeadDeadline, base):   # h11 bounds a head itself (16 KiB: 400 beyond)
         head_timeout_s = timeout_s
+        head_max_bytes = max_bytes
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
@@ -226,16 +281,17 @@ _AUTO = ("auto", "uvicorn.protocols.http.auto:AutoHTTPProtocol")
 _installed: dict[str, type] = {}  # protocol name -> the subclass now in HTTP_PROTOCOLS
 
 
-def head_timeout_protocol(base: type, timeout_s: float) -> type:
+def head_timeout_protocol(base: type, timeout_s: float, max_bytes: Optional[int] = None) -> type:
     """A subclass of uvicorn's ``HttpToolsProtocol`` or ``H11Protocol`` (``base``) that closes a connection
-    whose request head takes longer than ``timeout_s`` (408 if part of it came); see the module docstring.
-    Usable as ``uvicorn.Config(http=...)``."""
+    whose request head takes longer than ``timeout_s`` (408 if part of it came), or grows past ``max_bytes``
+    (431; default ``DSQUANT_MAX_HEADER_BYTES``); see the module docstring. Usable as
+    ``uvicorn.Config(http=...)``."""
     for path, make, methods in _PROTOCOLS.values():
         if base.__name__ == path.rpartition(":")[2]:
             missing = [m for m in methods if not callable(getattr(base, m, None))]
             if missing:
                 raise TypeError(f"{base.__module__}.{base.__name__} has no {', '.join(missing)}")
-            return make(base, timeout_s)
+            return make(base, timeout_s, max_bytes if max_bytes is not None else header_bytes_limit())
     raise TypeError(f"not a uvicorn HTTP/1.1 protocol class: {base!r}")
 
 

@@ -34,8 +34,8 @@ def _make_engine(config: ServeConfig, deployment: str, tok):
 
     parallel = config.parallel_of(deployment)
     if parallel.single:
-        engine = LLMEngine(load_model(config.model_path, dtype=config.dtype, device=config.engine.device),
-                           config.engine, tok)
+        engine = LLMEngine(load_model(config.model_path, dtype=config.dtype, device=config.engine.device,
+                                      with_mtp=config.engine.mtp), config.engine, tok)   # no MTP: not loaded
         engine.warm_up()                # the first full step's one-time costs, before the first request
         return engine
     if dir_kind(config.model_path) == FLOAT_CHECKPOINT:

@@ -33,6 +33,7 @@ from pipeline.engine.cache.prefix_cache import PrefixCachingAllocator
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.core import kv_handoff
 from pipeline.engine.core.detokenizer import Detokenizer
+from pipeline.engine.core.guided import Guides
 from pipeline.engine.core.kv_handoff import KVHandoff
 from pipeline.engine.core.sampling import adjust_logits, generator_on, piece_logprobs, plain_greedy, sample
 from pipeline.engine.core.scheduler import FINISHED, RUNNING, Scheduler
@@ -121,6 +122,7 @@ class LLMEngine:
         self._requests: dict[str, Seq] = {}             # request_id -> its sequence, until it finishes
         self._detok: dict[int, Detokenizer] = {}        # seq_id -> its output's text, for stop strings
         self._errors: dict[int, str] = {}               # seq_id -> why it failed (finish_reason "error")
+        self.guides = Guides(tokenizer, cfg.vocab_size)  # the constrained sequences' matchers (guided)
         self.eos_id = getattr(tokenizer, "eos_id", None) if tokenizer is not None else cfg.eos_token_id
         self._layout = kv_handoff.cache_layout(self)
 
@@ -135,9 +137,11 @@ class LLMEngine:
     # ----- the interface: add, abort, step, stats ---------------------------------------------------------
     def add(self, request: EngineRequest) -> None:
         """Queue ``request``; ValueError (nothing queued) when the engine refuses it: a prompt that does not
-        fit the model or the cache, or an id already in the engine."""
+        fit the model or the cache, an id already in the engine, or a grammar that does not compile
+        (guided.GrammarError)."""
+        matcher = self.guides.matcher(request.params.grammar) if request.params.grammar is not None else None
         self._admit(request, self.scheduler.add(request.prompt_ids, request.params, self.eos_id,
-                                                self._new_id(request)))
+                                                self._new_id(request)), matcher)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (its client went away): its blocks are freed, no more output comes for it."""
@@ -192,7 +196,9 @@ class LLMEngine:
             raise ValueError(f"request id {request.request_id!r} is already in this engine")
         return request.request_id
 
-    def _admit(self, request: EngineRequest, seq: Seq) -> Seq:
+    def _admit(self, request: EngineRequest, seq: Seq, matcher=None) -> Seq:
+        if request.params.grammar is not None:
+            self.guides.add(seq.seq_id, matcher or self.guides.matcher(request.params.grammar))
         self._requests[request.request_id] = seq
         self.counters.prompt_tokens += len(seq.prompt)
         if request.params.stop and self.tokenizer is not None:
@@ -204,6 +210,7 @@ class LLMEngine:
         self._requests.pop(seq.request_id, None)
         self._detok.pop(seq.seq_id, None)
         self._errors.pop(seq.seq_id, None)
+        self.guides.forget(seq.seq_id)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[int]]:
         """Run the prompts to completion together; each one's generated token ids (eos excluded)."""
@@ -272,6 +279,9 @@ class LLMEngine:
         for p, b in zip(batch.pieces, offsets[1:]):
             if p.samples:
                 rows += [b - 2, b - 1] if p.draft is not None else [b - 1]
+        guided = [p.seq for p in batch.pieces if p.samples and p.seq.seq_id in self.guides]
+        if guided:      # their masks are filled while the model runs (guided.Guides.prefetch)
+            self.guides.prefetch(guided)
         return StepWork(t0, batch, list(batch.finished), spans, offsets, rows)
 
     def sampled(self, st: "StepWork", logits: torch.Tensor) -> Optional["DraftWork"]:
@@ -286,14 +296,17 @@ class LLMEngine:
         # every plain greedy row's token from ONE argmax over all rows (the same ids as row by row)
         plain = {p.seq.seq_id for p in batch.pieces if p.samples and plain_greedy(p.seq)}
         best = argmax_rows(logits, self.config.kernels.float_ops) if plain else None
+        masked, refused = self._masked(batch.pieces, logits)
         r = 0
         for p in batch.pieces:
             if not p.samples:
                 continue
             rows_of = 1 if p.draft is None else 2
             try:
-                sampled[p.seq.seq_id] = self._sample_piece(
-                    p, logits[r:r + rows_of], best[r:r + rows_of] if p.seq.seq_id in plain else None)
+                if p.seq.seq_id in refused:
+                    raise RuntimeError(refused[p.seq.seq_id])
+                sampled[p.seq.seq_id] = self._sample_piece(p, masked.get(p.seq.seq_id, logits[r:r + rows_of]),
+                                                           best[r:r + rows_of] if p.seq.seq_id in plain else None)
             except Exception as e:  # noqa: BLE001 - one request's sampling failure fails that request only
                 self._errors[p.seq.seq_id] = f"sampling failed: {type(e).__name__}: {e}"
                 log.warning("request %s: sampling failed: %s: %s", p.seq.request_id, type(e).__name__, e)
@@ -310,6 +323,19 @@ class LLMEngine:
         if got or self.step_logprobs:  # only the tokens the sequence kept (not an eos that ended it)
             self.step_logprobs = {sid: lps[:len(seq.output) - st.before[sid]] for sid, (seq, lps) in got.items()}
         return self._draft_work(batch.pieces, st.offsets) if self.runner.mtp_id is not None else None
+
+    def _masked(self, pieces, logits: torch.Tensor) -> tuple[dict, dict]:
+        """The constrained sampling pieces' logit rows with their grammars' masks, all in one batch
+        (:meth:`pipeline.engine.core.guided.Guides.masked`); nothing to do without any."""
+        seqs, rows, r = [], [], 0
+        for p in pieces:
+            if not p.samples:
+                continue
+            if p.seq.seq_id in self.guides:
+                seqs.append(p.seq)
+                rows.append(r)
+            r += 1 if p.draft is None else 2
+        return self.guides.masked(seqs, rows, logits) if seqs else ({}, {})
 
     def end_step(self, st: "StepWork") -> list[EngineOutput]:
         """The step's outputs: the stop strings looked for in the new text, the counters updated (a step
@@ -392,7 +418,7 @@ class LLMEngine:
             spans.append(Span([seq.tokens[i + 1] for i in range(p.start, end)], p.start, seq.table.blocks))
             rows_h += range(a, a + end - p.start)
             k += end - p.start
-            if end == len(seq.tokens) - 1 and seq.params.greedy:
+            if end == len(seq.tokens) - 1 and seq.params.greedy and seq.params.grammar is None:
                 draft_rows.append(k - 1)
                 drafting.append(seq)
         return DraftWork(spans, rows_h, draft_rows, drafting) if spans else None

@@ -117,7 +117,7 @@ def add_prefilled(engine, request: EngineRequest, kv: KVHandoff, write=None) -> 
     seq = engine.scheduler.add_running(kv.prompt + [kv.first_token], len(kv.prompt), kv.num_cached, params,
                                        engine.eos_id, rid)
     (write or engine.runner.write_blocks)(list(seq.table.blocks), kv.blocks)
-    seq.draft = kv.draft if params.greedy else None
+    seq.draft = kv.draft if params.greedy and params.grammar is None else None
     if generator is not None:
         seq.generator = generator
     engine._admit(request, seq)

@@ -107,15 +107,15 @@ def plain_greedy(seq) -> bool:
     """Whether ``seq``'s next tokens are the raw logits' argmax: greedy, no penalty, and no eos to block
     (``min_tokens`` reached; it stays reached as the output grows)."""
     p = seq.params
-    return p.greedy and not p.penalized and (seq.eos_id is None or len(seq.output) >= p.min_tokens)
+    return p.greedy and not p.penalized and not p.biased and (seq.eos_id is None or len(seq.output) >= p.min_tokens)
 
 
 def adjust_logits(logits: torch.Tensor, p: SamplingParams, prompt: Sequence[int], output: Sequence[int],
                   eos_id: int | None) -> torch.Tensor:
-    """The logits [1, V] of a sequence's next token after its penalties and ``min_tokens`` (see
-    SamplingParams); the same tensor when neither applies."""
+    """The logits [1, V] of a sequence's next token after its penalties, its ``logit_bias`` and
+    ``min_tokens`` (see SamplingParams); the same tensor when none applies."""
     block_eos = eos_id is not None and len(output) < p.min_tokens
-    if not (p.penalized or block_eos):
+    if not (p.penalized or block_eos or p.logit_bias):
         return logits
     x = logits.float().clone()
     if p.repetition_penalty != 1:
@@ -125,6 +125,10 @@ def adjust_logits(logits: torch.Tensor, p: SamplingParams, prompt: Sequence[int]
     if output and (p.presence_penalty or p.frequency_penalty):
         ids, counts = torch.tensor(list(output), dtype=torch.long, device=x.device).unique(return_counts=True)
         x[0, ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
+    if p.logit_bias:
+        ids = [t for t, _ in p.logit_bias if t < x.shape[-1]]
+        if ids:
+            x[0, ids] += torch.tensor([b for t, b in p.logit_bias if t < x.shape[-1]], device=x.device)
     if block_eos:
         x[0, eos_id] = float("-inf")
     return x

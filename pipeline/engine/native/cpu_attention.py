@@ -52,7 +52,6 @@ def _declare_attention(dll: ctypes.CDLL) -> None:
     dll.mla_decode_absorbed.argtypes = [p, i64, p, p, i32, i64] + dll.mla_decode.argtypes[1:]
     dll.mla_decode_absorbed.restype = i32
     dll.mla_decode_vectorized.argtypes, dll.mla_decode_vectorized.restype = [], i32
-    dll.pool_set_threads.argtypes, dll.pool_set_threads.restype = [i32], i32
 
 
 def _declare_write(dll: ctypes.CDLL) -> None:
@@ -92,18 +91,10 @@ def status() -> str:
     return f"attention: {_ATTENTION.status()}{plain}; cache write: {_WRITE.status()}"
 
 
-_pool = {"threads": 1}
-
-
 def set_threads(n: int) -> int:
     """Threads for the decode attention's pool (csrc/pool.h: the heads in groups; the bits do not depend on
     it), the caller included; returns the count set (1 when the library is not built)."""
-    lib = _ATTENTION.loaded()
-    if lib is None:
-        return 1
-    if n != _pool["threads"]:
-        _pool["threads"] = lib.pool_set_threads(int(n))
-    return _pool["threads"]
+    return _ATTENTION.set_threads(n)
 
 
 def reset() -> None:

@@ -68,9 +68,7 @@ def _declare(dll: ctypes.CDLL) -> None:
     dll.moe_router.argtypes = [p, i64, i64, p, i64, i64, i64, i32, f32, p, p]
     dll.rope.argtypes = [p, i32, i64, i64, i64, i64, i64, p, p, p]
     dll.argmax_rows.argtypes = [p, i64, i64, i64, p]
-    dll.pool_set_threads.argtypes = [i32]
-    for f in (dll.bf16_linear, dll.bf16_linear_has_amx, dll.rms_norm, dll.moe_router, dll.rope, dll.argmax_rows,
-              dll.pool_set_threads):
+    for f in (dll.bf16_linear, dll.bf16_linear_has_amx, dll.rms_norm, dll.moe_router, dll.rope, dll.argmax_rows):
         f.restype = i32
 
 
@@ -86,18 +84,10 @@ def status() -> str:
     return f"float ops: {_LIB.status()}"
 
 
-_pool = {"threads": 1}
-
-
 def set_threads(n: int) -> int:
     """Threads for the bf16 linears' pool (csrc/pool.h: column tasks; the bits do not depend on it), the caller
     included; returns the count set (1 when the library is not built)."""
-    lib = _LIB.loaded()
-    if lib is None:
-        return 1
-    if n != _pool["threads"]:
-        _pool["threads"] = lib.pool_set_threads(int(n))
-    return _pool["threads"]
+    return _LIB.set_threads(n)
 
 
 def reset() -> None:

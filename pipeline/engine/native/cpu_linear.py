@@ -71,7 +71,6 @@ class LinearParams(ctypes.Structure):
 def _declare(dll: ctypes.CDLL) -> None:
     dll.native_has_vnni.argtypes, dll.native_has_vnni.restype = [], ctypes.c_int
     dll.native_has_amx.argtypes, dll.native_has_amx.restype = [], ctypes.c_int
-    dll.pool_set_threads.argtypes, dll.pool_set_threads.restype = [ctypes.c_int], ctypes.c_int
     dll.int8_pack.argtypes, dll.int8_pack.restype = [p, i64, i64, i64, i64, p, p], None
     dll.int8_linear.argtypes, dll.int8_linear.restype = [p, p, i64, i64, i32, p], ctypes.c_int
     dll.int8_linear_q.argtypes, dll.int8_linear_q.restype = [p, p, p, i64, p], ctypes.c_int
@@ -112,30 +111,22 @@ def reset() -> None:
     _LIB.reset()
 
 
-_pool = {"threads": 1}
-
-
 def set_threads(n: int) -> int:
     """Threads for the kernels' pool, the caller included (1 .. 256); returns the count set (1 when the
     library is not built)."""
-    lib = _LIB.loaded()
-    if lib is None:
-        return 1
-    if n != _pool["threads"]:
-        _pool["threads"] = lib.pool_set_threads(int(n))
-    return _pool["threads"]
+    return _LIB.set_threads(n)
 
 
 def threads() -> int:
     """The pool's thread count (module docstring)."""
-    return _pool["threads"]
+    return _LIB.threads()
 
 
 def follow_torch() -> int:
     """The pools as wide as torch's intra-op threads now: this library's, the decode attention's and the bf16
     linears' (an engine's runner calls it once per step)."""
     n = torch.get_num_threads()
-    if n != _pool["threads"]:
+    if n != _LIB.threads():
         from pipeline.engine.native import cpu_attention, cpu_float
 
         cpu_attention.set_threads(n)

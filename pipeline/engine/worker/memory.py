@@ -12,7 +12,9 @@ loader needs today, not what it should; the per-part breakdown and what to drop 
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 from pathlib import Path
 from typing import Optional
 
@@ -20,11 +22,36 @@ BYTES_PER_WEIGHT_BYTE = 3.1
 FIXED_BYTES = int(1.5e9)
 
 
-def weight_bytes(path: str) -> Optional[int]:
-    """The tensor bytes of a local model directory (its *.safetensors files); None for a URL."""
+def weight_bytes(path: str, with_mtp: bool = True) -> Optional[int]:
+    """The tensor bytes of a local model directory (its *.safetensors files; without the MTP layer's
+    tensors unless ``with_mtp``, from the files' headers); None for a URL."""
     if "://" in path:
         return None
-    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    files = sorted(Path(path).glob("*.safetensors"))
+    if with_mtp:
+        return sum(f.stat().st_size for f in files)
+    try:
+        first_mtp = int(json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return sum(f.stat().st_size for f in files)
+    total = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            try:
+                header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+            except (struct.error, ValueError, MemoryError):
+                total += f.stat().st_size
+                continue
+        for name, meta in header.items():
+            if name == "__metadata__" or not isinstance(meta, dict):
+                continue
+            parts = name.split(".")
+            mtp = len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() \
+                and int(parts[2]) >= first_mtp
+            if not mtp:
+                a, b = meta.get("data_offsets", (0, 0))
+                total += b - a
+    return total
 
 
 def available_bytes() -> Optional[int]:
@@ -44,22 +71,22 @@ def available_bytes() -> Optional[int]:
     return avail
 
 
-def engine_bytes(path: str) -> Optional[int]:
+def engine_bytes(path: str, with_mtp: bool = True) -> Optional[int]:
     """The estimated memory of one engine serving ``path`` (module docstring); None for a URL."""
-    w = weight_bytes(path)
+    w = weight_bytes(path, with_mtp)
     return None if w is None else int(w * BYTES_PER_WEIGHT_BYTE) + FIXED_BYTES
 
 
-def check_fits(path: str, engines: int = 1, what: str = "--model-path") -> None:
+def check_fits(path: str, engines: int = 1, what: str = "--model-path", with_mtp: bool = True) -> None:
     """ValueError (one line: what the engines need, what is free) when ``engines`` engines of ``path`` do
     not fit in this machine's free memory; nothing when they do or when either side is unknown.
     ``DSQUANT_SKIP_MEMORY_CHECK=1`` skips it (memory that frees as it loads, e.g. a page cache)."""
     if os.environ.get("DSQUANT_SKIP_MEMORY_CHECK") == "1":
         return
-    need, free = engine_bytes(path), available_bytes()
+    need, free = engine_bytes(path, with_mtp), available_bytes()
     if need is None or free is None or engines * need <= free:
         return
-    w = weight_bytes(path) or 0
+    w = weight_bytes(path, with_mtp) or 0
     raise ValueError(f"{what} {path}: {engines} engine(s) need about {engines * need / 1e9:.1f} GB "
                      f"({w / 1e9:.1f} GB of weights x {BYTES_PER_WEIGHT_BYTE} + {FIXED_BYTES / 1e9:.1f} GB each), "
                      f"{free / 1e9:.1f} GB is free; serve fewer replicas, shard the model (--tp / --moe-ep over "

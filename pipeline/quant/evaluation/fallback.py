@@ -1,8 +1,10 @@
 """Measured fallback (``--fa-fallback`` / ``--linear-fallback``): the FA3 layers and the linears whose
 quantization costs most stay in the model dtype.
 
-The job quantizes once with the recipe into a probe directory, measures there what each piece costs, picks,
-and quantizes again with the recipe amended; that amended recipe is what the output's
+The job quantizes once with the recipe into a probe directory (a hidden sibling of the destination, under
+the destination's lock: removed when the job ends or is stopped with SIGTERM, and by the next run on the
+destination after a SIGKILL), measures there what each piece costs, picks, and quantizes again with the
+recipe amended; that amended recipe is what the output's
 ``<model_type>_best_practice.yaml`` holds, so a rerun from it writes the same output without the flags:
 
 - FA3 layers that fall back join ``fa_exclude_layers`` (the file's ``dsquant`` section);
@@ -25,7 +27,8 @@ error is large where smoothing has scaled outlier columns up:
 
 ``auto`` takes what each layer's attention bound needs, then the shortest ranked prefix of the rest that
 meets :data:`TARGET` or ``--fallback-target`` (the module doc of pipeline.quant.evaluation.sensitivity says how it
-searches); ``N`` the N costliest; ``none`` nothing. The default target (agreement >= 98%, perplexity
+searches); ``N`` the N costliest (at most the pieces the recipe quantizes, checked before any work); ``none``
+(or ``0``) nothing, and no probe for it. The default target (agreement >= 98%, perplexity
 within +1%, every layer's attention output SQNR >= 32 dB) is stricter than the project's goals (agreement
 >= 95%, perplexity within +2%, attention SQNR >= 30 dB on held-out text) because the calibration texts are
 not the evaluation texts and the final output is calibrated again.
@@ -36,12 +39,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
+import posixpath
+import uuid
 from dataclasses import replace
 from typing import Callable, Optional, Union
 
+from pipeline.io import storage
 from pipeline.quant.recipe.linear_rules import LinearRule, default_rules
 from pipeline.quant.writing.output_files import FALLBACK_REPORT
 from pipeline.quant.numerics.qparams import QuantError
@@ -62,7 +65,7 @@ def parse_choice(text: str, flag: str) -> Choice:
         return AUTO
     if t == "none":
         return None
-    if t.isdigit():
+    if t.isascii() and t.isdigit():        # not '²' or '٣', which str.isdigit takes and int() may not
         return int(t)
     raise QuantError(f"{flag}: expected auto, none or a count such as 3, got {text!r}")
 
@@ -109,6 +112,38 @@ def with_fallback(recipe: Recipe, fa_layers, linears) -> Recipe:
     return out
 
 
+def pieces(recipe: Recipe, cfg) -> tuple[int, int]:
+    """(FA3 layers, linear pieces: an expert group or a q_a/kv_a pair counted once) the recipe quantizes in
+    a model of config ``cfg``: what ``N`` may count up to, known from the recipe and config alone."""
+    from pipeline import layout
+    from pipeline.format.description import QUANT_KINDS
+    from pipeline.quant.recipe.recipe import module_types
+
+    ids = layout.all_layer_ids(cfg)
+    types = module_types(cfg, recipe, ids)
+    names = [m for m, kind in types.items() if kind in QUANT_KINDS and layout.is_quantizable_linear(m)]
+    return sum(recipe.fa_layer(cfg, i) for i in ids), len(fallback_groups(names))
+
+
+def check_choices(recipe: Recipe, cfg, fa: Choice, linear: Choice) -> tuple[Choice, Choice]:
+    """The choices as the job runs them, checked against what the recipe quantizes before any work: ``0``
+    is ``none`` (no probe for it); a count above the pieces there are, or a fallback of what the recipe
+    does not quantize (FA3 off), is a QuantError naming the flag."""
+    fa, linear = (None if c == 0 else c for c in (fa, linear))
+    n_fa, n_lin = pieces(recipe, cfg)
+    for flag, choice, n, what in (("--fa-fallback", fa, n_fa, "FA3 layers"),
+                                  ("--linear-fallback", linear, n_lin,
+                                   "linears (an expert group, or a q_a/kv_a pair, counted once)")):
+        if choice is None:
+            continue
+        if n == 0:
+            why = "no layer has FA3" if flag == "--fa-fallback" else "it quantizes no linear"
+            raise QuantError(f"{flag} {choice}: the recipe has nothing to keep ({why}); drop the flag")
+        if choice != AUTO and choice > n:
+            raise QuantError(f"{flag} {choice}: the recipe quantizes only {n} {what}")
+    return fa, linear
+
+
 def _take(choice: Choice, ranked: list[Cost], ref: FloatReference, params: FakeQuantParams, kind: str,
           target: Target, groups=None) -> tuple[list, Optional[dict]]:
     if choice is None or not ranked:
@@ -116,10 +151,6 @@ def _take(choice: Choice, ranked: list[Cost], ref: FloatReference, params: FakeQ
     if choice == AUTO:
         pick = smallest_fallback(ref, params, ranked, target, kind, groups)
         return list(pick.keys), pick.to_dict()
-    if choice > len(ranked):
-        what = "FA3 layers" if kind == "fa" else "linears (an expert group, or a q_a/kv_a pair, counted once)"
-        raise QuantError(f"--{'fa' if kind == 'fa' else 'linear'}-fallback {choice}: the recipe quantizes only "
-                         f"{len(ranked)} {what}")
     return [c.key for c in ranked[:choice]], None
 
 
@@ -219,35 +250,66 @@ def _cost(c: Cost) -> dict:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in c.to_dict().items()}
 
 
+PROBE_TAG = ".fallback-probe-"   # the probe of DST: the hidden sibling .DST.fallback-probe-<token>
+
+
+def probe_path(dst: str) -> str:
+    """Where the probe of a job writing ``dst`` goes: a hidden sibling (the disk that was checked for room,
+    under the job's lock; never $TMPDIR)."""
+    return storage.sibling(dst, f".{posixpath.basename(dst.rstrip('/'))}{PROBE_TAG}{uuid.uuid4().hex[:12]}")
+
+
+def sweep_probes(dst: str, log: Callable[[str], None] = print) -> list[str]:
+    """Remove the probes (and their locks) that killed runs left beside ``dst``; call holding ``dst``'s lock
+    (no other job on ``dst`` runs, so none of them is in use). Returns the names removed."""
+    parent = posixpath.dirname(dst.rstrip("/")) or "."
+    stem = f"{posixpath.basename(dst.rstrip('/'))}{PROBE_TAG}"
+    if not storage.isdir(parent):
+        return []
+    stale = [e for e in storage.listdir(parent) if e.lstrip(".").startswith(stem)]
+    for e in stale:
+        storage.remove(storage.join(parent, e))
+    if stale:
+        log(f"fallback: removed {len(stale)} probe file(s) a stopped run left beside {dst}: {', '.join(stale[:4])}")
+    return stale
+
+
 def quantize_with_fallback(src: str, dst: str, recipe: Recipe, opts, fa: Choice, linear: Choice,
                            recipe_yaml: Callable[[Recipe], str], target: Target = TARGET,
                            log: Callable[[str], None] = print) -> Recipe:
     """Probe, pick, and write ``dst`` with the amended recipe (module doc); ``recipe_yaml`` renders the
     recipe file written next to the weights. Returns the amended recipe."""
     from pipeline.io.checkpoint import CheckpointReader
+    from pipeline.io.dest_lock import DestinationLock
     from pipeline.quant.job.options import calibration_samples
     from pipeline.quant.job.preflight import check_job
     from pipeline.quant.job.run import quantize_checkpoint
 
-    check_job(src, dst, recipe, opts)             # bad input fails before the probe
     cfg = CheckpointReader(src).config
+    fa, linear = check_choices(recipe, cfg, fa, linear)
+    if fa is None and linear is None:             # nothing to measure: the job without the flags
+        quantize_checkpoint(src, dst, recipe, opts, log=log)
+        return recipe
+    check_job(src, dst, recipe, opts)             # bad input fails before the probe
     samples = calibration_samples(src, opts, cfg.max_position_embeddings)
-    tmp = tempfile.mkdtemp(prefix="dsquant-fallback-")
-    try:
-        probe = os.path.join(tmp, "probe")
-        log("fallback: quantizing a probe with the recipe as given")
-        weights = FloatWeights(cfg, recipe)
-        quantize_checkpoint(src, probe, recipe, replace(opts, overwrite=False, estimate=False, recipe_file=None),
-                            log=lambda m: None, on_layer=weights)
-        report = choose(src, probe, samples, fa, linear, target, log, weights)
-        del weights
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    final = with_fallback(recipe, report.get("fa", {}).get("picked", []), report.get("linear", {}).get("picked", []))
-    name = opts.recipe_file[0] if opts.recipe_file else None
-    files = (*opts.extra_files, (REPORT_NAME, (json.dumps(report, indent=1) + "\n").encode()))
-    quantize_checkpoint(src, dst, final, replace(opts, recipe_file=(name, recipe_yaml(final)) if name else None,
-                                                 extra_files=files), log=log)
+    with DestinationLock(dst) as lock:            # the probe and the output: one job's, beside each other
+        sweep_probes(dst, log)
+        probe = probe_path(dst)
+        try:
+            log(f"fallback: quantizing a probe with the recipe as given ({probe})")
+            weights = FloatWeights(cfg, recipe)
+            quantize_checkpoint(src, probe, recipe, replace(opts, overwrite=False, estimate=False, recipe_file=None),
+                                log=lambda m: None, on_layer=weights)
+            report = choose(src, probe, samples, fa, linear, target, log, weights)
+            del weights
+        finally:
+            storage.remove(probe)
+        final = with_fallback(recipe, report.get("fa", {}).get("picked", []),
+                              report.get("linear", {}).get("picked", []))
+        name = opts.recipe_file[0] if opts.recipe_file else None
+        files = (*opts.extra_files, (REPORT_NAME, (json.dumps(report, indent=1) + "\n").encode()))
+        quantize_checkpoint(src, dst, final, replace(opts, recipe_file=(name, recipe_yaml(final)) if name else None,
+                                                     extra_files=files), log=log, lock=lock)
     log(f"fallback: {REPORT_NAME} written; on the calibration samples agreement "
         f"{report['quantized']['agreement']:.4f} -> {report['with_fallback']['agreement']:.4f}, perplexity "
         f"{report['quantized']['ppl_delta_pct']:+.2f}% -> {report['with_fallback']['ppl_delta_pct']:+.2f}%")

@@ -31,6 +31,8 @@ import torch
 from pipeline import layout
 from pipeline.config import model_dtype
 from pipeline.io import storage
+from pipeline.io.dest_lock import DestinationLock
+from pipeline.io.destination import check_destination as check_variant_destination
 from pipeline.io.checkpoint import CONFIG_NAME, INDEX_NAME, CheckpointReader
 from pipeline.io.fp8_copy import SHARD_BYTES, assign_shards, copy_other_files, shard_name
 from pipeline.io.safetensors_io import DTYPE_NAMES, SafetensorsWriter, TensorSpec
@@ -47,21 +49,24 @@ CHECK_RANDOM_TOKENS = 64   # tokens per sample when the source has no tokenizer
 
 
 def check_destination(src: str, dst: str, overwrite: bool) -> None:
-    if storage.same_location(src, dst):
-        raise VariantError(f"{dst}: the destination is the source {src}; choose another --save-path")
-    if storage.exists(dst):
-        if not storage.isdir(dst):
-            raise FileExistsError(f"{dst}: exists and is not a directory")
-        entries = storage.listdir(dst)
-        if entries and not overwrite:
-            raise FileExistsError(f"{dst}: not empty ({', '.join(sorted(entries)[:4])}); pass --overwrite to "
-                                  "replace it")
+    """The destination rule (:mod:`pipeline.io.destination`): only an earlier variant (it holds
+    ``outlier_variant.json``) is replaced, and only with ``overwrite``."""
+    check_variant_destination(dst, kind="an outlier variant", is_own=lambda entries: RECORD_NAME in entries,
+                              overwrite=overwrite, sources=(src,))
 
 
 def write_variant(src: str, dst: str, spec: VariantSpec, *, overwrite: bool = False, check: bool = True,
                   shard_bytes: int = SHARD_BYTES, log: Callable[[str], None] = print) -> dict:
-    """Write the variant of ``src`` into ``dst``; returns the record written as ``outlier_variant.json``."""
+    """Write the variant of ``src`` into ``dst``, holding its lock (:mod:`pipeline.io.dest_lock`); returns the
+    record written as ``outlier_variant.json``."""
     check_destination(src, dst, overwrite)
+    with DestinationLock(dst) as lock:
+        check_destination(src, dst, overwrite)     # as it is now that no other job writes it
+        return _write_variant(src, dst, spec, check, shard_bytes, log, lock)
+
+
+def _write_variant(src: str, dst: str, spec: VariantSpec, check: bool, shard_bytes: int,
+                   log: Callable[[str], None], lock: DestinationLock) -> dict:
     reader = CheckpointReader(src)
     cfg = reader.config
     spec.check_config(cfg)
@@ -93,6 +98,7 @@ def write_variant(src: str, dst: str, spec: VariantSpec, *, overwrite: bool = Fa
             record["check"] = check_logits(src, tmp, changes)
             _attach_ratios(record)
         storage.write_bytes(storage.join(tmp, RECORD_NAME), (json.dumps(record, indent=1) + "\n").encode())
+        lock.ensure()
         if storage.exists(dst):
             storage.replace_dir(tmp, dst)
         else:

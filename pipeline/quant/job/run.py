@@ -86,7 +86,8 @@ def calibrate(src: str, recipe: Recipe, opts: QuantizeOptions, samples: Optional
 
 
 def quantize_checkpoint(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions = QuantizeOptions(),
-                        log: Callable[[str], None] = print, on_layer: Optional[LayerHook] = None) -> dict:
+                        log: Callable[[str], None] = print, on_layer: Optional[LayerHook] = None,
+                        lock: Optional[DestinationLock] = None) -> dict:
     """Quantize ``src`` into ``dst`` (any fsspec locations); returns the job summary (also in the
     manifest). Every input is checked first (:func:`pipeline.quant.job.preflight.check_job`); nothing in
     ``dst`` looks complete until the very end, and an earlier output there (``opts.overwrite``) stays
@@ -94,10 +95,14 @@ def quantize_checkpoint(src: str, dst: str, recipe: Recipe, opts: QuantizeOption
     from the end of the checks to the end: a second job on the same destination stops with
     :class:`~pipeline.io.dest_lock.DestinationBusy` and writes nothing. ``on_layer(layer_id, tensors)``, when
     given, sees each layer's float tensors as they are quantized (smoothed and rotated as the recipe has
-    them; FP8 weights still as BlockRows)."""
+    them; FP8 weights still as BlockRows). ``lock``: ``dst``'s lock, already held by the caller (a job
+    that writes more than this output beside it)."""
     t0 = time.time()
     rchar0 = _rchar()
     job = check_job(src, dst, recipe, opts)
+    if lock is not None:
+        lock.ensure()
+        return _quantize_checked(src, dst, recipe, opts, log, job, lock, t0, rchar0, on_layer)
     with DestinationLock(dst) as lock:  # one job per destination: a second one stops here, naming this one
         return _quantize_checked(src, dst, recipe, opts, log, job, lock, t0, rchar0, on_layer)
 

@@ -16,7 +16,8 @@ What is read, strictly (a key or process type not listed is an error naming it, 
       dataset: calib.json                 resolved next to the recipe, then in the working directory
       save: [{type: ascendv1_saver | mindie_format_saver, part_file_size: 4}]
       runner: auto | layer_wise | model_wise                         accepted (this project runs layer-wise)
-    dsquant: {...}                        this project's own Recipe fields on top (fa_exclude_layers, ...)
+    dsquant: {...}                        this project's own Recipe fields on top (fa_exclude_layers, ...),
+                                          and dataset_sha256: the content spec.dataset must have
 
 Anchors and aliases are YAML's own (``yaml.safe_load`` resolves them).
 """
@@ -24,7 +25,9 @@ Anchors and aliases are YAML's own (``yaml.safe_load`` resolves them).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -32,11 +35,13 @@ import yaml
 
 from pipeline.format.description import ASCEND_V1, SEED
 from pipeline.quant.recipe.linear_rules import LinearRule, default_rules, kind_of_qconfig
+from pipeline.quant.recipe.patterns import check_patterns
 from pipeline.quant.numerics.qparams import QuantError
 from pipeline.quant.recipe.recipe import Recipe
 from pipeline.quant.recipe.steps import STEP_TYPES, step_from_dict, step_to_yaml
 
 API_VERSION = "modelslim_v1"
+MAX_RECIPE_BYTES = 4 * 1024 ** 2   # a recipe is a few KiB; tens of thousands of patterns still fit
 TOP_KEYS = ("apiversion", "metadata", "spec", "dsquant")
 SPEC_KEYS = ("process", "dataset", "save", "runner")
 RUNNERS = ("auto", "layer_wise", "model_wise", "dp_layer_wise")
@@ -46,6 +51,8 @@ FA3_QCONFIG = {"dtype": "int8", "scope": "per_head", "symmetric": True, "method"
 NOT_SUPPORTED = ("smooth_quant", "awq", "flex_awq_ssz", "kv_smooth", "gptq", "autoround", "flat_quant",
                  "adapt_rotation", "dynamic_cache", "module_func", "load", "histogram", "laos", "pdmix", "ssz",
                  "float_sparse")
+DATASET_SHA256 = "dataset_sha256"   # dsquant's pin of spec.dataset's content (written by the job)
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 # Recipe fields the dsquant section may set (the rest come from spec)
 DSQUANT_KEYS = ("fa_exclude_layers", "dynamic", "quantize_mtp", "drop_mtp", "smooth", "q_ratio", "k_ratio",
                 "v_ratio", "calib_products", "dialect", "calibration")
@@ -58,6 +65,7 @@ class RecipeFile:
     recipe: Recipe
     path: Optional[str] = None              # where it was read from (None: built in code)
     dataset: Optional[str] = None           # spec.dataset as written
+    dataset_sha256: Optional[str] = None    # dsquant.dataset_sha256: the content the dataset must have
     saver: str = "ascendv1_saver"
     part_file_size: Optional[float] = None  # GiB, None: not given
     metadata: dict = field(default_factory=dict)
@@ -69,19 +77,53 @@ class RecipeFile:
             return None
         d = self.dataset
         if "://" in d or os.path.isabs(d):
-            return d
+            return self._pinned(d)
         tried = []
         if self.path is not None and "://" not in self.path:
             near = os.path.join(os.path.dirname(os.path.abspath(self.path)), d)
             tried.append(near)
             if os.path.exists(near):
-                return near
+                return self._pinned(near)
         here = os.path.join(cwd or os.getcwd(), d)
         tried.append(here)
         if os.path.exists(here):
-            return here
+            return self._pinned(here)
         raise QuantError(f"{self.path or 'recipe'}: spec.dataset {d!r} not found (looked at {', '.join(tried)}); "
                          "give --calib-data to use another file")
+
+
+    def _pinned(self, path: str) -> str:
+        """``path``, after checking its content against ``dsquant.dataset_sha256`` when the recipe pins it."""
+        if self.dataset_sha256 is None:
+            return path
+        from pipeline.io import storage
+
+        try:
+            got = storage.file_sha256(path)[1]
+        except OSError as e:
+            raise QuantError(f"{self.path or 'recipe'}: spec.dataset {path}: cannot be read "
+                             f"({storage.describe_os_error(e)})") from None
+        if got != self.dataset_sha256:
+            raise QuantError(f"{self.path or 'recipe'}: spec.dataset {path} is not the data the recipe was run with "
+                             f"(sha256 {got[:12]}..., dsquant.dataset_sha256 {self.dataset_sha256[:12]}...); give "
+                             "--calib-data to use it anyway")
+        return path
+
+
+def dataset_pin(path: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """(absolute location, sha256) of the calibration data a job read, for the recipe it writes: a rerun
+    from anywhere reads the same file or stops. (None, None) for the default texts; no sha256 when the file
+    cannot be read (the job then fails on it anyway)."""
+    if path is None:
+        return None, None
+    from pipeline.io import storage
+
+    where = path if storage.is_url(path) else os.path.abspath(path[len("file://"):] if path.startswith("file://")
+                                                            else path)
+    try:
+        return where, storage.file_sha256(where)[1]
+    except (OSError, ValueError):
+        return where, None
 
 
 def _err(where: str, msg: str) -> QuantError:
@@ -99,8 +141,9 @@ def _patterns(raw: Mapping, key: str, where: str, default: tuple[str, ...]) -> t
     if v is None:
         return default
     if not isinstance(v, list) or not all(isinstance(p, str) and p for p in v):
-        raise _err(f"{where}.{key}", f"expected a list of module-name patterns, got {v!r}")
-    return tuple(v)
+        shown = repr(v) if len(repr(v)) <= 200 else repr(v)[:197] + "..."
+        raise _err(f"{where}.{key}", f"expected a list of module-name patterns, got {shown}")
+    return check_patterns(v, f"{where}.{key}")      # each pattern's braces paired and bounded
 
 
 def _linear(raw: Mapping, where: str) -> LinearRule:
@@ -229,8 +272,9 @@ def parse(raw: Any, path: Optional[str] = None, base: Recipe = Recipe()) -> Reci
         saver = s["type"]
         if "part_file_size" in s:
             part = s["part_file_size"]
-            if isinstance(part, bool) or not isinstance(part, (int, float)) or part < 0:
-                raise _err(f"{where}: spec.save[0].part_file_size", f"must be a number of GiB >= 0, got {part!r}")
+            if isinstance(part, bool) or not isinstance(part, (int, float)) or not 0 <= part < math.inf:
+                raise _err(f"{where}: spec.save[0].part_file_size", f"must be a finite number of GiB >= 0 (0: one "
+                                                                     f"file), got {part!r}")
     dataset = spec.get("dataset")
     if dataset is not None and (not isinstance(dataset, str) or not dataset):
         raise _err(f"{where}: spec.dataset", f"expected a file name, got {dataset!r}")
@@ -241,15 +285,20 @@ def parse(raw: Any, path: Optional[str] = None, base: Recipe = Recipe()) -> Reci
     own = raw.get("dsquant") or {}
     if not isinstance(own, Mapping):
         raise _err(f"{where}: dsquant", f"expected a mapping, got {own!r}")
-    bad = sorted(set(own) - set(DSQUANT_KEYS))
+    bad = sorted(set(own) - set(DSQUANT_KEYS) - {DATASET_SHA256})
     if bad:
-        raise _err(f"{where}: dsquant", f"unknown key(s) {bad} (known: {list(DSQUANT_KEYS)})")
-    fields.update({k: tuple(v) if isinstance(v, list) else v for k, v in own.items()})
+        raise _err(f"{where}: dsquant", f"unknown key(s) {bad} (known: {[*DSQUANT_KEYS, DATASET_SHA256]})")
+    pin = own.get(DATASET_SHA256)
+    if pin is not None and not (isinstance(pin, str) and SHA256_HEX.fullmatch(pin)):
+        raise _err(f"{where}: dsquant.{DATASET_SHA256}", f"expected 64 lowercase hex digits, got {pin!r}")
+    if pin is not None and dataset is None:
+        raise _err(f"{where}: dsquant.{DATASET_SHA256}", "pins spec.dataset, which the recipe does not give")
+    fields.update({k: tuple(v) if isinstance(v, list) else v for k, v in own.items() if k != DATASET_SHA256})
     if own.get("drop_mtp") is True and "quantize_mtp" not in own:  # the MTP layer left out: nothing to quantize
         fields["quantize_mtp"] = False
     recipe = dataclasses.replace(base, **fields)
     metadata = raw.get("metadata") or {}
-    return RecipeFile(recipe, path, dataset, saver, part, dict(metadata) if isinstance(metadata, Mapping) else {})
+    return RecipeFile(recipe, path, dataset, pin, saver, part, dict(metadata) if isinstance(metadata, Mapping) else {})
 
 
 def load(path: str, base: Recipe = Recipe()) -> RecipeFile:
@@ -257,13 +306,17 @@ def load(path: str, base: Recipe = Recipe()) -> RecipeFile:
     from pipeline.io import storage
 
     try:
-        text = storage.read_bytes(path).decode("utf-8")
+        text = storage.read_small(path, MAX_RECIPE_BYTES, "recipe file").decode("utf-8")
     except FileNotFoundError:
         raise QuantError(f"{path}: recipe file not found") from None
     except UnicodeDecodeError as e:
         raise QuantError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except IsADirectoryError:
         raise QuantError(f"{path}: is a directory, not a recipe file") from None
+    except storage.StorageError as e:      # not a regular file, too large, a store that refuses
+        raise QuantError(str(e)) from None
+    except OSError as e:
+        raise QuantError(f"{path}: recipe file cannot be read ({e.strerror or e})") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -277,7 +330,7 @@ def load(path: str, base: Recipe = Recipe()) -> RecipeFile:
 
 def to_yaml(recipe: Recipe, *, dataset: Optional[str] = None, saver: Optional[str] = None,
             part_file_size: Optional[float] = None, metadata: Optional[Mapping[str, Any]] = None,
-            notes: Optional[Mapping[str, Any]] = None) -> str:
+            notes: Optional[Mapping[str, Any]] = None, dataset_sha256: Optional[str] = None) -> str:
     """The recipe as a modelslim_v1 document (what :func:`parse` reads back to the same Recipe): the
     process list, then ``dsquant`` with this project's fields that differ from the defaults, and
     ``notes`` (free-form, e.g. where the FA3 exclusion list came from) as comments."""
@@ -305,6 +358,8 @@ def to_yaml(recipe: Recipe, *, dataset: Optional[str] = None, saver: Optional[st
         v = getattr(recipe, k)
         if v != getattr(default, k):
             own[k] = list(v) if isinstance(v, tuple) else v
+    if dataset is not None and dataset_sha256 is not None:
+        own[DATASET_SHA256] = dataset_sha256
     doc: dict[str, Any] = {"apiversion": API_VERSION, "metadata": dict(metadata or {}), "spec": spec}
     if own:
         doc["dsquant"] = own

@@ -13,6 +13,7 @@ recipe it ran next to the weights as ``<model_type>_best_practice.yaml``.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -28,6 +29,7 @@ QUANT_MTP = ("float", "mix", "none")
 LEGACY_QUAROT_BLOCK = 32
 DEFAULT_MODEL_TYPE = "DeepSeek-V3"
 RECIPE_SUFFIX = "_best_practice.yaml"
+MODEL_TYPE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")   # what may stand before RECIPE_SUFFIX
 
 
 @dataclass(frozen=True)
@@ -57,23 +59,46 @@ class ResolvedRecipe:
     model_type: str
     source: str                             # one line: what the recipe came from
     calib_path: Optional[str] = None        # --calib-data, else the recipe's dataset
-    dataset: Optional[str] = None           # as the recipe file names it
+    dataset: Optional[str] = None           # the data the job reads, as the written recipe pins it (absolute)
     part_file_size: Optional[float] = None  # GiB, from the recipe's saver
     notes: dict = field(default_factory=dict)
+    dataset_sha256: Optional[str] = None    # its content, pinned in the written recipe
 
     @property
     def file_name(self) -> str:
+        if not MODEL_TYPE_NAME.fullmatch(self.model_type):     # resolve() only makes such names
+            raise QuantError(f"model type {self.model_type!r} cannot name a file")
         return f"{self.model_type}{RECIPE_SUFFIX}"
 
     def yaml_text(self) -> str:
-        return modelslim_yaml.to_yaml(self.recipe, dataset=self.dataset, part_file_size=self.part_file_size,
+        return modelslim_yaml.to_yaml(self.recipe, dataset=self.dataset, dataset_sha256=self.dataset_sha256,
+                                      part_file_size=self.part_file_size,
                                       metadata={"config_id": f"dsquant_{self.model_type}", "verified_model_types":
                                                 [self.model_type]},
                                       notes={"written by": "dsquant (python -m jobs.quantize)", "recipe": self.source,
                                              **self.notes})
 
 
+def verified_model_types(rf: modelslim_yaml.RecipeFile, source: str) -> list[str]:
+    """The recipe's ``metadata.verified_model_types``: a list of model names, each a known model type or a
+    plain file-name stem (the first names the recipe file the job writes beside its weights); QuantError
+    naming the field otherwise (a path, ``..``, a non-string would name a file outside the output)."""
+    raw = rf.metadata.get("verified_model_types")
+    if raw is None:
+        return []
+    where = f"{source}: metadata.verified_model_types"
+    if not isinstance(raw, list):
+        raise QuantError(f"{where}: expected a list of model names, got {type(raw).__name__}")
+    for k, name in enumerate(raw):
+        if not (isinstance(name, str) and (name in presets.MODEL_TYPES or MODEL_TYPE_NAME.fullmatch(name))):
+            raise QuantError(f"{where}[{k}]: {name!r} is not a model name (known: {', '.join(presets.MODEL_TYPES)}; "
+                             "else letters, digits, '.', '_', '-', at most 64, not starting with '.')")
+    return raw
+
+
 def _legacy_steps(req: RecipeRequest) -> tuple:
+    if req.disable_anti and req.anti_method not in (None, "none"):
+        raise QuantError(f"--anti-method {req.anti_method} and --disable-anti contradict each other; give one")
     method = "none" if req.disable_anti else (req.anti_method or "m4")
     if method not in ANTI_METHODS:
         raise QuantError(f"--anti-method: unknown method {method!r} (known: {', '.join(ANTI_METHODS)})")
@@ -128,11 +153,14 @@ def resolve(req: RecipeRequest, model_path: Optional[str], cfg: DeepseekV3Config
                 f"(layers 0..{ids[-1]}); FA3 stays off {[i for i in listed if i in ids]} where they exist")
         if recipe.fa_quant and listed:
             notes["fa3"] = f"FA3 off layers {[i for i in listed if i in kept]} ({source})"
-        meta_types = rf.metadata.get("verified_model_types") if isinstance(rf.metadata, dict) else None
+        meta_types = verified_model_types(rf, source)
+        if req.model_type is not None and meta_types and req.model_type not in meta_types:
+            log(f"warning: {source}: metadata.verified_model_types {meta_types} does not name --model-type "
+                f"{req.model_type}; the recipe was not verified for it")
         model_type = req.model_type or (meta_types[0] if meta_types else None) \
             or (presets.model_type_from_path(model_path) if model_path else None) or DEFAULT_MODEL_TYPE
         calib = req.calib_data or rf.dataset_path()
-        dataset, part = rf.dataset, rf.part_file_size
+        part = rf.part_file_size
         if req.fa_quant is False:
             recipe = dataclasses.replace(recipe, fa_quant=False)
         if req.quant_mtp is not None:
@@ -152,7 +180,7 @@ def resolve(req: RecipeRequest, model_path: Optional[str], cfg: DeepseekV3Config
         anti = "none" if req.disable_anti else (req.anti_method or "m4")
         source = f"legacy flags (anti-outlier {anti}{', QuaRot' if req.rot else ''}, MTP " \
                  f"{req.quant_mtp or 'float'})"
-        calib, dataset, part = req.calib_data, None, None
+        calib, part = req.calib_data, None
     extra = tuple(sorted(i for i in set(recipe.fa_exclude_layers) | set(req.fa_exclude_layers)
                          if i in kept or i not in ids))   # an MTP layer the output leaves out: nothing to exclude
     if drop:
@@ -163,4 +191,37 @@ def resolve(req: RecipeRequest, model_path: Optional[str], cfg: DeepseekV3Config
                                  dialect=req.dialect or (recipe.dialect if req.config_path or req.quant_type
                                                          else "seed"))
     recipe.check_config(cfg)
-    return ResolvedRecipe(recipe, model_type, source, calib, dataset, part, notes)
+    if recipe.linear_rules:
+        check_rules(recipe, cfg, source, log)
+    dataset, pin = modelslim_yaml.dataset_pin(calib)     # a rerun of the written recipe reads this data or stops
+    return ResolvedRecipe(recipe, model_type, source, calib, dataset, part, notes, pin)
+
+
+def quantized_linears(recipe: Recipe, cfg: DeepseekV3Config) -> list[str]:
+    """The linears of the layers the recipe quantizes (the MTP layer only with ``quantize_mtp``)."""
+    names: list[str] = []
+    for lid in layout.all_layer_ids(cfg):
+        if lid < cfg.num_hidden_layers or recipe.quantize_mtp:
+            names += [m for m in dict.fromkeys(n.rsplit(".", 1)[0] for n in layout.layer_shapes(cfg, lid))
+                      if layout.is_quantizable_linear(m)]
+    return names
+
+
+def check_rules(recipe: Recipe, cfg: DeepseekV3Config, source: str, log: Callable[[str], None]) -> None:
+    """A warning naming each linear_quant rule that decides no linear of the model (its patterns match
+    none, or an earlier rule takes them all); QuantError when the recipe then quantizes nothing at all
+    (no linear, no FA3 layer): an output that would pass jobs.check unquantized."""
+    rules = recipe.rules
+    used = [0] * len(rules)
+    for name in quantized_linears(recipe, cfg):
+        k = next((k for k, r in enumerate(rules) if r.matches(name)), None)
+        if k is not None:
+            used[k] += 1
+    if not any(used) and not any(recipe.fa_layer(cfg, i) for i in layout.all_layer_ids(cfg)):
+        raise QuantError(f"{source}: no linear_quant rule matches a linear of this model and FA3 is off: the "
+                         "output would be the float model; check the include patterns")
+    for k, (rule, n) in enumerate(zip(rules, used)):
+        if not n:
+            log(f"warning: {source}: linear_quant rule {k + 1} of {len(rules)} (include {list(rule.include)}, "
+                f"exclude {list(rule.exclude)}) decides no linear of this model: its patterns match none, or an "
+                "earlier rule takes them")

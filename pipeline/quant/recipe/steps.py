@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
 from pipeline.quant.numerics.qparams import QuantError
+from pipeline.quant.recipe.patterns import check_patterns
 from pipeline.strict import check_keys
 
 SUBGRAPH_TYPES = ("norm-linear", "linear-linear", "ov", "up-down")  # msModelSlim's names
@@ -45,7 +46,7 @@ def _patterns(where: str, v: Any, default: tuple[str, ...]) -> tuple[str, ...]:
         return default
     if isinstance(v, str) or not isinstance(v, (list, tuple)) or not all(isinstance(p, str) and p for p in v):
         raise QuantError(f"{where}: must be a list of module-name patterns such as ['*self_attn*'], got {v!r}")
-    return tuple(v)
+    return check_patterns(v, where)
 
 
 def _subgraphs(where: str, v: Any) -> tuple[str, ...]:

@@ -25,6 +25,7 @@ import torch
 
 from pipeline.io import storage
 from pipeline.io.checkpoint import CONFIG_NAME
+from pipeline.io.destination import check_not_source, is_leftover
 from pipeline.format.description import (
     DESCRIPTION_NAME, FA_QUANT_TYPE, FAQUANT, MANIFEST_NAME, NAMING, SHARD_METADATA, W8A8, W8A8_DYNAMIC, SEED,
     build_description, encode_description, model_quant_type,
@@ -143,18 +144,13 @@ def is_companion_entry(name: str) -> bool:
             or (not name.startswith(".") and name.endswith((".py", RECIPE_SUFFIX))))
 
 
-def is_leftover(name: str) -> bool:
-    """A hidden part or temporary file of a writer that crashed: garbage, never an output."""
-    return name.startswith(".") and (".part-" in name or ".tmp-" in name)
-
-
 def existing_output(dst: str, overwrite: bool, src: Optional[str] = None) -> list[str]:
     """The entries of an earlier output in ``dst`` that a new one will replace (after checking that it may).
-    Refuses (ValueError) ``dst`` being the source, however spelt; refuses (FileExistsError) a directory
+    Refuses (ValueError) ``dst`` being, holding or lying inside the source, however spelt
+    (:mod:`pipeline.io.destination`); refuses (FileExistsError) a directory
     that holds anything but a quantized output, and an output unless ``overwrite``. A crashed writer's
     leftovers are neither: they are not returned, and do not block."""
-    if src is not None and storage.same_location(src, dst):
-        raise ValueError(f"{dst}: the destination is the source {src}; choose another --save-path")
+    check_not_source(src, dst)
     if not storage.exists(dst):
         return []
     if not storage.isdir(dst):
