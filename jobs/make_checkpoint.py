@@ -2,7 +2,7 @@
 with fewer layers and experts: the model a benchmark or a test needs when the 671B release is not at hand.
 
     python -m jobs.make_checkpoint --save-path DIR [--layers 3] [--experts 16] [--top-k 8] [--dense 1]
-                                   [--mtp 1] [--vocab 16384] [--fp8] [--seed 0]
+                                   [--mtp 1] [--vocab 4096] [--fp8] [--seed 0]
 
 Its function is noise; a layer costs what the release's costs (a decode step with --top-k 8 reads per layer
 what the real model's reads). bf16, or with --fp8 the release's e4m3 128x128 blocks with weight_scale_inv;
@@ -30,7 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", dest="top_k", type=int, default=8, help="routed experts per token (default: %(default)s)")
     p.add_argument("--dense", type=int, default=1, help="leading layers with a dense MLP (default: %(default)s)")
     p.add_argument("--mtp", type=int, default=1, choices=(0, 1), help="MTP layers (default: %(default)s)")
-    p.add_argument("--vocab", type=int, default=16384, help="embedding and head rows (default: %(default)s)")
+    p.add_argument("--vocab", type=int, default=4096,
+                   help="embedding and head rows (default: %(default)s, the embedded tokenizer's: a larger one emits "
+                        "ids that detokenize to nothing, and clients that count tokens by re-tokenizing, as vLLM's "
+                        "does for llama-server, undercount them)")
     p.add_argument("--fp8", action="store_true",
                    help="the release's FP8 block layout instead of bf16 (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")

@@ -12,7 +12,8 @@ checkpoint (jobs.make_checkpoint), with vLLM's own client, against the machine's
    bytes / bandwidth, and each server's roofline ratio is floor / its median TPOT at one client.
 3. Each round starts each server in turn (their order rotates from round to round), each in its own process
    group through ../shared/peers/llamacpp/serve.sh (the project: jobs.serve --torch-threads THREADS;
-   llama.cpp: llama-server -t THREADS, a q8_0 latent cache for Q8_0), and drives it with vLLM's client
+   llama.cpp: llama-server -t THREADS -fa on, 16 slots of 1152 tokens, a q8_0 latent cache for Q8_0), and
+   drives it with vLLM's client
    (`vllm bench serve`, random prompts with a fresh seed per run, greedy, ignore_eos): 128 in / 32 out at
    1, 4 and 16 clients (4, 8 and 16 prompts), then 1024 in / 4 out at one client (TTFT at 1024); each timed run
    waits for a quiet CPU first (1-minute load below --quiet, at most 60 s).
@@ -88,11 +89,11 @@ def decode_bytes(config: dict, int8: bool) -> dict:
 # ----- the servers -----------------------------------------------------------------------------------------
 
 def start(kind: str, model: str, port: int, log: Path, args: argparse.Namespace) -> tuple[int, str]:
-    env = dict(os.environ, LLAMA_BIN=args.llama_bin, THREADS=str(args.threads), PROJECT=str(REPO),
+    env = dict(os.environ, LLAMA_BIN=args.llama_bin, THREADS=str(args.threads), PROJECT=str(REPO), CTX="18432",
                PY=sys.executable)
     extra = []
     if kind == "llamacpp":
-        extra = ["--threads-http", "64"]
+        extra = ["--threads-http", "64", "-fa", "on"]       # flash attention, as ../shared/peers' compare.sh
         if model == args.q8_gguf:
             extra += ["--cache-type-k", "q8_0", "--cache-type-v", "q8_0"]
     else:
@@ -181,9 +182,11 @@ def plot(result: dict, path: Path) -> None:
             axes[0].text(-0.4, result[fl], f"floor {s}: {result[fl]:.0f} ms", va="bottom", fontsize=8)
     axes[0].set_ylabel("median TPOT at 1 client (ms)")
     axes[0].set_title("one client: time per output token")
-    for s in servers:
-        ys = [result["servers"][s][c].get("out_tok_s", {}).get("median", 0) for c in ("c1", "c4", "c16")]
-        axes[1].plot([1, 4, 16], ys, marker="o", label=s)
+    for s in servers:                    # a load with no complete run (the client lost it) is left out
+        pts = [(n, result["servers"][s].get(c, {}).get("out_tok_s", {}).get("median"))
+               for n, c in ((1, "c1"), (4, "c4"), (16, "c16"))]
+        pts = [(n, y) for n, y in pts if y]
+        axes[1].plot([n for n, _ in pts], [y for _, y in pts], marker="o", label=s)
     axes[1].set_xscale("log", base=2)
     axes[1].set_xlabel("clients")
     axes[1].set_ylabel("output tok/s (median)")

@@ -51,7 +51,7 @@ class Shape:
     top_k: int = 8
     dense: int = 1
     mtp: int = 1
-    vocab: int = 16384
+    vocab: int = 4096           # the embedded tokenizer's: every id the model emits detokenizes
     hidden: Optional[int] = None
     heads: Optional[int] = None
     expert_width: Optional[int] = None
