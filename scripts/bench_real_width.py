@@ -17,7 +17,8 @@ checkpoint (jobs.make_checkpoint), with vLLM's own client, against the machine's
    (`vllm bench serve`, random prompts with a fresh seed per run, greedy, ignore_eos): 128 in / 32 out at
    1, 4 and 16 clients (4, 8 and 16 prompts), then 1024 in / 4 out at one client (TTFT at 1024); each timed run
    waits for a quiet CPU first (1-minute load below --quiet, at most 60 s).
-Writes medians and ranges per server, the ratios of ours to llama.cpp's, and a plot beside the JSON.
+Writes medians and ranges per server, the ratios of ours to llama.cpp's, and a plot beside the JSON
+(benchmarks/real_width.json and real_width.png by default).
 """
 
 from __future__ import annotations
