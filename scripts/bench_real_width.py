@@ -27,6 +27,7 @@ import argparse
 import ctypes
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -91,7 +92,7 @@ def decode_bytes(config: dict, int8: bool) -> dict:
 
 def start(kind: str, model: str, port: int, log: Path, args: argparse.Namespace) -> tuple[int, str]:
     env = dict(os.environ, LLAMA_BIN=args.llama_bin, THREADS=str(args.threads), PROJECT=str(REPO), CTX="18432",
-               PY=sys.executable)
+               PY=sys.executable, RAY_TMPDIR=str(ray_dir(log)))     # removed after the server stops
     extra = []
     if kind == "llamacpp":
         extra = ["--threads-http", "64", "-fa", "on"]       # flash attention, as ../shared/peers' compare.sh
@@ -105,6 +106,11 @@ def start(kind: str, model: str, port: int, log: Path, args: argparse.Namespace)
         raise RuntimeError(f"{kind} {model} did not start: {out.stderr.strip()[-400:]}")
     pgid, mid = out.stdout.split()[-2:]
     return int(pgid), mid
+
+
+def ray_dir(log: Path) -> Path:
+    """The private Ray's temp dir of the project's server logging to ``log`` (made by Ray, removed by main)."""
+    return log.with_name(f"ray-{log.stem}")
 
 
 def stop(pgid: int) -> None:
@@ -248,6 +254,7 @@ def main() -> int:
                     print(f"  {tag} {ld[0]}: {res}", flush=True)
             finally:
                 stop(pgid)
+                shutil.rmtree(ray_dir(work / f"server-{tag}.log"), ignore_errors=True)
     result = {"machine": cpu_description(), "bandwidth": bw, "threads": args.threads,
               "model": {"layers": config["num_hidden_layers"], "experts": config["n_routed_experts"],
                         "top_k": config["num_experts_per_tok"], "hidden": config["hidden_size"],
