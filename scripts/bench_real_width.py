@@ -32,6 +32,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -90,9 +91,10 @@ def decode_bytes(config: dict, int8: bool) -> dict:
 
 # ----- the servers -----------------------------------------------------------------------------------------
 
-def start(kind: str, model: str, port: int, log: Path, args: argparse.Namespace) -> tuple[int, str]:
+def start(kind: str, model: str, port: int, log: Path, ray_tmp: str,
+          args: argparse.Namespace) -> tuple[int, str]:
     env = dict(os.environ, LLAMA_BIN=args.llama_bin, THREADS=str(args.threads), PROJECT=str(REPO), CTX="18432",
-               PY=sys.executable, RAY_TMPDIR=str(ray_dir(log)))     # removed after the server stops
+               PY=sys.executable, RAY_TMPDIR=ray_tmp)     # short (Ray's socket paths), removed after the stop
     extra = []
     if kind == "llamacpp":
         extra = ["--threads-http", "64", "-fa", "on"]       # flash attention, as ../shared/peers' compare.sh
@@ -106,11 +108,6 @@ def start(kind: str, model: str, port: int, log: Path, args: argparse.Namespace)
         raise RuntimeError(f"{kind} {model} did not start: {out.stderr.strip()[-400:]}")
     pgid, mid = out.stdout.split()[-2:]
     return int(pgid), mid
-
-
-def ray_dir(log: Path) -> Path:
-    """The private Ray's temp dir of the project's server logging to ``log`` (made by Ray, removed by main)."""
-    return log.with_name(f"ray-{log.stem}")
 
 
 def stop(pgid: int) -> None:
@@ -241,10 +238,12 @@ def main() -> int:
             kind, model = models[s]
             tag = f"{s}-r{r}"
             t0 = time.time()
+            ray_tmp = tempfile.mkdtemp(prefix="ray.")
             try:
-                pgid, mid = start(kind, model, args.port, work / f"server-{tag}.log", args)
+                pgid, mid = start(kind, model, args.port, work / f"server-{tag}.log", ray_tmp, args)
             except RuntimeError as e:
                 print(f"  {e}", flush=True)
+                shutil.rmtree(ray_tmp, ignore_errors=True)
                 continue
             print(f"  {tag}: started in {time.time() - t0:.0f} s", flush=True)
             try:
@@ -254,7 +253,7 @@ def main() -> int:
                     print(f"  {tag} {ld[0]}: {res}", flush=True)
             finally:
                 stop(pgid)
-                shutil.rmtree(ray_dir(work / f"server-{tag}.log"), ignore_errors=True)
+                shutil.rmtree(ray_tmp, ignore_errors=True)
     result = {"machine": cpu_description(), "bandwidth": bw, "threads": args.threads,
               "model": {"layers": config["num_hidden_layers"], "experts": config["n_routed_experts"],
                         "top_k": config["num_experts_per_tok"], "hidden": config["hidden_size"],
