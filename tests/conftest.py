@@ -220,3 +220,14 @@ def no_aws_credentials(monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    # no s3 options registered by an earlier test (an S3 server's endpoint and keys), and no S3FileSystem an
+    # earlier test made: fsspec hands out one cached instance per set of arguments, its credentials and
+    # endpoint resolved when it was made
+    import s3fs
+
+    from pipeline.io import storage
+
+    monkeypatch.setattr(storage, "_OPTIONS", {k: v for k, v in storage._OPTIONS.items() if k != "s3"})
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield
+    s3fs.S3FileSystem.clear_instance_cache()
