@@ -322,7 +322,7 @@ def test_bad_requests_get_their_status_and_message(server, tok):
         (dict(messages=msgs, top_p=0), "top_p", "top_p must be in (0, 1], got 0"),
         (dict(messages=msgs, n=17), "n", "n must be in [1, 16], got 17"),
         (dict(messages=[{"role": "robot", "content": "x"}]), "messages",
-         "messages[0].role must be one of system, developer, user, assistant, got 'robot'"),
+         "messages[0].role must be one of system, developer, user, assistant, tool, got 'robot'"),
         (dict(messages=[]), "messages", "messages is empty"),
     ]
     for kw, param, message in cases:
