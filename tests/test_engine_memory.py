@@ -13,10 +13,10 @@ from pipeline.engine.worker import memory
 
 
 def test_estimate_and_refusal(tmp_path, monkeypatch):
-    (tmp_path / "a.safetensors").write_bytes(b"\0" * 1000)
+    (tmp_path / "a.safetensors").write_bytes(b"\0" * 1000)       # unreadable headers: counted as float
     (tmp_path / "b.safetensors").write_bytes(b"\0" * 3000)
     assert memory.weight_bytes(str(tmp_path)) == 4000
-    assert memory.engine_bytes(str(tmp_path)) == int(4000 * memory.BYTES_PER_WEIGHT_BYTE) + memory.FIXED_BYTES
+    assert memory.engine_bytes(str(tmp_path)) == 4000 * memory.FLOAT_FACTOR // 2 + memory.FIXED_BYTES
     assert memory.weight_bytes("s3://bucket/model") is None
     need = memory.engine_bytes(str(tmp_path))
     monkeypatch.setattr(memory, "available_bytes", lambda: 2 * need)
@@ -29,15 +29,31 @@ def test_estimate_and_refusal(tmp_path, monkeypatch):
     memory.check_fits(str(tmp_path), engines=3)
 
 
+def test_int8_weights_are_held_once_float_ones_widened_and_the_largest_layer_once_more(tmp_path):
+    """What the loader holds (the module docstring): int8 bytes once, float values as float32 plus a bf16
+    copy, and the largest layer once more while it is read and packed."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"model.layers.0.mlp.w": torch.zeros(1000, dtype=torch.int8),
+               "model.layers.1.mlp.w": torch.zeros(3000, dtype=torch.int8),
+               "model.layers.1.mlp.s": torch.zeros(10, dtype=torch.float32),
+               "lm_head.weight": torch.zeros(500, dtype=torch.bfloat16)}, str(tmp_path / "a.safetensors"))
+    w = memory.tensor_bytes(str(tmp_path))
+    assert (w.total, w.largest_layer) == (1000 + 3000 + 40 + 1000, 3040)
+    assert w.held == 1000 + 3000 + 10 * memory.FLOAT_FACTOR + 500 * memory.FLOAT_FACTOR
+    assert memory.engine_bytes(str(tmp_path)) == w.held + 3040 + memory.FIXED_BYTES
+
+
 def test_available_bytes_reads_the_machine():
     free = memory.available_bytes()
     assert free is None or free > 0
 
 
 def test_generate_refuses_a_model_that_does_not_fit(embedded_quantized):
-    """A limit far below the weights (a fake MemAvailable is not possible from outside: the factor is raised
+    """A limit far below the weights (a fake MemAvailable is not possible from outside: the fixed part is raised
     instead) gives one error line and status 2."""
-    code = ("import sys; from pipeline.engine.worker import memory; memory.BYTES_PER_WEIGHT_BYTE = 1e9; "
+    code = ("import sys; from pipeline.engine.worker import memory; memory.FIXED_BYTES = 10**15; "
             "from jobs.generate import main; sys.exit(main(sys.argv[1:]))")
     out = subprocess.run([sys.executable, "-c", code, "--model-path", str(embedded_quantized), "hello"],
                          capture_output=True, text=True, timeout=300)
@@ -57,4 +73,4 @@ def test_without_the_mtp_layer_its_tensors_are_not_counted(tmp_path):
                "model.layers.3.w": torch.zeros(1000, dtype=torch.int8),
                "lm_head.weight": torch.zeros(10, dtype=torch.bfloat16)}, str(tmp_path / "a.safetensors"))
     assert memory.weight_bytes(str(tmp_path), with_mtp=False) == 100 + 20
-    assert memory.weight_bytes(str(tmp_path)) == (tmp_path / "a.safetensors").stat().st_size
+    assert memory.weight_bytes(str(tmp_path)) == 100 + 1000 + 20

@@ -128,8 +128,9 @@ def test_large_batches_and_the_switches_use_the_torch_path(monkeypatch):
     g = torch.Generator().manual_seed(3)
     mod = make("dynamic", 64, 64, EXACT, True, g)
     x = inputs(cpu_linear.max_rows(64, 64) + 1, 64, torch.float32, g)
-    threads = torch.get_num_threads()
+    threads, pool = torch.get_num_threads(), cpu_linear.threads()
     try:
+        cpu_linear.set_threads(1)                         # (an engine run before may have widened the pool)
         torch.set_num_threads(2)
         y = mod(x)
         assert mod.last_kernel == INT_MM                  # auto, several threads: above max_rows, torch._int_mm
@@ -137,6 +138,7 @@ def test_large_batches_and_the_switches_use_the_torch_path(monkeypatch):
         assert torch.equal(mod(x), y) and mod.last_kernel == NATIVE     # one thread: the C kernel
     finally:
         torch.set_num_threads(threads)
+        cpu_linear.set_threads(pool)
     mod.kernel = NATIVE
     assert torch.equal(mod(x), y) and mod.last_kernel == NATIVE
     for var, value in (("DSQUANT_KERNELS", "torch"), ("DSQUANT_NATIVE", "0"), ("DSQUANT_NATIVE_LINEAR", "0")):

@@ -120,7 +120,7 @@ def fuse_moe_layers(model: nn.Module) -> int:
     n = 0
     for name, mod in list(model.named_modules()):
         if isinstance(mod, MoE) and can_fuse(mod):
-            parent, child = name.rsplit(".", 1)
+            parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, Int8MoE(mod))
             n += 1
     return n

@@ -37,6 +37,23 @@ def use_kernels(model: nn.Module, kernels: Kernels) -> None:
         use_native_float_ops(model)
 
 
+def compact_linears(module: nn.Module) -> None:
+    """Pack every int8 linear and int8 MoE under ``module`` for the C kernels now, the pack the only copy
+    of its weight (cpu_linear.compact, cpu_moe.compact; the torch path reads it back from the pack)."""
+    from pipeline.engine.layers.moe import Int8MoE
+    from pipeline.engine.layers.qlinear import Int8Linear
+    from pipeline.engine.native import cpu_linear, cpu_moe
+
+    if cpu_linear.library() is None:
+        return
+    for m in module.modules():
+        if isinstance(m, Int8MoE):
+            cpu_moe.compact(m)
+    for m in module.modules():
+        if isinstance(m, Int8Linear) and m.kernel in cpu_moe.C_KERNELS and 0 < m.in_features <= cpu_linear.MAX_K:
+            cpu_linear.compact(m)
+
+
 def _is_head(name: str) -> bool:
     return name == "lm_head" or name.endswith("shared_head.head")
 

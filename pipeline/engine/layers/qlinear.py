@@ -137,6 +137,8 @@ class Int8Linear(nn.Module):
         self.last_kernel: Optional[str] = None
         self._native_rows = cpu_linear.max_rows(self.in_features, self.out_features)   # auto, several threads
         self.register_load_state_dict_post_hook(cpu_linear.drop)     # the C kernel's packed copy is stale
+        self.register_load_state_dict_pre_hook(_loading)             # a compact module takes its weight back
+        self.register_state_dict_post_hook(_with_weight)             # ... and gives it in state_dict()
         self._w_f32: Optional[Tensor] = None  # float32 copy of weight for fp32_chunked, made on first use
         self._w_f32_key: Optional[tuple] = None  # (device, storage, version) of the weight it was made from
 
@@ -148,6 +150,11 @@ class Int8Linear(nn.Module):
     def _apply(self, fn, recurse=True):
         cpu_linear.drop(self)                             # .to(), .float(), ...: new tensors
         return super()._apply(fn, recurse)
+
+    def int8_weight(self) -> Tensor:
+        """The int8 weight [n, k]: the ``weight`` buffer, or a compact module's read back from its packed
+        copy (cpu_linear.compact: the engine's loader keeps only the C kernels' layout)."""
+        return cpu_linear.weight_of(self)
 
     def kernel_for(self, device: DeviceLike) -> str:
         """The integer-product kernel of the torch path on ``device`` (``native`` is chosen per call:
@@ -208,23 +215,24 @@ class Int8Linear(nn.Module):
         kernel in ``last_kernel``."""
         if x_q.dim() == 2 and self._native(x_q, _INT8):
             return cpu_linear.apply_quantized(self, x_q, None)
+        weight = self.int8_weight()
         if self._triton(x_q):
             from pipeline.engine.triton.int8_gemm import int8_matmul_acc
 
             self.last_kernel = TRITON
-            return int8_matmul_acc(x_q, self.weight)
+            return int8_matmul_acc(x_q, weight)
         kernel = self.kernel_for(x_q.device)
         if kernel == INT_MM:
             self.last_kernel = kernel
-            return _int_mm_int32(x_q, self.weight)
+            return _int_mm_int32(x_q, weight)
         w_f32 = None
         if kernel == FP32_CHUNKED:
-            key = (self.weight.device, self.weight.data_ptr(), self.weight._version)
+            key = (weight.device, weight.data_ptr(), weight._version)
             if self._w_f32_key != key:  # first use, moved, replaced or changed in place (load_state_dict)
-                self._w_f32, self._w_f32_key = self.weight.float(), key
+                self._w_f32, self._w_f32_key = weight.float(), key
             w_f32 = self._w_f32
         self.last_kernel = kernel
-        return int8_matmul(x_q, self.weight, kernel, w_f32)
+        return int8_matmul(x_q, weight, kernel, w_f32)
 
     def extra_repr(self) -> str:
         return (f"{self.name}: {self.kind}, in={self.in_features}, out={self.out_features}, kernel={self.kernel}, "
@@ -314,6 +322,18 @@ class W8A8DynamicLinear(Int8Linear):
         if self.epilogue == EXACT:
             return acc.double().mul_(s_tok.double()).mul_(self.weight_scale.double().reshape(1, -1)).float()
         return acc.float().mul_(s_tok).mul_(self.weight_scale.float().reshape(1, -1))
+
+
+def _loading(module: Int8Linear, state_dict, prefix: str, *args) -> None:
+    """load_state_dict pre hook: a compact module loads into its weight buffer like any other."""
+    if cpu_linear.is_compact(module):
+        cpu_linear.drop(module)
+
+
+def _with_weight(module: Int8Linear, state_dict, prefix: str, local_metadata) -> None:
+    """state_dict post hook: a compact module's weight, read back from its packed copy."""
+    if module._buffers.get("weight") is None:
+        state_dict[prefix + "weight"] = module.int8_weight()
 
 
 # ----- building from a quantized directory ----------------------------------------------------------

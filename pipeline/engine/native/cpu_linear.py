@@ -11,9 +11,15 @@ for both kinds and both epilogues (the tests check it).
 Each linear's weight is packed once (:class:`Packed`: the VNNI layout, 128 * row sums, float32 copies of
 the scales), on first use, and again after ``load_state_dict``, a buffer assigned, ``.to()`` / ``.float()``
 (the module drops its copy: :func:`drop`) or an in-place change of the weight (its version is compared on
-each call); an in-place edit of a scale tensor outside ``load_state_dict`` needs :func:`drop`. The packed
-copy holds the weight a second time (int8, n rounded up to 64 columns). A call then costs a shape/dtype
-check, one output allocation and the ctypes call, against ~12 torch ops on the torch path.
+each call); an in-place edit of a scale tensor outside ``load_state_dict`` needs :func:`drop`. A call then
+costs a shape/dtype check, one output allocation and the ctypes call, against ~12 torch ops on the torch
+path.
+
+The packed copy holds the weight a second time (int8, n rounded up to 64 columns) unless the module is
+made *compact* (:func:`compact`, what an engine's loader does): then the pack is the only copy, the
+module's ``weight`` buffer is None, and the torch path, ``state_dict()`` and :func:`drop` read the weight
+back from the pack (:func:`unpack`: the layout is a permutation of the integers, so they come back
+exactly).
 
 The int32 product runs on AVX-512 VNNI (4-row register tiles), or, for calls of 32 rows or more on a CPU
 with AMX that the kernel lets use it, on the AMX tiles (tdpbusd, the same u8 x s8 sums: the same int32
@@ -158,20 +164,61 @@ def pack_weight(w: torch.Tensor, pack: Optional[torch.Tensor] = None,
     return pack, wsum
 
 
+def unpack(pack: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The int8 weight [n, k] that :func:`pack_weight` packed into ``pack`` (a new tensor; exact): the
+    layout is blocks of 16 output columns, each k step of 4 inputs of those columns together
+    (csrc/int8_linear_cpu.c's int8_pack)."""
+    np_, kp = padded(n, k)
+    return pack.view(np_ // 16, kp // K_STEP, 16, K_STEP).permute(0, 2, 1, 3).reshape(np_, kp)[:n, :k].contiguous()
+
+
+def weight_of(mod) -> torch.Tensor:
+    """``mod``'s int8 weight [n, k]: its buffer, or for a compact module the pack read back (a new tensor
+    per call: the torch path of a compact module pays that; the C path never calls this)."""
+    w = mod._buffers["weight"]
+    if w is not None:
+        return w
+    pk = mod.__dict__.get("_native_packed")
+    if pk is None:
+        raise RuntimeError(f"{mod.name}: neither a weight nor its packed copy")
+    return unpack(pk.pack, mod.out_features, mod.in_features)
+
+
+def is_compact(mod) -> bool:
+    return mod._buffers.get("weight") is None and "_native_packed" in mod.__dict__
+
+
+def compact(mod, pk: Optional["Packed"] = None) -> None:
+    """Make the packed copy ``mod``'s only copy of its weight (module docstring): pack it now (or take
+    ``pk``, packed into a slice of a stacked buffer) and release the module's int8 buffer."""
+    if is_compact(mod):
+        return
+    pk = pk or packed(mod)
+    pk.weight = pk.version = None
+    mod.__dict__["_native_packed"] = pk
+    mod._buffers["weight"] = None            # (not through __setattr__: that drops the pack)
+
+
 def drop(mod, *hook_args) -> None:
     """Forget ``mod``'s packed copy (the next call repacks): Int8Linear calls it when a buffer is assigned,
-    on ``.to()`` / ``.float()`` (``_apply``) and after ``load_state_dict`` (a post hook)."""
+    on ``.to()`` / ``.float()`` (``_apply``) and after ``load_state_dict`` (a post hook). A compact module
+    first gets its weight back from the pack."""
+    if is_compact(mod):
+        mod._buffers["weight"] = weight_of(mod)
     mod.__dict__.pop("_native_packed", None)
 
 
 class Packed:
-    """A linear's packed weight and float32 scales and the ``LinearParams`` pointing at them."""
+    """A linear's packed weight and float32 scales and the ``LinearParams`` pointing at them; packed into
+    ``pack`` / ``wsum`` when given (slices of a stacked buffer: cpu_moe), else into new tensors."""
 
-    def __init__(self, mod):
+    def __init__(self, mod, pack: Optional[torch.Tensor] = None, wsum: Optional[torch.Tensor] = None):
+        w = weight_of(mod)
         self.weight = mod._buffers["weight"]          # held: its identity and version are the key
-        self.version = self.weight._version
+        self.version = None if self.weight is None else self.weight._version
         n, k = mod.out_features, mod.in_features
-        self.pack, self.wsum = pack_weight(mod.weight)
+        self.pack, self.wsum = pack_weight(w, pack, wsum)
+        del w
         prm = LinearParams(n=n, k=k, wpack=self.pack.data_ptr(), wsum=self.wsum.data_ptr(),
                            epilogue=EPILOGUES[mod.epilogue])
         prm.np, prm.kp = padded(n, k)
@@ -200,6 +247,8 @@ def packed(mod) -> Packed:
     replaced or changed in place (its version)."""
     pk = mod.__dict__.get("_native_packed")
     w = mod._buffers["weight"]
+    if w is None and pk is not None:                  # compact: the pack is the weight
+        return pk
     if pk is None or pk.weight is not w or pk.version != w._version:
         if not 0 < mod.in_features <= MAX_K:
             raise ValueError(f"{mod.name}: in_features {mod.in_features} outside 1 .. {MAX_K} for the C kernel")

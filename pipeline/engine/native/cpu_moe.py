@@ -21,10 +21,12 @@ the row grouping only for such large prefill batches with several intra-op threa
 The shared expert runs through the fused linears (cpu_linear): gate+up of the float rows (quantized in
 C, the same int8 as quantize_per_token), the same SiLU, down.
 
-The experts are packed once per module (:class:`PackedExperts`, the C kernel's layout: the int8 weights
-a second time) on first use and again after ``load_state_dict`` or ``.to()`` on the MoE (Int8MoE drops
-the pack: :func:`drop_pack`); in-place edits of single expert tensors are not watched (as
-``kernels.moe_gemm.StackedExperts``): call :func:`drop_pack` after one.
+The experts are packed once per module (:class:`PackedExperts`, the C kernel's layout) on first use and
+again after ``load_state_dict`` or ``.to()`` on the MoE (Int8MoE drops the pack: :func:`drop_pack`);
+in-place edits of single expert tensors are not watched (as ``kernels.moe_gemm.StackedExperts``): call
+:func:`drop_pack` after one. Packed on first use they hold the int8 weights a second time; :func:`compact`
+(what an engine's loader does) packs them at once and makes the stacked pack every expert linear's only
+copy (each a compact cpu_linear module over its slice: cpu_linear's docstring).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class MoEParams(ctypes.Structure):
 class PackedExperts:
     """Every routed expert's gate+up and down weights in the C layout, stacked, with float32 scales."""
 
-    def __init__(self, moe):
+    def __init__(self, moe, compact: bool = False):
         ex = list(moe.experts)
         I, H, E = ex[0].inter, ex[0].gate_up.in_features, len(ex)
         gu_np, gu_kp = cpu_linear.padded(2 * I, H)
@@ -63,8 +65,11 @@ class PackedExperts:
         gu_pack, dn_pack = hugepages.empty((E, gu_np * gu_kp), torch.int8), hugepages.empty((E, dn_np * dn_kp), torch.int8)
         gu_sum, dn_sum = torch.empty(E, gu_np, dtype=torch.int32), torch.empty(E, dn_np, dtype=torch.int32)
         for i, e in enumerate(ex):
-            cpu_linear.pack_weight(e.gate_up.weight, gu_pack[i], gu_sum[i])
-            cpu_linear.pack_weight(e.down_proj.weight, dn_pack[i], dn_sum[i])
+            for lin, pack, wsum in ((e.gate_up, gu_pack[i], gu_sum[i]), (e.down_proj, dn_pack[i], dn_sum[i])):
+                if compact:                   # the slice becomes the linear's own (and only) packed copy
+                    cpu_linear.compact(lin, cpu_linear.Packed(lin, pack, wsum))
+                else:
+                    cpu_linear.pack_weight(lin.int8_weight(), pack, wsum)
         self.keep = [gu_pack, gu_sum, dn_pack, dn_sum,
                      torch.cat([e.gate_up.weight_scale.float().reshape(-1) for e in ex]),
                      torch.cat([e.down_proj.weight_scale.float().reshape(-1) for e in ex])]
@@ -83,7 +88,7 @@ def supported(moe) -> bool:
         return False
     I, H = ex[0].inter, ex[0].gate_up.in_features
     return all(getattr(e.down_proj, "kind", None) == W8A8_DYNAMIC and e.inter == I and e.gate_up.in_features == H
-               and tuple(e.down_proj.weight.shape) == (H, I) and e.gate_up.kernel in C_KERNELS
+               and (e.down_proj.out_features, e.down_proj.in_features) == (H, I) and e.gate_up.kernel in C_KERNELS
                and e.down_proj.kernel in C_KERNELS for e in ex) and max(H, I) <= cpu_linear.MAX_K
 
 
@@ -92,6 +97,16 @@ def packed(moe) -> PackedExperts:
     if pk is None:
         pk = moe.__dict__["_native_experts"] = PackedExperts(moe)
     return pk
+
+
+def compact(moe) -> bool:
+    """Pack ``moe``'s routed experts now, the stacked pack their only copy (module docstring); False (nothing
+    done) where the C path cannot run them."""
+    if not supported(moe):
+        return False
+    if not all(cpu_linear.is_compact(lin) for e in moe.experts for lin in (e.gate_up, e.down_proj)):
+        moe.__dict__["_native_experts"] = PackedExperts(moe, compact=True)
+    return True
 
 
 def drop_pack(module, incompatible_keys=None) -> None:

@@ -32,10 +32,10 @@ from pipeline.config import DeepseekV3Config
 from pipeline.model import DeepseekV3ForCausalLM, build_model
 from pipeline.engine.config import Kernels, resolve
 from pipeline.engine.layers.moe import fuse_moe_layers
-from pipeline.engine.layers.native_swap import use_kernels
+from pipeline.engine.layers.native_swap import compact_linears, use_kernels
 from pipeline.engine.layers.qlinear import EXACT, build_from_checkpoint, by_linear
 from pipeline.format.description import DESCRIPTION_NAME, FLOAT, QUANT_KINDS
-from pipeline.format.reader import fa_scales, read_quantized
+from pipeline.format.reader import QuantizedSource, fa_scales
 from pipeline.io import storage
 from pipeline.io.checkpoint import read_model_config
 
@@ -69,36 +69,59 @@ def load_quantized(path: str, dtype: torch.dtype = torch.float32, device: str = 
                    with_mtp: bool = True, epilogue: str = EXACT, fuse_moe: bool = True,
                    kernels: Optional[Kernels] = None) -> LoadedModel:
     """Validate ``path`` with the checker (refusing what it rejects, with its report) and build the model
-    to run ``kernels`` (default: resolved for ``device`` now)."""
-    cfg, types, tensors = read_quantized(path)
+    to run ``kernels`` (default: resolved for ``device`` now).
+
+    The quantized linears are read one layer at a time, straight into their modules; where the C kernels
+    run them (``kernels.linears``) each layer is packed into their layout before the next is read, the
+    pack the only copy of its weights (cpu_linear.compact, cpu_moe.compact). So the peak while loading is
+    the weights once plus about two layers, and no whole-checkpoint copy is ever held."""
+    src = QuantizedSource(path)
+    cfg, types = src.config, src.types
+    kernels = kernels or resolve(device)
+    pack_now = kernels.linears and torch.device(device).type == "cpu"
     quant = {n[: -len(".weight")] for n, t in types.items() if n.endswith(".weight") and t in QUANT_KINDS}
-    floats = {n: tensors[n] for n in layout.checkpoint_shapes(cfg)
-              if n in tensors and types.get(n, FLOAT) == FLOAT and n[: -len(".weight")] not in quant}
+    skip = set() if with_mtp else set(cfg.mtp_layer_ids)
+    float_names = [n for n in layout.checkpoint_shapes(cfg)
+                   if n in src.where and types.get(n, FLOAT) == FLOAT and n[: -len(".weight")] not in quant]
     # iter_smooth's biases on norms and on linears kept float (a quantized linear's is inside its quant_bias)
-    floats.update({n: t for n, t in tensors.items() if n.endswith(".bias") and types.get(n, FLOAT) == FLOAT
-                   and n[: -len(".bias")] not in quant})
-    if not with_mtp:
-        floats = {n: t for n, t in floats.items() if layout.layer_of(n) not in cfg.mtp_layer_ids}
+    float_names += [n for n in src.where if n.endswith(".bias") and types.get(n, FLOAT) == FLOAT
+                    and n[: -len(".bias")] not in quant]
+    floats = src.read({n: "full" for n in float_names if layout.layer_of(n) not in skip})
     model = build_model(cfg, floats, dtype=dtype, device=device, with_mtp=with_mtp and bool(cfg.mtp_layer_ids),
                         strict=False)
-    index = by_linear(tensors)
+    del floats
+    fa_k = {i: float(s.float().reshape(())) for i, s in fa_scales(
+        src.read({n: "full" for n in src.where if n.endswith("self_attn.fa_k.scale")})).items()}
+    by_layer: dict[Optional[int], list[str]] = {}
     for prefix in sorted(quant):
-        if not with_mtp and layout.layer_of(prefix + ".weight") in cfg.mtp_layer_ids:
-            continue
-        parent_name, child = prefix.rsplit(".", 1)
-        parent = model.get_submodule(parent_name)
-        if not isinstance(getattr(parent, child, None), nn.Linear):
-            raise ValueError(f"{path}: {prefix} is typed {types[prefix + '.weight']} but the model has no linear there")
-        params = {f"{prefix}.{leaf}": v.to(device) for leaf, v in index.get(prefix, {}).items()}
-        setattr(parent, child, build_from_checkpoint(prefix, params, types, epilogue=epilogue))
+        if layout.layer_of(prefix + ".weight") not in skip:
+            by_layer.setdefault(layout.layer_of(prefix + ".weight"), []).append(prefix)
+    for layer, prefixes in sorted(by_layer.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+        wanted = set(prefixes)
+        index = by_linear(src.read({n: "full" for n in src.where if n.rpartition(".")[0] in wanted}))
+        for prefix in prefixes:
+            parent_name, child = prefix.rsplit(".", 1)
+            parent = model.get_submodule(parent_name)
+            if not isinstance(getattr(parent, child, None), nn.Linear):
+                raise ValueError(f"{path}: {prefix} is typed {types[prefix + '.weight']} but the model has no linear "
+                                 f"there")
+            # the scales are copied out of the read buffer they share with the layer's weights (a view
+            # would keep the whole buffer alive after the weights are packed)
+            params = {leaf: v.to(device) if leaf == "weight" else v.to(device, copy=True)
+                      for leaf, v in index.pop(prefix, {}).items()}
+            setattr(parent, child, build_from_checkpoint(prefix, {f"{prefix}.{k}": v for k, v in params.items()},
+                                                         types, epilogue=epilogue))
+            del params
+        del index
+        unit = model if layer is None else model.model.layers[layer]
+        if fuse_moe:
+            fuse_moe_layers(unit)
+        if pack_now:
+            compact_linears(unit)
     missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if missing:
         raise ValueError(f"{path}: tensors missing for {missing[:5]}")
-    if fuse_moe:
-        fuse_moe_layers(model)
-    kernels = kernels or resolve(device)
     use_kernels(model, kernels)
-    fa_k = {i: float(s.float().reshape(())) for i, s in fa_scales(tensors).items()}
     return LoadedModel(model.eval(), cfg, dict(types), fa_k, path, kernels)
 
 

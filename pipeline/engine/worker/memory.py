@@ -2,12 +2,12 @@
 says so in one line (the bytes it needs, the bytes free) instead of being killed by the kernel's or Ray's
 memory monitor and restarted in a loop.
 
-The estimate is the model directory's tensor bytes times :data:`BYTES_PER_WEIGHT_BYTE`, plus
-:data:`FIXED_BYTES` for the runtime. The factor is measured (a real-width W8A8 + FA3 output of 5.5 GB: peak
-and steady RSS 16.8 GB after the first step, docs/performance.md "Loading"): the loader keeps every int8
-weight twice (the module's buffer and the C kernels' packed copy), widens the float parts (embeddings,
-lm_head, a FLOAT MTP layer) to float32, and keeps kv_b_proj's absorbed forms beside it. It is what the
-loader needs today, not what it should; the per-part breakdown and what to drop are in docs/performance.md.
+The estimate follows what the loader holds (pipeline.engine.worker.loader, measured in docs/performance.md
+"Loading at real width"): every int8 weight once (read one layer at a time straight into the C kernels'
+packed layout, the pack the only copy), the float parts (embeddings, lm_head, kv_b_proj, norms, a FLOAT MTP
+layer) widened to float32 with a bf16 copy for the C linears: :data:`FLOAT_FACTOR` x their values, the
+largest layer once more while it is read and packed, and :data:`FIXED_BYTES` for the runtime and a default
+KV cache. Only the safetensors headers are read.
 """
 
 from __future__ import annotations
@@ -15,43 +15,78 @@ from __future__ import annotations
 import json
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-BYTES_PER_WEIGHT_BYTE = 3.1
-FIXED_BYTES = int(1.5e9)
+FLOAT_DTYPES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F8_E5M2": 1}
+#: bytes held per float value: float32 (4) and the C linears' bf16 copy (2)
+FLOAT_FACTOR = 6
+FIXED_BYTES = int(1e9)
 
 
-def weight_bytes(path: str, with_mtp: bool = True) -> Optional[int]:
-    """The tensor bytes of a local model directory (its *.safetensors files; without the MTP layer's
-    tensors unless ``with_mtp``, from the files' headers); None for a URL."""
-    if "://" in path:
-        return None
-    files = sorted(Path(path).glob("*.safetensors"))
-    if with_mtp:
-        return sum(f.stat().st_size for f in files)
-    try:
-        first_mtp = int(json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return sum(f.stat().st_size for f in files)
-    total = 0
+@dataclass
+class WeightBytes:
+    """A model directory's tensor bytes, by what the engine makes of them."""
+
+    total: int = 0              # the tensors' bytes as stored
+    held: int = 0               # what the loaded engine holds for them (module docstring)
+    largest_layer: int = 0      # the largest layer's stored bytes (read and packed once more)
+
+    @property
+    def need(self) -> int:
+        return self.held + self.largest_layer + FIXED_BYTES
+
+
+def _headers(files: list[Path]):
+    """(file, header dict or None when unreadable) per safetensors file."""
     for f in files:
         with open(f, "rb") as fh:
             try:
-                header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+                yield f, json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
             except (struct.error, ValueError, MemoryError):
-                total += f.stat().st_size
-                continue
+                yield f, None
+
+
+def tensor_bytes(path: str, with_mtp: bool = True) -> Optional[WeightBytes]:
+    """The tensor bytes of a local model directory (its *.safetensors files, from their headers; without
+    the MTP layer's tensors unless ``with_mtp``); None for a URL."""
+    if "://" in path:
+        return None
+    files = sorted(Path(path).glob("*.safetensors"))
+    try:
+        first_mtp = int(json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        first_mtp = None
+    out, layers = WeightBytes(), {}
+    for f, header in _headers(files):
+        if header is None:                       # unreadable: count the file as float, the worst case
+            size = f.stat().st_size
+            out.total += size
+            out.held += size * FLOAT_FACTOR // 2
+            continue
         for name, meta in header.items():
             if name == "__metadata__" or not isinstance(meta, dict):
                 continue
             parts = name.split(".")
-            mtp = len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() \
-                and int(parts[2]) >= first_mtp
-            if not mtp:
-                a, b = meta.get("data_offsets", (0, 0))
-                total += b - a
-    return total
+            layer = int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() \
+                else None
+            if not with_mtp and first_mtp is not None and layer is not None and layer >= first_mtp:
+                continue
+            a, b = meta.get("data_offsets", (0, 0))
+            dt = meta.get("dtype")
+            out.total += b - a
+            out.held += (b - a) // FLOAT_DTYPES[dt] * FLOAT_FACTOR if dt in FLOAT_DTYPES else b - a
+            if layer is not None:
+                layers[layer] = layers.get(layer, 0) + b - a
+    out.largest_layer = max(layers.values(), default=0)
+    return out
+
+
+def weight_bytes(path: str, with_mtp: bool = True) -> Optional[int]:
+    """The tensor bytes of a local model directory as stored (:func:`tensor_bytes`); None for a URL."""
+    w = tensor_bytes(path, with_mtp)
+    return None if w is None else w.total
 
 
 def available_bytes() -> Optional[int]:
@@ -73,8 +108,8 @@ def available_bytes() -> Optional[int]:
 
 def engine_bytes(path: str, with_mtp: bool = True) -> Optional[int]:
     """The estimated memory of one engine serving ``path`` (module docstring); None for a URL."""
-    w = weight_bytes(path, with_mtp)
-    return None if w is None else int(w * BYTES_PER_WEIGHT_BYTE) + FIXED_BYTES
+    w = tensor_bytes(path, with_mtp)
+    return None if w is None else w.need
 
 
 def check_fits(path: str, engines: int = 1, what: str = "--model-path", with_mtp: bool = True) -> None:
@@ -83,11 +118,11 @@ def check_fits(path: str, engines: int = 1, what: str = "--model-path", with_mtp
     ``DSQUANT_SKIP_MEMORY_CHECK=1`` skips it (memory that frees as it loads, e.g. a page cache)."""
     if os.environ.get("DSQUANT_SKIP_MEMORY_CHECK") == "1":
         return
-    need, free = engine_bytes(path, with_mtp), available_bytes()
-    if need is None or free is None or engines * need <= free:
+    w, free = tensor_bytes(path, with_mtp), available_bytes()
+    if w is None or free is None or engines * w.need <= free:
         return
-    w = weight_bytes(path, with_mtp) or 0
-    raise ValueError(f"{what} {path}: {engines} engine(s) need about {engines * need / 1e9:.1f} GB "
-                     f"({w / 1e9:.1f} GB of weights x {BYTES_PER_WEIGHT_BYTE} + {FIXED_BYTES / 1e9:.1f} GB each), "
-                     f"{free / 1e9:.1f} GB is free; serve fewer replicas, shard the model (--tp / --moe-ep over "
-                     f"nodes), or set DSQUANT_SKIP_MEMORY_CHECK=1 to try anyway")
+    raise ValueError(f"{what} {path}: {engines} engine(s) need about {engines * w.need / 1e9:.1f} GB "
+                     f"({w.total / 1e9:.1f} GB of weights held as {w.held / 1e9:.1f} GB, {w.largest_layer / 1e9:.1f} GB "
+                     f"for the layer being loaded, {FIXED_BYTES / 1e9:.1f} GB fixed, each), {free / 1e9:.1f} GB is "
+                     f"free; serve fewer replicas, shard the model (--tp / --moe-ep over nodes), or set "
+                     f"DSQUANT_SKIP_MEMORY_CHECK=1 to try anyway")
