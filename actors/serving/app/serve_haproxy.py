@@ -72,7 +72,9 @@ def main(real: str, argv: list[str]) -> None:
 
 def write_shim(directory: str, real: str) -> str:
     """An executable ``haproxy`` in ``directory`` that runs :func:`main` for the binary ``real``."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    import actors
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(actors.__file__)))    # the directory holding actors/
     path = os.path.join(directory, "haproxy")
     with open(path, "w") as f:
         f.write(f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {root!r})\n"
