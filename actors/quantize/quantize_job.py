@@ -38,7 +38,7 @@ from actors.quantize.pass_stages import run_pass_stages
 from actors.quantize.ray_session import DistOptions, cluster_resources, connect, make_actors
 from actors.quantize.weights import run_weights
 from pipeline.io import storage
-from pipeline.io.dest_lock import DestinationLock
+from pipeline.io.destination.lock import DestinationLock
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.quant.plan.planner import plan as make_plan
 from pipeline.quant.plan.resources import check_resources

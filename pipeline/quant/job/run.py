@@ -35,7 +35,7 @@ import torch
 
 from pipeline import layout
 from pipeline.quant.numerics import native
-from pipeline.io.dest_lock import DestinationLock
+from pipeline.io.destination.lock import DestinationLock
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.model.loading import load_model
 from pipeline.quant.calibration.calibrate import collect_stats
@@ -88,9 +88,9 @@ def quantize_checkpoint(src: str, dst: str, recipe: Recipe, opts: QuantizeOption
     """Quantize ``src`` into ``dst`` (any fsspec locations); returns the job summary (also in the
     manifest). Every input is checked first (:func:`pipeline.quant.job.preflight.check_job`); nothing in
     ``dst`` looks complete until the very end, and an earlier output there (``opts.overwrite``) stays
-    whole until the new shards are all written. The job holds ``dst``'s lock (:mod:`pipeline.io.dest_lock`)
+    whole until the new shards are all written. The job holds ``dst``'s lock (:mod:`pipeline.io.destination.lock`)
     from the end of the checks to the end: a second job on the same destination stops with
-    :class:`~pipeline.io.dest_lock.DestinationBusy` and writes nothing. ``on_layer(layer_id, tensors)``, when
+    :class:`~pipeline.io.destination.lock.DestinationBusy` and writes nothing. ``on_layer(layer_id, tensors)``, when
     given, sees each layer's float tensors as they are quantized (smoothed and rotated as the recipe has
     them; FP8 weights still as BlockRows). ``lock``: ``dst``'s lock, already held by the caller (a job
     that writes more than this output beside it)."""
