@@ -23,16 +23,15 @@ def source_config(src: str) -> dict:
 
 
 def writes_fa3(recipe, raw: dict) -> bool:
-    """Whether the recipe gives any layer of the source FA3 tensors (recipe.fa_quant when the config
-    cannot be read)."""
+    """Whether the recipe gives any layer of the source FA3 tensors (``Recipe.writes_fa3``; whether it asks
+    for FA3 when the config cannot be read)."""
     from pipeline.config import ConfigError, DeepseekV3Config
 
     try:
         cfg = DeepseekV3Config.from_dict(raw, source="config.json")
     except (ConfigError, ValueError, TypeError):
-        return bool(recipe.fa_quant)
-    layers = cfg.num_hidden_layers + len(cfg.mtp_layer_ids)
-    return any(recipe.fa_layer(cfg, i) for i in range(layers))
+        cfg = None
+    return recipe.writes_fa3(cfg)
 
 
 def announce(target: Optional[str], src: str, recipe, opts, log: Callable[[str], None] = print) -> Optional[str]:

@@ -117,10 +117,10 @@ def check_args(args) -> None:
 
 def check_out(args) -> None:
     """--out holds nothing but an earlier evaluation (replaced: the report files, and plain/ and smooth/ of
-    the quantizing form), and is none of the models read nor inside one (pipeline/io/destination.py); it may
+    the quantizing form), and is none of the models read nor inside one (pipeline/io/destination/rule.py); it may
     hold one (``--compare OUT/plain --out OUT``): the job writes only its own names there."""
     from pipeline.assets import EMBEDDED_MODEL_DIR
-    from pipeline.io.destination import check_destination
+    from pipeline.io.destination.rule import check_destination
 
     check_destination(args.out, kind="an evaluation report", is_own=lambda entries: set(entries) <= set(OUT_ENTRIES),
                       overwrite=True, sources=(args.model_path or EMBEDDED_MODEL_DIR, *(args.compare or ())),

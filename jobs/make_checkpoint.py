@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pipeline.io.synthetic import Shape, config, layer_bytes, make_checkpoint
+from pipeline.io.release_layout.synthetic import Shape, config, layer_bytes, make_checkpoint
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,9 +53,9 @@ def _is_own(entries: list[str]) -> bool:
 
 
 def _refuse_existing(dst: Path, overwrite: bool) -> Optional[str]:
-    """None when ``dst`` may be (re)written, else why not (pipeline/io/destination.py): only a checkpoint this
+    """None when ``dst`` may be (re)written, else why not (pipeline/io/destination/rule.py): only a checkpoint this
     job wrote is replaced, only with --overwrite, and it stays whole until the new one is in place."""
-    from pipeline.io.destination import check_destination
+    from pipeline.io.destination.rule import check_destination
 
     try:
         check_destination(str(dst), kind="a checkpoint this job wrote", is_own=_is_own, overwrite=overwrite)
@@ -88,7 +88,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"(top-{args.top_k} of {cfg['n_group']} groups, {cfg['topk_group']} kept), "
           f"{'fp8' if args.fp8 else 'bf16'}, {need / 1e9:.2f} GB", flush=True)
     t0 = time.perf_counter()
-    from pipeline.io.dest_lock import DestinationBusy, DestinationLock
+    from pipeline.io.destination.lock import DestinationBusy, DestinationLock
 
     try:
         with DestinationLock(str(dst)):    # one writer; an earlier checkpoint is replaced only once the new one is whole

@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from pipeline.io.fp8_copy import write_fp8_copy
+from pipeline.io.release_layout.fp8_copy import write_fp8_copy
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,7 +20,7 @@ float model, then the weights read again), with the same files.
 One job writes a destination at a time: the job holds a lock object beside it (``.<name>.dsquant-lock``;
 an exclusive create on local disk and NFS, a conditional create on S3), and a second job on the same
 ``--save-path`` stops with a line naming the first; a lock whose job is gone is taken over
-(pipeline/io/dest_lock.py).
+(pipeline/io/destination/lock.py).
 
 With ``--dynamic --no-fa-quant --disable-anti`` (and no ``--smooth``) no output depends on an activation: either form
 runs no calibration (data-free: no calibration data or tokenizer read, the source read once). Before

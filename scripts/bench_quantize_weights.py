@@ -65,7 +65,7 @@ def generate(path: Path, layers: int, experts: int) -> None:
     from pipeline import layout
     from pipeline.config import DeepseekV3Config
     from pipeline.io.fp8 import quantize_fp8_blocks
-    from pipeline.io.fp8_copy import shard_name
+    from pipeline.io.release_layout.fp8_copy import shard_name
     from pipeline.io.safetensors_io import save_safetensors
 
     cfg_dict = bench_config(layers, experts)

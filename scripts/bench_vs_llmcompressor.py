@@ -91,7 +91,7 @@ def generate(path: Path, layers: int, experts: int) -> int:
     from pipeline import layout
     from pipeline.assets import EMBEDDED_MODEL_DIR
     from pipeline.config import DeepseekV3Config
-    from pipeline.io.fp8_copy import shard_name
+    from pipeline.io.release_layout.fp8_copy import shard_name
     from pipeline.io.safetensors_io import save_safetensors
 
     cfg_dict = bf16_config(layers, experts)

@@ -10,10 +10,10 @@ import pytest
 from pipeline.assets import EMBEDDED_MODEL_DIR
 from pipeline.engine.protocol import EngineOutput
 from pipeline.engine.protocol import TokenLogprobs
-from pipeline.serving import openai_api as api
-from pipeline.serving import tokenize_api
+from pipeline.serving.endpoints import openai_api as api
+from pipeline.serving.endpoints import tokenize_api
 from pipeline.serving.api_options import choice_seed
-from pipeline.serving.choices import ChoiceState
+from pipeline.serving.endpoints.choices import ChoiceState
 from pipeline.serving.logprobs import FLOOR, LogprobsBuilder, TokenStrings
 from pipeline.text.tokenizer import Tokenizer
 

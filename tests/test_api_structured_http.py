@@ -179,7 +179,7 @@ def test_tool_results_go_back_into_the_prompt(server):
                     "function": {"name": "get_weather", "arguments": '{"city":"Paris","days":1}'}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
     r = c.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=8, temperature=0)
-    from pipeline.serving.openai_api import parse_chat
+    from pipeline.serving.endpoints.openai_api import parse_chat
     from pipeline.text.tokenizer import Tokenizer
 
     from pipeline.assets import EMBEDDED_MODEL_DIR

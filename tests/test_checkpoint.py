@@ -19,7 +19,7 @@ from pipeline.io import storage
 from pipeline.io.checkpoint import CheckpointError, CheckpointReader
 from pipeline.config import DeepseekV3Config
 from pipeline.io.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks, scale_shape
-from pipeline.io.fp8_copy import assign_shards, shard_name, write_fp8_copy
+from pipeline.io.release_layout.fp8_copy import assign_shards, shard_name, write_fp8_copy
 from pipeline.io.safetensors_io import SafetensorsWriter, TensorSpec, read_header, save_safetensors
 from tiny import TINY_FIXTURE, random_tensors, tiny_config
 

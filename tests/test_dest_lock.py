@@ -1,4 +1,4 @@
-"""One job per destination (pipeline.io.dest_lock): a second quantize job on the same --save-path stops with
+"""One job per destination (pipeline.io.destination.lock): a second quantize job on the same --save-path stops with
 one line naming the running job and deletes nothing; stale locks (a dead process here, a silent host
 elsewhere) are taken over; a job whose lock was taken over removes nothing; the same on S3 through a
 conditional create."""
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.format.checker import check_dir
-from pipeline.io import dest_lock
-from pipeline.io.dest_lock import DestinationBusy, DestinationLock, LockLost, lock_path
+from pipeline.io.destination import lock as dest_lock
+from pipeline.io.destination.lock import DestinationBusy, DestinationLock, LockLost, lock_path
 from pipeline.quant.recipe.recipe import Recipe
 from pipeline.quant.job.run import QuantizeOptions
 from pipeline.quant.writing.writer import QuantizedWriter

@@ -1,4 +1,4 @@
-"""The destination rule every job that writes a directory follows (pipeline/io/destination.py): never the
+"""The destination rule every job that writes a directory follows (pipeline/io/destination/rule.py): never the
 source, a directory holding it or one inside it; never a directory holding anything but the job's own kind of
 output; its own kind only with --overwrite. Every refusal is one line, exit 2, with nothing changed."""
 
@@ -13,7 +13,7 @@ from jobs import evaluate as evaluate_job
 from jobs import make_fp8 as make_fp8_job
 from jobs import make_outlier_variant as variant_job
 from jobs import quantize as quantize_job
-from pipeline.io.destination import check_not_source
+from pipeline.io.destination.rule import check_not_source
 from tiny import TINY_FIXTURE
 
 

@@ -211,7 +211,7 @@ def test_bfloat16_compute_is_invariant_and_agrees_with_the_bf16_reference(tok, p
 
 def test_an_fp8_checkpoint_loads_dequantized_and_is_its_reference(tmp_path, tok, prompts, f32):
     from pipeline.io.checkpoint import CheckpointReader
-    from pipeline.io.fp8_copy import write_fp8_copy
+    from pipeline.io.release_layout.fp8_copy import write_fp8_copy
 
     fp8 = str(tmp_path / "fp8")
     write_fp8_copy(EMBEDDED_MODEL_DIR, fp8, shards=2)

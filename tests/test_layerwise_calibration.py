@@ -17,7 +17,7 @@ import torch
 from pipeline.assets import EMBEDDED_MODEL_DIR
 from pipeline.format.description import MANIFEST_NAME
 from pipeline.io.checkpoint import CheckpointReader
-from pipeline.io.fp8_copy import write_fp8_copy
+from pipeline.io.release_layout.fp8_copy import write_fp8_copy
 from pipeline.quant.calibration.calib_data import load_texts
 from pipeline.quant.calibration.calibrate import observing, run_layer_batched
 from pipeline.quant.calibration.layerwise import calibrate_layerwise

@@ -208,10 +208,10 @@ def _folders(top: Path) -> list[Path]:
     return sorted({p.parent for p in top.rglob("*.py")})
 
 
-def test_the_quantizers_and_the_actors_folders_are_small():
-    """Every folder of pipeline/quant/ and actors/ holds at most MAX_FLAT_MODULES modules (the rest in
-    subpackages); the engine's is held above, pipeline/'s own top level to MAX_TOP_LEVEL_MODULES."""
-    big = {str(d.relative_to(REPO)): n for d in _folders(REPO / "pipeline" / "quant") + _folders(REPO / "actors")
+def test_every_folder_of_pipeline_and_actors_is_small():
+    """Every folder of pipeline/ and actors/ holds at most MAX_FLAT_MODULES modules (the rest in
+    subpackages of one concern each); pipeline/'s own top level is held to MAX_TOP_LEVEL_MODULES above."""
+    big = {str(d.relative_to(REPO)): n for d in _folders(REPO / "pipeline") + _folders(REPO / "actors")
            if (n := len(list(d.glob("*.py")))) > MAX_FLAT_MODULES}
     assert big == {}
 
@@ -235,3 +235,68 @@ def test_quantizer_packages_depend_on_earlier_ones(graph):
                   if d.startswith("pipeline.quant.") and d.split(".")[2] in QUANT_PACKAGES
                   and QUANT_PACKAGES.index(d.split(".")[2]) > i)   # its own subpackages (numerics.native) aside
     assert back == []
+
+
+# The recipe is interpreted in one place: its package, and the plan it resolves into for a model
+# (pipeline.quant.transforms.recipe_plan.resolve). Everywhere else follows the plan's steps, which apply
+# themselves, and asks the recipe's methods (layer_types, quantized_layer...), never these fields.
+RECIPE_HOMES = ("pipeline/quant/recipe/", "pipeline/quant/transforms/recipe_plan.py")
+BEHAVIOUR_FIELDS = ("smooth", "calibration", "steps", "fa_quant", "quantize_mtp")
+STEP_CLASSES = ("QuaRot", "IterSmooth", "FlexSmooth", "Step")
+CALIBRATION_NAMES = ("MSMODELSLIM", "FLOAT_PASS")
+
+
+def _is_recipe(e: ast.expr) -> bool:
+    return (isinstance(e, ast.Name) and "recipe" in e.id.lower()) or (isinstance(e, ast.Attribute)
+                                                                       and e.attr == "recipe")
+
+
+def _names(e: ast.expr) -> set[str]:
+    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(e) if isinstance(n, (ast.Name, ast.Attribute))}
+
+
+def _recipe_interpretations(source: str, where: str = "<source>") -> list[str]:
+    """Where ``source`` reads a recipe field that selects behaviour (``recipe.smooth``, ``self.recipe.steps``,
+    ``getattr(recipe, "calibration")``), dispatches on a step's class (``isinstance(s, QuaRot)``) or names a
+    calibration mode's constant."""
+    out = []
+    for node in ast.walk(ast.parse(source, where)):
+        line = f"{where}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.Attribute) and node.attr in BEHAVIOUR_FIELDS and _is_recipe(node.value):
+            out.append(f"{line} reads recipe.{node.attr}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 2:
+            if node.func.id == "isinstance" and _names(node.args[1]) & set(STEP_CLASSES):
+                out.append(f"{line} dispatches on a step's class")
+            elif (node.func.id in ("getattr", "hasattr") and _is_recipe(node.args[0])
+                  and isinstance(node.args[1], ast.Constant) and node.args[1].value in BEHAVIOUR_FIELDS):
+                out.append(f"{line} reads recipe.{node.args[1].value}")
+        elif isinstance(node, ast.Name) and node.id in CALIBRATION_NAMES:
+            out.append(f"{line} names {node.id}")
+        elif isinstance(node, ast.ImportFrom) and {a.name for a in node.names} & set(CALIBRATION_NAMES):
+            out.append(f"{line} imports a calibration mode's constant")
+    return out
+
+
+def test_the_interpretation_finder_finds_planted_ones():
+    planted = ("from pipeline.quant.recipe.recipe import MSMODELSLIM\n"
+               "def f(recipe, self, step, job):\n"
+               "    a = recipe.smooth\n"
+               "    b = self.recipe.calibration == MSMODELSLIM\n"
+               "    c = isinstance(step, (QuaRot, steps.IterSmooth))\n"
+               "    d = getattr(job.recipe, 'steps')\n"
+               "    e = recipe.layer_types, recipe.dialect, job.smooth, isinstance(step, dict)\n")
+    found = sorted(f.split(" ", 1)[1] for f in _recipe_interpretations(planted))
+    assert found == sorted(["imports a calibration mode's constant", "reads recipe.smooth", "reads recipe.calibration",
+                            "names MSMODELSLIM", "dispatches on a step's class", "reads recipe.steps"])
+
+
+def test_only_the_recipe_and_its_plan_interpret_the_recipe():
+    """No module outside pipeline/quant/recipe/ and the plan it resolves into branches on the recipe's
+    fields or on its steps' types: following the recipe from the job's entry goes down, never back."""
+    found = []
+    for pkg in (*PACKAGES, "scripts"):
+        for p in sorted((REPO / pkg).rglob("*.py")):
+            rel = str(p.relative_to(REPO))
+            if not rel.startswith(RECIPE_HOMES):
+                found += _recipe_interpretations(p.read_text(), rel)
+    assert found == []

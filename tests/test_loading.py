@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from pipeline.io.checkpoint import CheckpointReader, read_model_config
 from pipeline.io.fp8 import dequantize_fp8_blocks
-from pipeline.io.fp8_copy import write_fp8_copy
+from pipeline.io.release_layout.fp8_copy import write_fp8_copy
 from pipeline.model.loading import load_model
 from pipeline.model import build_model
 from tiny import TINY_FIXTURE, tiny_config, write_checkpoint

@@ -1,4 +1,4 @@
-"""jobs.make_checkpoint / pipeline.io.synthetic: random-weight DeepSeek-V3 checkpoints at the real width with
+"""jobs.make_checkpoint / pipeline.io.release_layout.synthetic: random-weight DeepSeek-V3 checkpoints at the real width with
 fewer layers and experts. Checked here on a narrow variant (hidden 256, 2 heads, experts of 64; the MLA
 ranks stay the real 1536 / 512): the written bytes are what layer_bytes predicts, bf16 and FP8 load through
 the project's reader into the float model and give finite logits, the routing config holds top_k, and bad
@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from pipeline.io.synthetic import REAL_WIDTH, Shape, config, groups, layer_bytes, make_checkpoint
+from pipeline.io.release_layout.synthetic import REAL_WIDTH, Shape, config, groups, layer_bytes, make_checkpoint
 
 SMALL = Shape(layers=2, experts=4, top_k=2, dense=1, mtp=1, vocab=4096, hidden=256, heads=2, expert_width=64)
 

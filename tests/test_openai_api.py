@@ -1,6 +1,7 @@
-"""pipeline.serving.openai_api and pipeline.serving.openai_responses: request validation (status, type, param, code
-and a message naming what is wrong), response and chunk shapes, and incremental detokenization (streamed pieces add
-up to the full text, never send an incomplete character or a stop string's beginning)."""
+"""pipeline.serving.endpoints.openai_api and pipeline.serving.endpoints.openai_responses: request validation
+(status, type, param, code and a message naming what is wrong), response and chunk shapes, and incremental
+detokenization (streamed pieces add up to the full text, never send an incomplete character or a stop
+string's beginning)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import json
 import pytest
 
 from pipeline.engine.core.detokenizer import Detokenizer
-from pipeline.serving import openai_api as api
-from pipeline.serving import openai_responses as resp
+from pipeline.serving.endpoints import openai_api as api
+from pipeline.serving.endpoints import openai_responses as resp
 from pipeline.assets import EMBEDDED_MODEL_DIR
 from pipeline.engine.protocol import SamplingParams
 from pipeline.text.tokenizer import Tokenizer

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipeline.assets import EMBEDDED_MODEL_DIR
-from pipeline.io.fp8_copy import write_fp8_copy
+from pipeline.io.release_layout.fp8_copy import write_fp8_copy
 from pipeline.model.loading import load_model
 from pipeline.quant.evaluation.outlier_variant import NORMS, VariantError, VariantSpec, parse_log2_range, parse_norms
 from pipeline.quant.evaluation.variant_writer import RECORD_NAME, write_variant

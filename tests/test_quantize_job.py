@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline.io.checkpoint import CheckpointReader
-from pipeline.io.fp8_copy import write_fp8_copy
+from pipeline.io.release_layout.fp8_copy import write_fp8_copy
 from pipeline.format.checker import check_dir
 from pipeline.quant.recipe.recipe import Recipe
 from pipeline.quant.job.run import QuantizeOptions, quantize_checkpoint

@@ -24,7 +24,7 @@ from pipeline.engine.core.detokenizer import Detokenizer
 from pipeline.engine.core.engine import LLMEngine
 from pipeline.engine.protocol import SamplingParams
 from pipeline.engine.core.sampling import sample
-from pipeline.serving import openai_api as api
+from pipeline.serving.endpoints import openai_api as api
 from pipeline.text.tokenizer import ASSISTANT, EOS, USER, Tokenizer
 
 MODEL = "tiny-w8a8"

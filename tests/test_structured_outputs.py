@@ -14,7 +14,7 @@ import torch
 from pipeline.assets import EMBEDDED_MODEL_DIR
 from pipeline.engine.core.guided import GrammarCompiler, GrammarError, masked_rows
 from pipeline.serving import reasoning
-from pipeline.serving.openai_api import ApiError, parse_chat
+from pipeline.serving.endpoints.openai_api import ApiError, parse_chat
 from pipeline.serving.structured_outputs import json_schema_grammar
 from pipeline.serving.tool_calls import V3, V31, ToolCallStream, ToolSpec, call_grammar, call_text
 from pipeline.text.tokenizer import Tokenizer

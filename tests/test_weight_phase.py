@@ -22,7 +22,7 @@ from pipeline import layout
 from pipeline.io.checkpoint import CheckpointError, CheckpointReader
 from pipeline.io.finite import all_finite
 from pipeline.io.fp8 import FP8_DTYPE, BlockRows, dequantize_fp8_blocks, expand_scale, fp8_nan_count, quantize_fp8_blocks
-from pipeline.io.fp8_copy import write_fp8_copy
+from pipeline.io.release_layout.fp8_copy import write_fp8_copy
 from pipeline.quant.writing.quantize_layer import (
     deferred_weights, model_dtype, quantize_globals, quantize_layer, quantize_layer_pieces,
 )

@@ -38,7 +38,7 @@ from actors.quantize.pass_stages import run_pass_stages
 from actors.quantize.ray_session import DistOptions, cluster_resources, connect, make_actors
 from actors.quantize.weights import run_weights
 from pipeline.io import storage
-from pipeline.io.dest_lock import DestinationLock
+from pipeline.io.destination.lock import DestinationLock
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.quant.plan.planner import plan as make_plan
 from pipeline.quant.plan.resources import check_resources
@@ -46,9 +46,9 @@ from pipeline.quant.job import job_state as js
 from pipeline.quant.numerics.observers import Stats
 from pipeline.quant.writing.output_files import finalize, json_bytes
 from pipeline.quant.job.run import QuantizeOptions, recipe_files
-from pipeline.quant.transforms.step_tensors import step_files
-from pipeline.quant.recipe.recipe import MSMODELSLIM, Recipe
+from pipeline.quant.recipe.recipe import Recipe
 from pipeline.quant.writing.shard_layout import checkpoint_shards
+from pipeline.quant.transforms.recipe_plan import RecipePlan
 from pipeline.quant.transforms.smooth import ChannelAbsMax
 from pipeline.quant.job.stage import SMOOTH, STATS, StageSpec, even_ranges, split_stages
 from pipeline.quant.job.stats_io import load_calibration, save_calibration
@@ -95,7 +95,7 @@ def merge_smoothing(results) -> dict[str, ChannelAbsMax]:
     return dict(sorted(acc.items()))
 
 
-def _calibrate(actors, samples, recipe: Recipe, opts: QuantizeOptions, dist: DistOptions, key: js.JobKey,
+def _calibrate(actors, samples, plan: RecipePlan, opts: QuantizeOptions, dist: DistOptions, key: js.JobKey,
                dst: str, log: Log, on_event, phases: dict):
     path = js.state_path(dst, js.CALIBRATION_NAME)
     if storage.exists(path):
@@ -113,11 +113,14 @@ def _calibrate(actors, samples, recipe: Recipe, opts: QuantizeOptions, dist: Dis
         except Exception as e:  # noqa: BLE001 - a lost actor reloads on its first sample; anything else fails there
             log(f"calibration: a stage failed to load ({type(e).__name__}); its first sample retries")
     phases["load_s"] = round(time.time() - t, 3)
-    smooth = None
-    if recipe.smooth:
+
+    def smoothing_pass() -> dict[str, ChannelAbsMax]:
         t = time.time()
-        smooth = merge_smoothing(run_pass(actors, SMOOTH, samples, dist, log=log, on_event=on_event))
+        out = merge_smoothing(run_pass(actors, SMOOTH, samples, dist, log=log, on_event=on_event))
         phases["calibration_smooth_s"] = round(time.time() - t, 3)
+        return out
+
+    smooth = plan.smoothing.collect(smoothing_pass)  # dsquant's smoothing: a pass of its own first
     t = time.time()
     smoothing = ray.put((key.calibration, smooth, opts.smooth_alpha)) if smooth else None
     stats = merge_stats(run_pass(actors, STATS, samples, dist, smoothing, log=log, on_event=on_event))
@@ -144,7 +147,8 @@ def _weight_phase(actors, specs, reader, recipe: Recipe, opts: QuantizeOptions, 
             commits[sh.name] = c
 
     bars.start_weights({u: sum(s.nbytes for s in shards if s.unit == u) for u in todo})
-    held = [(sp, (*sp.layers, *(sp.mtp if recipe.quantize_mtp else ()))) for sp in specs]  # as Stage loads
+    # the layers each stage holds, as Stage loads them
+    held = [(sp, (*sp.layers, *(i for i in sp.mtp if recipe.quantized_layer(reader.config, i)))) for sp in specs]
     owner = {str(i): sp.index for sp, ids in held for i in ids}
     weights = run_weights([(sp.index, a) for sp, row in zip(specs, actors) for a in row], owner, todo, shards,
                           work, ray.put(stats), ray.put(smooth), opts.smooth_alpha,
@@ -227,7 +231,7 @@ def _run_locked(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions, dist:
         check_resources(pl, cluster_resources())
         actors = make_actors(src, specs, recipe, dist)
         phases["ray_start_s"] = round(time.time() - t, 3)
-        passes = not data_free and recipe.calibration == MSMODELSLIM
+        passes = not data_free and checked.plan.layer_passes
         if passes:  # msModelSlim's passes: the stages in order, each writing its layers as it calibrates them
             t = time.time()
             bars.start_weights({u: sum(s.nbytes for s in shards if s.unit == u) for u in units})
@@ -240,7 +244,7 @@ def _run_locked(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions, dist:
         elif data_free:  # no stage loads its layers: the weight phase reads every unit from the source, once
             stats, smooth = Stats({}), None
         else:
-            stats, smooth = _calibrate(actors, samples, recipe, opts, dist, key, work, log, event, phases)
+            stats, smooth = _calibrate(actors, samples, checked.plan, opts, dist, key, work, log, event, phases)
         if not passes:
             weights, todo, commits, unit_fp = _weight_phase(actors, specs, reader, recipe, opts, dist, key, work,
                                                             shards, units, stats, smooth, bars, log, event, phases)
@@ -271,7 +275,7 @@ def _run_locked(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions, dist:
                                                    1e-9), 2),
         "phases": phases, "actors": actor_info, "weights": weights, **({"estimate": est.to_dict()} if est else {})}
     types = {n: y for s in shards for n, y in commits[s.name].types.items()}
-    files, optional = step_files(reader.config, recipe)
+    files, optional = checked.plan.files()
     finalize(work, recipe.dialect, [commits[s.name].record for s in shards], types, raw_config, src,
              mindie_format=opts.mindie_format, job={"fingerprint": key.job, "source": src, "recipe": recipe.to_dict()},
              extra={**recipe_files(opts), **files}, optional=optional)

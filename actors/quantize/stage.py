@@ -91,7 +91,7 @@ class StageWorker:
         if self.stage is None or lid is None or lid in self.stage.dropped or \
                 lid not in (*self.spec.layers, *self.spec.mtp):
             return None
-        if self.recipe.smooth and self.smoothed != smoothing_key:
+        if self.smoothed != smoothing_key:  # (both None when the recipe does not smooth)
             return None
         prefix = f"model.layers.{lid}."
         held = {k: v for k, v in self.stage.model.state_dict().items() if k.startswith(prefix)}

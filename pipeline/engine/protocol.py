@@ -3,7 +3,7 @@
 :class:`TokenLogprobs`), and the errors a request or an engine can end with.
 
 One id names a request from the HTTP request to the engine and back: the ingress takes it from the
-request (``pipeline.serving.openai_api.request_id``), the OpenAI response's ``id`` is built on it, the
+request (``pipeline.serving.endpoints.openai_api.request_id``), the OpenAI response's ``id`` is built on it, the
 engine request of each choice carries it (``<id>`` for one choice, ``<id>-<i>`` for choice ``i`` of
 ``n > 1``), every :class:`EngineOutput` names it, and the logs and the metrics' exemplars show it.
 

@@ -1,6 +1,6 @@
 """The OpenAI error of a refused request, pure: :class:`ApiError` (an HTTP status and OpenAI's error body
 ``{"error": {"message", "type", "param", "code"}}``) and :func:`invalid`, the 400 that names the field.
-Re-exported by :mod:`pipeline.serving.openai_api`, where requests are validated."""
+Re-exported by :mod:`pipeline.serving.endpoints.openai_api`, where requests are validated."""
 
 from __future__ import annotations
 

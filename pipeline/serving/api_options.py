@@ -1,6 +1,6 @@
 """The request fields that shape the response rather than the sampling, pure: ``n`` (and ``best_of``),
 ``logprobs`` / ``top_logprobs``, ``echo`` and ``stream_options``, validated into :class:`OutputOptions`
-for :mod:`pipeline.serving.openai_api` (a bad value is a 400 naming the field).
+for :mod:`pipeline.serving.endpoints.openai_api` (a bad value is a 400 naming the field).
 
 - ``n`` in [1, ``MAX_N``]: each choice is a sequence of its own in the engine, holding cache blocks, and
   an engine runs 16 sequences at once by default (``EngineConfig.max_num_seqs``): 16 choices still run

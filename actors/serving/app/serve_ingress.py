@@ -1,14 +1,14 @@
 """The OpenAI-compatible HTTP front of the serving application (FastAPI through ``@serve.ingress``):
 ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` true:
 ``text/event-stream``), vLLM's ``POST /tokenize`` and ``POST /detokenize``
-(:mod:`pipeline.serving.tokenize_api`), ``GET /health``, ``GET /metrics`` (Prometheus text), and the
+(:mod:`pipeline.serving.endpoints.tokenize_api`), ``GET /health``, ``GET /metrics`` (Prometheus text), and the
 API's own description (``/openapi.json``, ``/docs``, ``/redoc``). Every request is validated here
-(:mod:`pipeline.serving.openai_api`); a bad one never reaches the engine. Each request gets its id here
+(:mod:`pipeline.serving.endpoints.openai_api`); a bad one never reaches the engine. Each request gets its id here
 (``openai_api.request_id``, from its X-Request-ID): the response's ``id``, its engine requests', its log
 line, its metrics' exemplars. A request for ``n`` choices is ``n`` engine requests (choice i seeded
 ``seed + i``), their output streams merged
 (:mod:`actors.serving.app.serve_streams`), each choice's events turned into its text, logprobs and chunks by
-:class:`~pipeline.serving.choices.ChoiceState`. With ``api_key`` set, the ``/v1`` routes, the tokenizer
+:class:`~pipeline.serving.endpoints.choices.ChoiceState`. With ``api_key`` set, the ``/v1`` routes, the tokenizer
 routes and the API description need ``Authorization: Bearer <key>`` (401 otherwise); ``/health`` and
 ``/metrics`` stay open, as in vLLM, for load balancers and Prometheus scrapers that hold no key (they tell
 nothing but liveness and counts). A request body larger than ``max_body_bytes`` is refused with 413 (at
@@ -44,12 +44,12 @@ from actors.serving.serve_config import ServeConfig
 from actors.serving.app.serve_limits import answer_bound, longest_token, proxy_limit
 from actors.serving.app.serve_metrics import ServeMetrics
 from actors.serving.app.serve_streams import ShuttingDown, engine_failed, first_error, first_event, merge_events, shutdown_error
-from pipeline.serving import openai_api as api
-from pipeline.serving import openai_responses as resp
-from pipeline.serving import tokenize_api
-from pipeline.serving.choices import ChoiceState
+from pipeline.serving.endpoints import openai_api as api
+from pipeline.serving.endpoints import openai_responses as resp
+from pipeline.serving.endpoints import tokenize_api
+from pipeline.serving.endpoints.choices import ChoiceState
 from pipeline.serving.logprobs import TokenStrings
-from pipeline.serving.openai_api import ApiError, GenerateRequest
+from pipeline.serving.endpoints.openai_api import ApiError, GenerateRequest
 from pipeline.serving.reasoning import parser_for
 
 STATS_TIMEOUT_S = 5.0

@@ -12,8 +12,8 @@ from typing import AsyncIterator, Sequence
 
 from actors.cluster.ray_errors import app_error
 from pipeline.engine.protocol import EngineDead, EngineOutput, PrefillFailed
-from pipeline.serving import openai_api as api
-from pipeline.serving.openai_api import ApiError
+from pipeline.serving.endpoints import openai_api as api
+from pipeline.serving.endpoints.openai_api import ApiError
 
 
 class ShuttingDown(Exception):

@@ -1,6 +1,6 @@
 """A request's output text, decoded incrementally and cut at its stop strings, decoded once: by the engine
 for a request with stop strings (it must see the text to stop it: ``LLMEngine``, the text rides in each
-``EngineOutput.text``), by the serving side for the others (``pipeline.serving.choices``).
+``EngineOutput.text``), by the serving side for the others (``pipeline.serving.endpoints.choices``).
 
 :class:`StopText` decodes a growing list of token ids a window at a time and cuts the text at the first
 stop string; :class:`Detokenizer` returns only the text that is stable: a trailing incomplete multi-byte

@@ -103,10 +103,9 @@ def check_samples(samples: Sequence[Sequence[int]], vocab: int) -> None:
 
 
 def stats_layers(cfg, recipe: Recipe, layers: Optional[Iterable[int]] = None, have_mtp: bool = True) -> list[int]:
-    """The layers whose statistics are collected: ``layers`` (default: all main layers, plus the MTP
-    layer(s) when ``recipe.quantize_mtp``), checked against the model."""
-    default = list(range(cfg.num_hidden_layers)) + (cfg.mtp_layer_ids if recipe.quantize_mtp else [])
-    layer_ids = sorted(set(default if layers is None else layers))
+    """The layers whose statistics are collected: ``layers`` (default: ``recipe.calibrated_layers``, all main
+    layers, plus the MTP layer(s) when the recipe quantizes them), checked against the model."""
+    layer_ids = sorted(set(recipe.calibrated_layers(cfg) if layers is None else layers))
     for i in layer_ids:
         if i not in layout.all_layer_ids(cfg):
             raise QuantError(f"layers: {i} is not a layer of the model ({layout.all_layer_ids(cfg)})")

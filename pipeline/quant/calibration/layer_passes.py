@@ -2,9 +2,9 @@
 of DeepSeek's modeling code (pipeline.quant.calibration.remote_numerics):
 
     for layer i, every sample in dataset order, batch of one, the input h_j of the layer:
-    1. the recipe's steps: quarot folds its rotations in (no data); iter_smooth / flex_smooth_quant (main
-       layers only) observe a float forward of the layer as it is and fold their scales in; dsquant's own
-       ``smooth`` last
+    1. the recipe's steps, as its plan lists them (pipeline.quant.transforms.recipe_plan): quarot folds its
+       rotations in (no data); iter_smooth / flex_smooth_quant (main layers only) observe a float forward of
+       the layer as it is and fold their scales in; dsquant's own ``smooth`` last
     2. the linears' pass (only when the layer has a W8A8 linear): eager attention through CalibLinears
        (each W8A8 input fake-quantized with its running range), the ranges -> (s, o)
     3. the FA3 pass (when the recipe has fa3_quant): DeployedLinears, absorbed attention where the layer
@@ -29,10 +29,8 @@ from pipeline.quant.calibration import remote_numerics as rn
 from pipeline.quant.calibration.calib_linears import CalibLinears, DeployedLinears, FloatLinears, final_params
 from pipeline.quant.numerics.observers import RecallWindow, Stats
 from pipeline.quant.numerics.products import KeptWeights, calibration_products
-from pipeline.quant.numerics.qparams import QuantError
 from pipeline.quant.recipe.recipe import Recipe
-from pipeline.quant.transforms.smooth import ChannelAbsMax, smooth_layer
-from pipeline.quant.recipe.steps import FlexSmooth, IterSmooth, QuaRot
+from pipeline.quant.transforms.recipe_plan import LayerRun, resolve
 
 Tensors = dict[str, Tensor]
 
@@ -62,26 +60,23 @@ class LayerResult:
 
 
 class LayerCalibrator:
-    """The passes of the module doc for a model ``cfg`` and ``recipe``; ``rope`` tables cover the longest
-    sample. ``smooth_alpha``: dsquant's own smoothing."""
+    """The passes of the module doc for a model ``cfg`` and ``recipe``, resolved once
+    (pipeline.quant.transforms.recipe_plan); ``rope`` tables cover the longest sample. ``smooth_alpha``:
+    dsquant's own smoothing."""
 
     def __init__(self, cfg: DeepseekV3Config, recipe: Recipe, max_tokens: int, smooth_alpha: float = 0.5):
-        from pipeline.quant.transforms.quarot import build_rotations
-
         self.cfg, self.recipe, self.smooth_alpha = cfg, recipe, smooth_alpha
+        self.plan = resolve(recipe, cfg)
         self.rope = rn.RopeTables.of(cfg, max(max_tokens, 1) + 1)
-        quarot = [s for s in recipe.steps if isinstance(s, QuaRot)]
-        self.rotations = build_rotations(cfg, quarot[0].block_size) if quarot else None
-        if quarot and cfg.tie_word_embeddings:
-            raise QuantError("quarot: a model with tied embeddings is not supported (the rotated head would differ "
-                             "from the embedding)")
 
     # ----- the steps -----------------------------------------------------------------------------------
     def transform_globals(self, g: Mapping[str, Tensor]) -> Tensors:
         """The globals (embedding, final norm, head) with the recipe's steps folded in."""
-        from pipeline.quant.transforms.quarot import rotate_globals
+        return self.plan.transform_globals(g)
 
-        return rotate_globals(g, self.cfg, self.rotations) if self.rotations is not None else dict(g)
+    def transform_layer(self, i: int, t: Mapping[str, Tensor]) -> Tensors:
+        """A layer no pass runs on (the MTP layer kept float): its data-free steps (quarot) folded in."""
+        return self.plan.transform_layer(i, t)
 
     def _forward(self, t: Mapping[str, Tensor], i: int, samples: list[Sample], lin, absorbed: bool,
                  fa=None, attention_only: bool = False) -> list[Optional[Tensor]]:
@@ -91,46 +86,16 @@ class LayerCalibrator:
                                         attention_only))
         return out
 
-    def _anti_outlier(self, step, t: Tensors, i: int, samples: list[Sample], choices: dict) -> tuple[Tensors, list]:
-        from pipeline.quant.transforms.flex_smooth import flex_smooth_layer
-        from pipeline.quant.transforms.iter_smooth import iter_smooth_layer
-        from pipeline.quant.transforms.outlier_stats import ActivationRows, ChannelTrace
-        from pipeline.quant.transforms.subgraphs import step_subgraphs
+    def _layer_run(self, i: int, samples: list[Sample], choices: dict) -> LayerRun:
+        """Layer ``i``'s float forwards on ``samples``, for the steps."""
+        def float_forward(t, observers, attention_only):
+            return self._forward(t, i, samples, FloatLinears(t, observers), absorbed=False,
+                                 attention_only=attention_only)
 
-        iterative = isinstance(step, IterSmooth)
-        subgraphs = step_subgraphs(step, self.cfg, i)
-        if not subgraphs:
-            return t, []
-        kind = ChannelTrace if iterative else ActivationRows
-        observers = {sg.observed: kind() for sg in subgraphs}
-        mlp_needed = any(".mlp." in n for n in observers)
-        outs = self._forward(t, i, samples, FloatLinears(t, observers), absorbed=False, attention_only=not mlp_needed)
-        if iterative:
-            return iter_smooth_layer(t, i, self.cfg, observers, step), outs
-        return flex_smooth_layer(t, i, self.cfg, observers, step, choices), outs
+        def absorbed_forward(t, observers, fa):
+            return self._forward(t, i, samples, FloatLinears(t, observers), absorbed=True, fa=fa, attention_only=True)
 
-    def _own_smooth(self, t: Tensors, i: int, samples: list[Sample]) -> tuple[Tensors, list]:
-        """dsquant's SmoothQuant + latent smoothing (pipeline.quant.transforms.smooth), its statistics from a float
-        absorbed forward."""
-        p = f"model.layers.{i}"
-        stats = {k: ChannelAbsMax() for k in (f"{p}.attn_in", f"{p}.q_b_in", f"{p}.latent", f"{p}.q_abs")}
-        first = f"{p}.self_attn." + ("q_a_proj" if self.cfg.q_lora_rank else "q_proj")
-        observers = {first: stats[f"{p}.attn_in"], f"{p}.self_attn.q_b_proj": stats[f"{p}.q_b_in"]}
-
-        def fa(name: str, x: Tensor, ratio: float) -> None:
-            if name.endswith("fa_q"):
-                stats[f"{p}.q_abs"].observe(x.float().abs().amax(1))
-            elif name.endswith("fa_k"):
-                stats[f"{p}.latent"].observe(x[:, 0])
-
-        outs = self._forward(t, i, samples, FloatLinears(t, observers), absorbed=True, fa=fa, attention_only=True)
-        return smooth_layer(t, i, stats, self.smooth_alpha), outs
-
-    def transform_layer(self, i: int, t: Mapping[str, Tensor]) -> Tensors:
-        """A layer no pass runs on (the MTP layer kept float): its data-free steps (quarot) folded in."""
-        from pipeline.quant.transforms.quarot import rotate_layer
-
-        return rotate_layer(t, i, self.cfg, self.rotations) if self.rotations is not None else dict(t)
+        return LayerRun(i, float_forward, absorbed_forward, choices, self.smooth_alpha)
 
     def float_pass(self, i: int, t: Mapping[str, Tensor], samples: list[Sample]) -> list[Sample]:
         """The next layer's inputs through layer ``i`` as it is, when none of its passes ran a forward."""
@@ -144,37 +109,34 @@ class LayerCalibrator:
         """Layer ``i`` (its float tensors in md, HF names) on ``samples`` (module doc). For the MTP layer,
         ``samples`` hold the last main layer's outputs and ``heads`` the transformed final norm and head
         (:meth:`transform_globals`): its inputs are made here, after its steps."""
-        cfg, recipe = self.cfg, self.recipe
+        cfg, plan = self.cfg, self.plan
         t = dict(t)
-        is_mtp = i >= cfg.num_hidden_layers
         choices: dict = {}
         last: Optional[list] = None
-        with calibration_products(recipe.products, kept):
-            for step in recipe.steps:
-                if isinstance(step, QuaRot):
-                    from pipeline.quant.transforms.quarot import rotate_layer
-
-                    t = rotate_layer(t, i, cfg, self.rotations)
-                elif not is_mtp and isinstance(step, (IterSmooth, FlexSmooth)):
-                    t, outs = self._anti_outlier(step, t, i, samples, choices)
+        with calibration_products(self.recipe.products, kept):
+            run = self._layer_run(i, samples, choices)
+            for step in plan.steps:
+                if step.runs_on(cfg, i):
+                    t, outs = step.apply(t, run)
                     last = outs or last
-            if is_mtp and samples and samples[0].h is not None and heads is not None:
-                md = samples[0].h.dtype
-                samples = mtp_samples(cfg, i, t, heads, samples, md)
-            if recipe.smooth and (not is_mtp or recipe.quantize_mtp):
-                t, outs = self._own_smooth(t, i, samples)
-            types = recipe.layer_types(cfg, i)
+            if i >= cfg.num_hidden_layers and samples and samples[0].h is not None and heads is not None:
+                samples = mtp_samples(cfg, i, t, heads, samples, samples[0].h.dtype)
+            run = self._layer_run(i, samples, choices)
+            for step in plan.fed_steps:
+                if step.runs_on(cfg, i):
+                    t, _ = step.apply(t, run)
+            types = self.recipe.layer_types(cfg, i)
             kinds = {p: k for p, k in types.items() if k in (W8A8, W8A8_DYNAMIC)}
             stats: dict = {}
             params = {}
             if any(k == W8A8 for k in kinds.values()):
                 calib = CalibLinears(t, kinds)
-                outs = self._forward(t, i, samples, calib, absorbed=False, attention_only=recipe.fa_quant)
+                outs = self._forward(t, i, samples, calib, absorbed=False, attention_only=plan.fa3_pass)
                 stats.update(calib.minmax())
                 params = final_params(calib.ranges, t[next(iter(kinds)) + ".weight"].dtype)
-                if not recipe.fa_quant:
+                if not plan.fa3_pass:
                     last = outs
-            if recipe.fa_quant:
+            if plan.fa3_pass:
                 fa_layer = any(k == FAQUANT for k in types.values())
                 windows: dict[str, RecallWindow] = {}
 

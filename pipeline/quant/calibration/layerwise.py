@@ -48,9 +48,9 @@ from pipeline.quant.numerics.products import calibration_products
 from pipeline.quant.numerics.observers import Stats
 from pipeline.quant.calibration.pass_run import run_passes
 from pipeline.quant.writing.quantize_layer import deferred_weights
-from pipeline.quant.numerics.qparams import QuantError
-from pipeline.quant.recipe.recipe import MSMODELSLIM, Recipe
-from pipeline.quant.transforms.smooth import observing_smoothing, smooth_layer, smoothed_weights
+from pipeline.quant.recipe.recipe import Recipe
+from pipeline.quant.transforms.recipe_plan import resolve
+from pipeline.quant.transforms.smooth import observing_smoothing, smooth_layer
 
 ROUTER_BIAS = "e_score_correction_bias"
 
@@ -90,11 +90,11 @@ def calibrate_layerwise(reader: CheckpointReader, recipe: Recipe, samples: Seque
                         write_globals: Callable[[dict], None], quantize: Callable[[int, dict, Stats], None],
                         smooth_alpha: float = 0.5, device: str = "cpu", prefetch: bool = True, batch: int = 1) -> dict:
     """The one-read job: msModelSlim's layer-by-layer passes (:func:`pipeline.quant.calibration.pass_run.run_passes`) or, with
-    ``recipe.calibration`` "float", the float model's activations (:func:`calibrate_float`)."""
-    if recipe.calibration == MSMODELSLIM:
-        if batch != 1:
-            raise QuantError("calib_batch > 1 needs the float calibration (--calibration float): msModelSlim's "
-                             "passes run one sample at a time, in order")
+    ``recipe.calibration`` "float", the float model's activations (:func:`calibrate_float`), as the recipe's plan
+    says (pipeline.quant.transforms.recipe_plan)."""
+    plan = resolve(recipe, reader.config)
+    plan.check_batch(batch)
+    if plan.layer_passes:
         _, info = run_passes(reader, recipe, samples, layout.all_layer_ids(reader.config), embed=True,
                              write_globals=write_globals, quantize=quantize, smooth_alpha=smooth_alpha,
                              device=device, prefetch=prefetch)
@@ -118,7 +118,8 @@ def calibrate_float(reader: CheckpointReader, recipe: Recipe, samples: Sequence[
     recipe.check_config(cfg)
     check_samples(samples, cfg.vocab_size)
     stat_ids = set(stats_layers(cfg, recipe, have_mtp=bool(cfg.mtp_layer_ids)))
-    run_mtp = recipe.quantize_mtp and bool(cfg.mtp_layer_ids)
+    run_mtp = any(recipe.quantized_layer(cfg, i) for i in cfg.mtp_layer_ids)
+    smoothing = resolve(recipe, cfg).smoothing
     host = LayerHost(cfg, md, device, with_mtp=bool(cfg.mtp_layer_ids))
     sizes = unit_bytes(reader)
     nbytes = sizes.get(None, 0)
@@ -131,13 +132,12 @@ def calibrate_float(reader: CheckpointReader, recipe: Recipe, samples: Sequence[
         host.set_globals(globals_)
         del globals_
         h = [host.model.embed(x) for x in ids]               # the smoothed stream (the statistics)
-        u = list(h) if recipe.smooth else None               # the unsmoothed stream (smoothing statistics)
+        u = smoothing.stream(h)                             # the unsmoothed stream (smoothing statistics)
         host.model.model.embed_tokens.to("meta")             # (the MTP layer has an embedding of its own)
         t_calib += time.perf_counter() - t
 
         def load(i: int) -> dict:
-            keep = smoothed_weights(i) if recipe.smooth else frozenset()
-            return reader.read_layer(i, deferred=deferred_weights(cfg, i, recipe, keep))
+            return reader.read_layer(i, deferred=deferred_weights(cfg, i, recipe, smoothing.kept_weights(i)))
 
         with closing(prefetched(layout.all_layer_ids(cfg), load, prefetch)) as layers:
             for i, tensors in layers:
@@ -148,7 +148,7 @@ def calibrate_float(reader: CheckpointReader, recipe: Recipe, samples: Sequence[
                     t = time.perf_counter()
                     fwd = forward_tensors(tensors)
                     depth = i - cfg.num_hidden_layers
-                    if recipe.smooth:  # the smoothing pass runs a sample at a time (its observers see padding)
+                    if u is not None:  # the smoothing pass runs a sample at a time (its observers see padding)
                         host.set_layer(i, fwd)
                         with observing_smoothing(host.model, [i], recipe.calib_products) as sm:
                             u = _run(host.model, i, u, ids, 1, mtp_depth=depth if is_mtp else None, smoothing=True)

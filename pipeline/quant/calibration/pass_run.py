@@ -42,7 +42,7 @@ def run_passes(reader: CheckpointReader, recipe: Recipe, samples: Sequence[Seque
     check_samples(samples, cfg.vocab_size)
     calibrated = set(stats_layers(cfg, recipe, have_mtp=bool(cfg.mtp_layer_ids)))
     calib = LayerCalibrator(cfg, recipe, max(len(s) for s in samples), smooth_alpha)
-    transforms = bool(recipe.steps or recipe.smooth)
+    transforms = calib.plan.changes_weights
     sizes = unit_bytes(reader)
     nbytes, t_calib = 0, 0.0
     # the MTP feed takes the last token from the head as read: msModelSlim folds its steps into the final

@@ -280,7 +280,7 @@ def quantize_with_fallback(src: str, dst: str, recipe: Recipe, opts, fa: Choice,
     """Probe, pick, and write ``dst`` with the amended recipe (module doc); ``recipe_yaml`` renders the
     recipe file written next to the weights. Returns the amended recipe."""
     from pipeline.io.checkpoint import CheckpointReader
-    from pipeline.io.dest_lock import DestinationLock
+    from pipeline.io.destination.lock import DestinationLock
     from pipeline.quant.job.options import calibration_samples
     from pipeline.quant.job.preflight import check_job
     from pipeline.quant.job.run import quantize_checkpoint

@@ -31,10 +31,10 @@ import torch
 from pipeline import layout
 from pipeline.config import model_dtype
 from pipeline.io import storage
-from pipeline.io.dest_lock import DestinationLock
-from pipeline.io.destination import check_destination as check_variant_destination
+from pipeline.io.destination.lock import DestinationLock
+from pipeline.io.destination.rule import check_destination as check_variant_destination
 from pipeline.io.checkpoint import CONFIG_NAME, INDEX_NAME, CheckpointReader
-from pipeline.io.fp8_copy import SHARD_BYTES, assign_shards, copy_other_files, shard_name
+from pipeline.io.release_layout.fp8_copy import SHARD_BYTES, assign_shards, copy_other_files, shard_name
 from pipeline.io.safetensors_io import DTYPE_NAMES, SafetensorsWriter, TensorSpec
 from pipeline.quant.evaluation.outlier_variant import NORMS, Change, VariantError, VariantSpec, apply_to_layer, summarize
 
@@ -49,7 +49,7 @@ CHECK_RANDOM_TOKENS = 64   # tokens per sample when the source has no tokenizer
 
 
 def check_destination(src: str, dst: str, overwrite: bool) -> None:
-    """The destination rule (:mod:`pipeline.io.destination`): only an earlier variant (it holds
+    """The destination rule (:mod:`pipeline.io.destination.rule`): only an earlier variant (it holds
     ``outlier_variant.json``) is replaced, and only with ``overwrite``."""
     check_variant_destination(dst, kind="an outlier variant", is_own=lambda entries: RECORD_NAME in entries,
                               overwrite=overwrite, sources=(src,))
@@ -57,7 +57,7 @@ def check_destination(src: str, dst: str, overwrite: bool) -> None:
 
 def write_variant(src: str, dst: str, spec: VariantSpec, *, overwrite: bool = False, check: bool = True,
                   shard_bytes: int = SHARD_BYTES, log: Callable[[str], None] = print) -> dict:
-    """Write the variant of ``src`` into ``dst``, holding its lock (:mod:`pipeline.io.dest_lock`); returns the
+    """Write the variant of ``src`` into ``dst``, holding its lock (:mod:`pipeline.io.destination.lock`); returns the
     record written as ``outlier_variant.json``."""
     check_destination(src, dst, overwrite)
     with DestinationLock(dst) as lock:

@@ -13,7 +13,7 @@ layer ``num_hidden_layers`` included) and ``head`` (model.norm + lm_head). For e
                     masked full S x S matrix), the absorbed query of the FA3 Q observer, the dense MLP or
                     the router + (num_experts_per_tok + n_shared_experts) experts, lm_head / MTP eh_proj
                     and shared_head; 0 for a unit the calibration forward does not run (the MTP layer
-                    unless ``recipe.quantize_mtp``, the embedding lookup)
+                    unless the recipe quantizes it, the embedding lookup)
     act_bytes       working set of one micro-batch (batch of one, ``seq_len`` tokens) through the unit:
                     fp32 scores + probs and md probs of the eager attention (H*S*S*10 bytes), q/k/v in md,
                     the FA3 observer's absorbed query and its sorted copy in fp32, the MLP intermediates,
@@ -143,7 +143,7 @@ def _compute(cfg: DeepseekV3Config, unit: str, recipe: Recipe, S: int, calibrate
     if unit == HEAD:
         return 2.0 * h * V, hidden + S * V * (4 + mdb), True
     lid = int(unit)
-    if lid >= cfg.num_hidden_layers and not recipe.quantize_mtp:
+    if not recipe.quantized_layer(cfg, lid):
         return 0.0, 0, False
     af, aa = _attention(cfg, recipe.fa_layer(cfg, lid), S)
     mf, ma = _mlp(cfg, lid, S)

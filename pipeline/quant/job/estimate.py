@@ -41,6 +41,7 @@ from pipeline.io import storage
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.quant.job.costs import unit_costs
 from pipeline.quant.numerics.products import AUTO, calibration_products
+from pipeline.quant.transforms.recipe_plan import resolve
 
 GB = 1e9
 PROBE_READ = 64 * 2**20       # bytes of the source read by the probe
@@ -203,7 +204,7 @@ def estimate_job(reader: CheckpointReader, recipe, samples: Sequence[Sequence[in
     stored = sum(u.stored_bytes for u in units)
     floats = sum(u.float_bytes for u in units)
     written = sum(u.output_bytes for u in units)
-    passes = 2 if recipe.smooth else 1
+    passes = resolve(recipe, reader.config).calibration_forwards
     flops = sum(u.flops_per_token for u in units) * tokens * passes
     share = max(1, actors)
     read_rate = max(pr.read_gbps, 1e-3) * GB

@@ -17,8 +17,8 @@ from pipeline.io.checkpoint import CONFIG_NAME, ROUTER_BIAS_SUFFIX, SCALE_SUFFIX
 from pipeline.io.json_input import parse_json
 from pipeline.io.safetensors_io import DTYPE_NAMES, DTYPES
 from pipeline.quant.writing.output_files import existing_output
-from pipeline.quant.numerics.qparams import QuantError
-from pipeline.quant.recipe.recipe import MSMODELSLIM, Recipe
+from pipeline.quant.recipe.recipe import Recipe
+from pipeline.quant.transforms.recipe_plan import RecipePlan, resolve
 from pipeline.quant.job.options import QuantizeOptions, calibration_samples
 from pipeline.quant.writing.shard_layout import output_units
 from pipeline.quant.writing.writer import check_finish_args
@@ -34,6 +34,7 @@ class CheckedJob:
     samples: list             # the calibration samples' token ids
     output_bytes: int         # the output's tensor data
     needs_calibration: bool   # the recipe reads activation statistics (else: data-free, ``samples`` empty)
+    plan: RecipePlan          # the recipe resolved for the source's model
 
 
 def check_source_dtypes(reader: CheckpointReader) -> None:
@@ -71,14 +72,10 @@ def check_job(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions, *, resu
     # data-free recipes (no static linear, no FA3, no smoothing) read no calibration data, nor a tokenizer,
     # in either job (the distributed one then starts its actors for the weight phase only)
     needs = recipe.needs_calibration(cfg)
-    if recipe.steps and recipe.calibration != MSMODELSLIM:
-        raise QuantError(f"recipe steps {[st.type for st in recipe.steps]} run in msModelSlim's layer-by-layer passes: "
-                         "drop --calibration float (or the steps: --disable-anti)")
-    if needs and not opts.layerwise and recipe.calibration == MSMODELSLIM:
-        raise QuantError("--two-pass is the float calibration's reference (the whole float model first): it needs "
-                         "--calibration float; msModelSlim's layer-by-layer passes run in the one-read job")
+    plan = resolve(recipe, cfg)
+    plan.check_calibration(needs, layerwise=opts.layerwise)
     samples = calibration_samples(src, opts, cfg.max_position_embeddings) if needs else []
-    return CheckedJob(reader, raw_config, md, samples, nbytes, needs)
+    return CheckedJob(reader, raw_config, md, samples, nbytes, needs, plan)
 
 
 def data_free_notes(src: str) -> list[str]:

@@ -9,7 +9,7 @@ boundary of activations of memory.
 The reference (``layerwise=False``, ``jobs.quantize --two-pass``) runs two phases:
 
 1. calibration: the float model (model dtype, as msModelSlim runs it) over each calibration sample
-   (batch of one); with ``recipe.smooth`` first the smoothing statistics and their fold into the model,
+   (batch of one); with dsquant's ``smooth`` first the smoothing statistics and their fold into the model,
    then the W8A8/FA3 statistics of the smoothed model;
 2. weights (:func:`quantize_weights`): one layer at a time from the source, the same smoothing fold
    applied to its tensors (bit-identical to phase 1's), quantized module by module (FP8 weights straight
@@ -35,8 +35,7 @@ import torch
 
 from pipeline import layout
 from pipeline.quant.numerics import native
-from pipeline.io.dest_lock import DestinationLock
-from pipeline.quant.transforms.step_tensors import step_files
+from pipeline.io.destination.lock import DestinationLock
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.model.loading import load_model
 from pipeline.quant.calibration.calibrate import collect_stats
@@ -50,7 +49,8 @@ from pipeline.config import model_dtype
 from pipeline.quant.writing.quantize_layer import quantize_globals, quantize_layer_pieces
 from pipeline.quant.recipe.recipe import Recipe
 from pipeline.quant.writing.shard_layout import output_units
-from pipeline.quant.transforms.smooth import ChannelAbsMax, apply_smoothing, collect_smoothing_stats
+from pipeline.quant.transforms.recipe_plan import resolve
+from pipeline.quant.transforms.smooth import ChannelAbsMax
 from pipeline.quant.writing.unit_writer import read_layer
 from pipeline.quant.calibration.layer_reads import prefetched, unit_bytes
 from pipeline.quant.calibration.layerwise import calibrate_layerwise
@@ -61,15 +61,12 @@ LayerHook = Callable[[int, dict], None]     # (layer id, its float tensors as qu
 
 
 def prepare_float_model(src: str, recipe: Recipe, samples: list[list[int]], opts: QuantizeOptions):
-    """The float model in the model dtype, smoothed when the recipe says so. Returns (model,
-    smoothing statistics or None)."""
+    """The float model in the model dtype, smoothed when the recipe says so (its plan's ``smoothing``).
+    Returns (model, smoothing statistics or None)."""
     reader_cfg = CheckpointReader(src).config
     model = load_model(src, dtype=model_dtype(reader_cfg), device=opts.device or "cpu", with_mtp=not recipe.drop_mtp)
-    smooth_stats = None
-    if recipe.smooth:
-        layers = None if recipe.quantize_mtp else range(reader_cfg.num_hidden_layers)
-        smooth_stats = collect_smoothing_stats(model, samples, layer_ids=layers, products=recipe.calib_products)
-        apply_smoothing(model, smooth_stats, opts.smooth_alpha)
+    smooth_stats = resolve(recipe, reader_cfg).smoothing.fold_into(model, samples, opts.smooth_alpha,
+                                                                   recipe.calib_products)
     return model, smooth_stats
 
 
@@ -91,9 +88,9 @@ def quantize_checkpoint(src: str, dst: str, recipe: Recipe, opts: QuantizeOption
     """Quantize ``src`` into ``dst`` (any fsspec locations); returns the job summary (also in the
     manifest). Every input is checked first (:func:`pipeline.quant.job.preflight.check_job`); nothing in
     ``dst`` looks complete until the very end, and an earlier output there (``opts.overwrite``) stays
-    whole until the new shards are all written. The job holds ``dst``'s lock (:mod:`pipeline.io.dest_lock`)
+    whole until the new shards are all written. The job holds ``dst``'s lock (:mod:`pipeline.io.destination.lock`)
     from the end of the checks to the end: a second job on the same destination stops with
-    :class:`~pipeline.io.dest_lock.DestinationBusy` and writes nothing. ``on_layer(layer_id, tensors)``, when
+    :class:`~pipeline.io.destination.lock.DestinationBusy` and writes nothing. ``on_layer(layer_id, tensors)``, when
     given, sees each layer's float tensors as they are quantized (smoothed and rotated as the recipe has
     them; FP8 weights still as BlockRows). ``lock``: ``dst``'s lock, already held by the caller (a job
     that writes more than this output beside it)."""
@@ -147,7 +144,7 @@ def _quantize_checked(src: str, dst: str, recipe: Recipe, opts: QuantizeOptions,
             summary["bytes_read"] = source_bytes * (2 if job.needs_calibration else 1)  # the float model, then phase 2
         r = _rchar()
         summary["rchar"] = r - rchar0 if r is not None and rchar0 is not None else None
-        files, optional = step_files(cfg, recipe)
+        files, optional = job.plan.files()
         writer.finish(job.raw_config, src_dir=src, mindie_format=opts.mindie_format, job=summary,
                       extra={**recipe_files(opts), **files}, optional=optional)
     summary["total_s"] = round(time.time() - t0, 3)

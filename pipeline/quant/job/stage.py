@@ -81,7 +81,7 @@ class Stage:
             tensors[EMBED_NAME] = reader.read_tensor(EMBED_NAME, md)
         if spec.head:
             tensors[NORM_NAME] = reader.read_tensor(NORM_NAME, md)
-        mtp = spec.mtp if recipe.quantize_mtp else ()  # FLOAT MTP: not calibrated, so not loaded
+        mtp = tuple(i for i in spec.mtp if recipe.quantized_layer(cfg, i))  # FLOAT MTP: not calibrated, not loaded
         for i in (*spec.layers, *mtp):
             tensors.update(reader.read_layer(i, dtype=md))
         self.model = build_model(cfg, tensors, dtype=md, device=device, with_mtp=bool(mtp), strict=False)
@@ -89,7 +89,8 @@ class Stage:
         owned = set(spec.layers) | set(spec.mtp)
         self.stats_layers = [i for i in stats_layers(cfg, recipe, have_mtp=bool(cfg.mtp_layer_ids)) if i in owned]
         # the smoothing pass covers the MTP layer exactly when the recipe quantizes it (as run.prepare_float_model)
-        self.smooth_layers = sorted(spec.layers) + (sorted(spec.mtp) if recipe.quantize_mtp else [])
+        self.smooth_layers = sorted(spec.layers) + sorted(mtp)
+        self.mtp = mtp                  # the MTP layers the stage runs
         self.dropped: set[int] = set()  # layers freed by drop_layer: the stage can no longer run
         self.kept = KeptWeights()       # upcast weights reused across samples (calib_products); cleared on change
 
@@ -119,7 +120,7 @@ class Stage:
                 h = model.run_layers(h, spec.layers)
             if spec.head:
                 h = model.model.norm(h)
-            if spec.mtp and self.recipe.quantize_mtp:
+            if self.mtp:
                 if kind == STATS:
                     run_mtp(model, h, t, len(spec.mtp))
                 elif smoothing_runs_mtp(model, t.shape[1], self.smooth_layers):

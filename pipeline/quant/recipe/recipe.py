@@ -158,6 +158,15 @@ class Recipe:
                 return rule.kind
         return FLOAT
 
+    def quantized_layer(self, cfg: DeepseekV3Config, layer_id: int) -> bool:
+        """Is layer ``layer_id`` quantized (and so calibrated)? Every main layer; the MTP layer when
+        ``quantize_mtp``."""
+        return layer_id < cfg.num_hidden_layers or self.quantize_mtp
+
+    def calibrated_layers(self, cfg: DeepseekV3Config) -> list[int]:
+        """The layers whose statistics a job collects: the quantized ones (:meth:`quantized_layer`)."""
+        return [i for i in (*range(cfg.num_hidden_layers), *cfg.mtp_layer_ids) if self.quantized_layer(cfg, i)]
+
     def fa_pattern_layer(self, layer_id: int) -> bool:
         """Whether ``fa_include`` / ``fa_exclude`` let layer ``layer_id``'s attention have FA3."""
         name = f"{layout.layer_prefix(layer_id)}self_attn"
@@ -174,7 +183,14 @@ class Recipe:
     def fa_layer(self, cfg: DeepseekV3Config, layer_id: int) -> bool:
         """Does ``layer_id`` get FA3 tensors?"""
         return bool(self.fa_quant and layer_id not in self.fa_exclude_layers and self.fa_pattern_layer(layer_id)
-                    and (layer_id < cfg.num_hidden_layers or self.quantize_mtp))
+                    and self.quantized_layer(cfg, layer_id))
+
+    def writes_fa3(self, cfg: Optional[DeepseekV3Config]) -> bool:
+        """Does any layer of the model ``cfg`` get FA3 tensors (every layer, the MTP layer(s) included)?
+        Without a config: does the recipe ask for FA3 at all."""
+        if cfg is None:
+            return bool(self.fa_quant)
+        return any(self.fa_layer(cfg, i) for i in range(cfg.num_hidden_layers + len(cfg.mtp_layer_ids)))
 
     def needs_calibration(self, cfg: DeepseekV3Config) -> bool:
         """Does any output depend on activations? Static W8A8 linears (input scale and offset), FA3
@@ -192,7 +208,7 @@ class Recipe:
         if layer_id not in layout.all_layer_ids(cfg):
             raise QuantError(f"layer {layer_id} is not in the model (layers {layout.all_layer_ids(cfg)})")
         p = layout.layer_prefix(layer_id)
-        quantized = layer_id < cfg.num_hidden_layers or self.quantize_mtp
+        quantized = self.quantized_layer(cfg, layer_id)
         out: dict[str, str] = {}
         for name in layout.layer_shapes(cfg, layer_id):
             prefix = name.rsplit(".", 1)[0]

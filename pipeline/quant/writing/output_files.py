@@ -25,7 +25,7 @@ import torch
 
 from pipeline.io import storage
 from pipeline.io.checkpoint import CONFIG_NAME
-from pipeline.io.destination import check_not_source, is_leftover
+from pipeline.io.destination.rule import check_not_source, is_leftover
 from pipeline.format.description import (
     DESCRIPTION_NAME, FA_QUANT_TYPE, FAQUANT, MANIFEST_NAME, NAMING, SHARD_METADATA, W8A8, W8A8_DYNAMIC, SEED,
     build_description, encode_description, model_quant_type,
@@ -147,7 +147,7 @@ def is_companion_entry(name: str) -> bool:
 def existing_output(dst: str, overwrite: bool, src: Optional[str] = None) -> list[str]:
     """The entries of an earlier output in ``dst`` that a new one will replace (after checking that it may).
     Refuses (ValueError) ``dst`` being, holding or lying inside the source, however spelt
-    (:mod:`pipeline.io.destination`); refuses (FileExistsError) a directory
+    (:mod:`pipeline.io.destination.rule`); refuses (FileExistsError) a directory
     that holds anything but a quantized output, and an output unless ``overwrite``. A crashed writer's
     leftovers are neither: they are not returned, and do not block."""
     check_not_source(src, dst)

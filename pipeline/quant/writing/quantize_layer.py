@@ -37,7 +37,7 @@ from pipeline.quant.numerics.qparams import (
 )
 from pipeline.format.description import FAQUANT, FLOAT, W8A8, W8A8_DYNAMIC
 from pipeline.quant.recipe.recipe import Recipe
-from pipeline.quant.transforms.step_tensors import step_biases
+from pipeline.quant.transforms.recipe_plan import resolve
 from pipeline.io.safetensors_io import DTYPE_NAMES, TensorSpec
 
 MTP_ONLY = layout.MTP_ONLY_MODULES
@@ -113,7 +113,7 @@ def quantize_layer_pieces(cfg: DeepseekV3Config, layer_id: int, tensors: Mapping
     checked before the first piece."""
     types_of = recipe.layer_types(cfg, layer_id)
     quantized = _per_channel_weights(types_of)
-    _check_tensors(tensors, {**layout.layer_shapes(cfg, layer_id), **step_biases(cfg, recipe, layer_id)},
+    _check_tensors(tensors, {**layout.layer_shapes(cfg, layer_id), **resolve(recipe, cfg).biases(layer_id)},
                    f"layer {layer_id}", quantized)
     md = model_dtype(cfg)
     ascend = recipe.dialect == "ascendV1"
@@ -203,7 +203,7 @@ def layer_output_specs(cfg: DeepseekV3Config, layer_id: Optional[int],
     lp = layout.layer_prefix(layer_id)
     is_mtp = layer_id >= cfg.num_hidden_layers
     names_of: dict[str, list[str]] = {}
-    biases = step_biases(cfg, recipe, layer_id)
+    biases = resolve(recipe, cfg).biases(layer_id)
     inputs = {**inputs, **{n: (torch.float32, shape) for n, shape in biases.items()}}
     for name in inputs:
         names_of.setdefault(name.rsplit(".", 1)[0], []).append(name)

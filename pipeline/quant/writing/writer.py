@@ -30,7 +30,7 @@ config.json, copies of the tokenizer files, generation_config.json and ``*.py`` 
 ``manifest.json`` (every file's size and sha256, computed while writing, plus the caller's ``job`` info),
 and last the index and ``quant_model_description.json``: a directory with a description is complete, and
 a crash at any point before leaves none. On an exception inside ``with``, everything this writer wrote is removed.
-One job writes a destination at a time: the jobs hold its lock (:mod:`pipeline.io.dest_lock`) and pass
+One job writes a destination at a time: the jobs hold its lock (:mod:`pipeline.io.destination.lock`) and pass
 its ``ensure`` as ``guard``, called before anything already in ``dst`` is removed.
 An earlier output in ``dst`` (``overwrite``) is left whole until every new shard is written: only then is
 it removed, description first, and the parts renamed (:func:`pipeline.quant.writing.output_files.existing_output`

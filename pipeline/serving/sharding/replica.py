@@ -28,7 +28,7 @@ from pipeline import layout
 from pipeline.io.checkpoint import CONFIG_NAME, INDEX_NAME, SCALE_SUFFIX
 from pipeline.config import DeepseekV3Config
 from pipeline.io.fp8 import DEFAULT_BLOCK, scale_shape
-from pipeline.io.fp8_copy import assign_shards, quantization_config, shard_name
+from pipeline.io.release_layout.fp8_copy import assign_shards, quantization_config, shard_name
 from pipeline.io.safetensors_io import TensorSpec, encode_header
 
 RELEASE_SHARDS = 163

@@ -12,7 +12,7 @@ A destination is refused when
 
 A crashed writer's hidden leftovers (``.name.part-*``, ``.name.tmp-*``) are neither the job's output nor
 foreign: they never block. Each job keeps what it writes in a hidden sibling until it is complete, under the
-destination's lock (:mod:`pipeline.io.dest_lock`).
+destination's lock (:mod:`pipeline.io.destination.lock`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The OpenAI HTTP API, pure (no Ray, no FastAPI): request validation (responses, streaming chunks and
-incremental detokenization are in :mod:`pipeline.serving.openai_responses`; /tokenize and /detokenize in
-:mod:`pipeline.serving.tokenize_api`).
+incremental detokenization are in :mod:`pipeline.serving.endpoints.openai_responses`; /tokenize and /detokenize in
+:mod:`pipeline.serving.endpoints.tokenize_api`).
 
 Requests (``/v1/completions``, ``/v1/chat/completions``) are parsed by :func:`parse_completion` and
 :func:`parse_chat` into a frozen :class:`GenerateRequest` (prompt token ids, :class:`SamplingParams`,
@@ -47,7 +47,7 @@ A request's id is made here, once (:func:`request_id`, called by the ingress for
 ``cmpl-`` or ``chatcmpl-`` and the request's X-Request-ID (the client's, or the one Serve's HTTP proxy
 gave it). It is the response's ``id`` and the engine requests' (:meth:`GenerateRequest.engine_request`:
 each choice's ``EngineRequest``), whose ``EngineOutput`` s the ingress turns into text, logprobs and
-responses with :mod:`pipeline.serving.choices` and :mod:`pipeline.serving.openai_responses`.
+responses with :mod:`pipeline.serving.endpoints.choices` and :mod:`pipeline.serving.endpoints.openai_responses`.
 """
 
 from __future__ import annotations

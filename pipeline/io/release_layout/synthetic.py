@@ -141,7 +141,7 @@ def make_checkpoint(dst: str | Path, shape: Shape, fp8: bool = False, seed: int 
     from pipeline.assets import EMBEDDED_MODEL_DIR
     from pipeline.config import DeepseekV3Config
     from pipeline.io.fp8 import quantize_fp8_blocks
-    from pipeline.io.fp8_copy import shard_name
+    from pipeline.io.release_layout.fp8_copy import shard_name
     from pipeline.io.safetensors_io import save_safetensors
 
     cfg_dict = config(shape, fp8)

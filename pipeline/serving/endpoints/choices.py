@@ -23,8 +23,8 @@ from typing import Optional
 
 from pipeline.engine.core.detokenizer import Detokenizer
 from pipeline.serving.logprobs import LogprobsBuilder, TokenStrings
-from pipeline.serving.openai_api import CHAT, GenerateRequest
-from pipeline.serving.openai_responses import choice, stream_chunk
+from pipeline.serving.endpoints.openai_api import CHAT, GenerateRequest
+from pipeline.serving.endpoints.openai_responses import choice, stream_chunk
 from pipeline.serving.reasoning import ReasoningSplitter
 from pipeline.serving.tool_calls import ToolCallStream
 

@@ -3,8 +3,8 @@ shapes of :mod:`pipeline.serving.logprobs`), streaming chunks as SSE lines (each
 ``index``; with ``stream_options.include_usage`` every chunk has ``usage``: null, or with
 ``continuous_usage_stats`` the usage so far, and a last chunk without choices carries the total), usage
 (prompt tokens once, completion tokens summed over the choices), and the model list. Requests are
-validated in :mod:`pipeline.serving.openai_api`; a choice's events become its text and chunks in
-:mod:`pipeline.serving.choices`."""
+validated in :mod:`pipeline.serving.endpoints.openai_api`; a choice's events become its text and chunks in
+:mod:`pipeline.serving.endpoints.choices`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import json
 import time
 from typing import Any, Mapping, Optional
 
-from pipeline.serving.openai_api import COMPLETION, GenerateRequest
+from pipeline.serving.endpoints.openai_api import COMPLETION, GenerateRequest
 
 DONE_LINE = "data: [DONE]\n\n"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from pipeline.serving import openai_api as api
+from pipeline.serving.endpoints import openai_api as api
 from pipeline.serving.api_errors import invalid
 from pipeline.serving.logprobs import TokenStrings
 

@@ -23,7 +23,7 @@ import torch
 
 from pipeline import layout
 from pipeline.io import storage
-from pipeline.io.destination import check_not_source
+from pipeline.io.destination.rule import check_not_source
 from pipeline.io.checkpoint import CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SCALE_SUFFIX, CheckpointReader
 from pipeline.io.fp8 import DEFAULT_BLOCK, FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8_blocks, scale_shape
 from pipeline.io.safetensors_io import DTYPE_NAMES, SafetensorsWriter, TensorSpec
@@ -110,7 +110,7 @@ def _convert(reader: CheckpointReader, unit: _Unit, block: tuple[int, int]) -> d
 
 
 def check_destination(src: str, dst: str) -> None:
-    """``dst`` must not be, hold or lie inside ``src`` (:mod:`pipeline.io.destination`) and must be new or
+    """``dst`` must not be, hold or lie inside ``src`` (:mod:`pipeline.io.destination.rule`) and must be new or
     empty: a copy written into another checkpoint or output would overwrite its config.json and mix their files."""
     check_not_source(src, dst, "--dst")
     if storage.exists(dst):
