@@ -59,6 +59,7 @@ is checked once, when the module is built (:func:`build_int8_linear`).
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Mapping, Optional
 
 import torch
@@ -140,7 +141,7 @@ class Int8Linear(nn.Module):
         self.register_load_state_dict_pre_hook(_loading)             # a compact module takes its weight back
         self.register_state_dict_post_hook(_with_weight)             # ... and gives it in state_dict()
         self._w_f32: Optional[Tensor] = None  # float32 copy of weight for fp32_chunked, made on first use
-        self._w_f32_key: Optional[tuple] = None  # (device, storage, version) of the weight it was made from
+        self._w_f32_key: Optional[tuple] = None  # (weakref to the weight it was made from, its version)
 
     def __setattr__(self, name: str, value) -> None:
         if name in self.__dict__.get("_buffers", ()):     # a buffer replaced: the packed copy is stale
@@ -227,9 +228,11 @@ class Int8Linear(nn.Module):
             return _int_mm_int32(x_q, weight)
         w_f32 = None
         if kernel == FP32_CHUNKED:
-            key = (weight.device, weight.data_ptr(), weight._version)
-            if self._w_f32_key != key:  # first use, moved, replaced or changed in place (load_state_dict)
-                self._w_f32, self._w_f32_key = weight.float(), key
+            # first use, moved, replaced or changed in place (load_state_dict); by the tensor itself, not its
+            # address, which a new tensor (a compact module's weight read back) may reuse
+            key = self._w_f32_key
+            if key is None or key[0]() is not weight or key[1] != weight._version:
+                self._w_f32, self._w_f32_key = weight.float(), (weakref.ref(weight), weight._version)
             w_f32 = self._w_f32
         self.last_kernel = kernel
         return int8_matmul(x_q, weight, kernel, w_f32)
