@@ -1,0 +1,79 @@
+"""Peak and steady memory of the engine loading a quantized output (issue: loading at real width).
+
+For each model directory, in a fresh process each: the tensors' bytes (the MTP layer left out unless
+--mtp), the peak RSS while ``load_quantized`` runs, the RSS after one decode step, and what the replica's
+check before loading (pipeline/engine/worker/memory.py) said it would need. Writes
+benchmarks/loading.json (--out) and prints one line per model.
+
+    python scripts/bench_loading.py /data/rw-q [/data/rw-q2 ...] [--mtp] [--out benchmarks/loading.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import json, sys, time, torch
+from pipeline.engine.worker.loader import load_quantized
+from pipeline.engine.worker import memory
+
+def status(key):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
+
+path, mtp = sys.argv[1], sys.argv[2] == "1"
+w = memory.tensor_bytes(path, mtp)
+base = status("VmRSS:")
+t = time.perf_counter()
+m = load_quantized(path, with_mtp=mtp)
+load_s = time.perf_counter() - t
+peak = status("VmHWM:")
+with torch.no_grad():
+    m.model(torch.tensor([[1, 2, 3, 4]]))
+print(json.dumps({"weights_bytes": w.total, "estimate_bytes": w.need, "start_rss_bytes": base,
+                  "peak_loading_bytes": peak, "steady_bytes": status("VmRSS:"), "load_s": round(load_s, 1)}))
+"""
+
+
+def measure(path: str, mtp: bool) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, path, "1" if mtp else "0"], cwd=REPO, capture_output=True,
+                         text=True, env=dict(os.environ, DSQUANT_SKIP_MEMORY_CHECK="1"))
+    if out.returncode:
+        raise SystemExit(f"error: {path}: the load failed: {out.stderr.strip().splitlines()[-1:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    w = r["weights_bytes"]
+    r.update(model=path, with_mtp=mtp, peak_x=round(r["peak_loading_bytes"] / w, 3),
+             steady_x=round(r["steady_bytes"] / w, 3), estimate_x_peak=round(r["estimate_bytes"] / r["peak_loading_bytes"], 3))
+    return r
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("models", nargs="+", help="quantized output directories")
+    ap.add_argument("--mtp", action="store_true", help="load the MTP layer too")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "loading.json"))
+    args = ap.parse_args(argv)
+    rows = []
+    for path in args.models:
+        r = measure(path, args.mtp)
+        rows.append(r)
+        print(f"{path}: weights {r['weights_bytes'] / 1e9:.2f} GB, peak while loading {r['peak_loading_bytes'] / 1e9:.2f} GB "
+              f"({r['peak_x']}x), after a step {r['steady_bytes'] / 1e9:.2f} GB ({r['steady_x']}x), the check said "
+              f"{r['estimate_bytes'] / 1e9:.2f} GB, loaded in {r['load_s']} s")
+    Path(args.out).write_text(json.dumps({"machine": platform.processor() or platform.machine(),
+                                          "when": time.strftime("%Y-%m-%d"), "goal": "peak <= 1.3x weights + 2 GB",
+                                          "runs": rows}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
