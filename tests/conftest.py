@@ -172,16 +172,26 @@ def tiny_quantized(tmp_path_factory) -> str:
     return dst
 
 
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """One intra-op thread for a module of small matrices: about as fast, and it stays fast when other
-    processes keep the 2 cores busy (2 spin-waiting OpenMP threads can then be ~100x slower)."""
+@pytest.fixture(scope="session", autouse=True)
+def torch_one_thread_by_default():
+    """One intra-op torch thread in the test process for the whole session (a test that needs more sets its
+    count and restores it). The tests' models and matrices are small: one thread is about as fast as two on
+    2 idle cores, and it stays fast when other processes (a Ray cluster's actors, a served replica, another
+    job) keep the cores busy, where 2 spin-waiting OpenMP threads are several times, up to ~100x, slower."""
     import torch
 
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread(torch_one_thread_by_default):
+    """A module of small matrices that says it runs on one intra-op thread: the session's default (above)."""
+    import torch
+
+    assert torch.get_num_threads() == 1, "a test before this module left its torch thread count changed"
 
 
 @pytest.fixture(scope="session")
