@@ -302,22 +302,33 @@ def test_msmodelslim_output_sharded(ray_cluster):
 
 @pytest.mark.slow
 def test_generate_job_sharded_gives_the_single_rank_answer(embedded_quantized):
+    """The three jobs run side by side, each on one torch thread (its ranks too: they follow the driver) so
+    that they share the cores without spin-waiting: each sharded one on a private Ray of its own (its GCS on
+    a port the system gives, its session directory its own)."""
     import subprocess
     import sys
 
-    def answer(*flags):
-        r = subprocess.run([sys.executable, "-m", "jobs.generate", "--model-path", embedded_quantized,
-                            "--max-new-tokens", "24", *flags, "What's deep learning?"],
-                           capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
-                                                                               "RAY_ADDRESS": ""})
-        assert r.returncode == 0, r.stderr[-2000:]
-        return r.stdout, r.stderr
+    def start(*flags) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "jobs.generate", "--model-path", embedded_quantized,
+                                 "--max-new-tokens", "24", *flags, "What's deep learning?"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "RAY_ADDRESS": "", "OMP_NUM_THREADS": "1"})
 
-    one, _ = answer()
-    sharded, log = answer("--tp", "2", "--moe-ep", "2")
+    def answer(p: subprocess.Popen) -> tuple[str, str]:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+        return out, err
+
+    procs = [start(), start("--tp", "2", "--moe-ep", "2"), start("--dp", "2", "--moe-ep", "2")]
+    try:
+        (one, _), (sharded, log), (dp, dp_log) = map(answer, procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     assert sharded == one and "2 rank(s): dp 1 x tp 2" in log and "private local Ray" in log
-    dp, log = answer("--dp", "2", "--moe-ep", "2")
-    assert dp == one and "2 rank(s): dp 2 x tp 1" in log
+    assert dp == one and "2 rank(s): dp 2 x tp 1" in dp_log
 
 
 def test_serve_config_takes_sharded_layouts():
