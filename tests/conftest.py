@@ -175,15 +175,24 @@ def tiny_quantized(tmp_path_factory) -> str:
 @pytest.fixture(scope="session", autouse=True)
 def torch_one_thread_by_default():
     """One intra-op torch thread in the test process for the whole session (a test that needs more sets its
-    count and restores it). The tests' models and matrices are small: one thread is about as fast as two on
-    2 idle cores, and it stays fast when other processes (a Ray cluster's actors, a served replica, another
-    job) keep the cores busy, where 2 spin-waiting OpenMP threads are several times, up to ~100x, slower."""
+    count and restores it), and OMP_NUM_THREADS=1 for every process the tests start (jobs, the session's
+    Ray cluster and its workers, served replicas) unless a test sets it. The tests' models and matrices are
+    small: one thread is about as fast as two on 2 idle cores, and it stays fast when other processes keep
+    the cores busy, where 2 spin-waiting OpenMP threads are several times, up to ~100x, slower. (A job's
+    or a rank's own thread setting, such as jobs.generate's for a sharded replica, still applies.)"""
+    import os
+
     import torch
 
-    saved = torch.get_num_threads()
+    saved, saved_env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
     yield
     torch.set_num_threads(saved)
+    if saved_env is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = saved_env
 
 
 @pytest.fixture(scope="module")
