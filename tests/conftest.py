@@ -2,6 +2,8 @@
 ``ray_cluster``: one simulated multi-node Ray cluster per session (``ray.cluster_utils.Cluster``: a head
 without CPUs, so that every actor runs on a worker node, and three worker nodes of 2 CPUs, with fast
 node-death detection), this process connected as the driver; stopped at the end of the session.
+``torch_one_thread_by_default``: one torch thread here and OMP_NUM_THREADS=1 in every process a test starts,
+so that no thread spin-waits for another when other work keeps the 2 cores busy.
 
 The fast tier, ``pytest -m "not slow"``, starts no Ray, no Serve and no server: every test that uses the
 ``ray_cluster`` or ``s3`` fixture, or sits in a module (or is a test) that starts one itself
