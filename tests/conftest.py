@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 import s3server
+from environ import environment
 from pipeline.io import storage
 
 
@@ -182,19 +183,23 @@ def torch_one_thread_by_default():
     small: one thread is about as fast as two on 2 idle cores, and it stays fast when other processes keep
     the cores busy, where 2 spin-waiting OpenMP threads are several times, up to ~100x, slower. (A job's
     or a rank's own thread setting, such as jobs.generate's for a sharded replica, still applies.)"""
-    import os
-
     import torch
 
-    saved, saved_env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    saved = torch.get_num_threads()
     torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    yield
+    with environment(OMP_NUM_THREADS="1"):
+        yield
     torch.set_num_threads(saved)
-    if saved_env is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = saved_env
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_ray_memory_kills():
+    """RAY_memory_monitor_refresh_ms=0 for every Ray the tests start (the session's cluster, a job's private
+    Ray): Ray's memory monitor kills a worker when the machine's memory, other users' processes included,
+    passes its threshold (95%), so another job on a shared machine could kill a test's Serve proxy or rank
+    mid-test. No test is about that monitor; the tests' own processes are small."""
+    with environment(RAY_memory_monitor_refresh_ms="0"):
+        yield
 
 
 @pytest.fixture(scope="module")

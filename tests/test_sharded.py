@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from engine_ref import drain, request, submit
+from environ import environment
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.core.engine import LLMEngine
 from pipeline.engine.worker.loader import load_quantized
@@ -95,21 +96,6 @@ def tok(embedded_quantized):
 
 
 @contextmanager
-def _env(**values):
-    """Environment variables set inside the block, restored after it."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextmanager
 def _torch_linears(model):
     """The int8 linears and MoEs of ``model`` on their torch path inside the block (their C kernels, chosen
     when the model was built, off), as they were after it."""
@@ -127,7 +113,7 @@ def _torch_linears(model):
 def _one_rank(path: str, cfg: EngineConfig, tok=None) -> LLMEngine:
     """The one-rank reference with the torch lm_head / RMSNorm / router modules the ranks' shard loader
     builds (the loader swaps C ones in on a CPU: within float32 rounding, not bit for bit)."""
-    with _env(DSQUANT_NATIVE_FLOAT="0"):
+    with environment(DSQUANT_NATIVE_FLOAT="0"):
         return LLMEngine(load_quantized(path), cfg, tok)
 
 
