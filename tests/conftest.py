@@ -193,12 +193,16 @@ def torch_one_thread_by_default():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_ray_memory_kills():
-    """RAY_memory_monitor_refresh_ms=0 for every Ray the tests start (the session's cluster, a job's private
-    Ray): Ray's memory monitor kills a worker when the machine's memory, other users' processes included,
-    passes its threshold (95%), so another job on a shared machine could kill a test's Serve proxy or rank
-    mid-test. No test is about that monitor; the tests' own processes are small."""
-    with environment(RAY_memory_monitor_refresh_ms="0"):
+def free_memory_is_not_checked():
+    """The checks that read the machine's free memory, other users' processes included, off for the session
+    (a test about one turns it on for itself): on a shared machine another job's memory would otherwise fail
+    or kill the tests' small processes.
+
+    - RAY_memory_monitor_refresh_ms=0 for every Ray the tests start (the session's cluster, a job's private
+      Ray): Ray's monitor kills a worker, a Serve proxy or a rank, when the machine passes 95%;
+    - DSQUANT_SKIP_MEMORY_CHECK=1: jobs.generate's and jobs.serve's up-front check of their engines against
+      MemAvailable (tests/test_engine_memory.py tests it)."""
+    with environment(RAY_memory_monitor_refresh_ms="0", DSQUANT_SKIP_MEMORY_CHECK="1"):
         yield
 
 
