@@ -2,6 +2,8 @@
 ``ray_cluster``: one simulated multi-node Ray cluster per session (``ray.cluster_utils.Cluster``: a head
 without CPUs, so that every actor runs on a worker node, and three worker nodes of 2 CPUs, with fast
 node-death detection), this process connected as the driver; stopped at the end of the session.
+``torch_one_thread_by_default``: one torch thread here and OMP_NUM_THREADS=1 in every process a test starts,
+so that no thread spin-waits for another when other work keeps the 2 cores busy.
 
 The fast tier, ``pytest -m "not slow"``, starts no Ray, no Serve and no server: every test that uses the
 ``ray_cluster`` or ``s3`` fixture, or sits in a module (or is a test) that starts one itself
@@ -23,6 +25,7 @@ from pathlib import Path
 import pytest
 
 import s3server
+from environ import environment
 from pipeline.io import storage
 
 
@@ -172,16 +175,43 @@ def tiny_quantized(tmp_path_factory) -> str:
     return dst
 
 
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """One intra-op thread for a module of small matrices: about as fast, and it stays fast when other
-    processes keep the 2 cores busy (2 spin-waiting OpenMP threads can then be ~100x slower)."""
+@pytest.fixture(scope="session", autouse=True)
+def torch_one_thread_by_default():
+    """One intra-op torch thread in the test process for the whole session (a test that needs more sets its
+    count and restores it), and OMP_NUM_THREADS=1 for every process the tests start (jobs, the session's
+    Ray cluster and its workers, served replicas) unless a test sets it. The tests' models and matrices are
+    small: one thread is about as fast as two on 2 idle cores, and it stays fast when other processes keep
+    the cores busy, where 2 spin-waiting OpenMP threads are several times, up to ~100x, slower. (A job's
+    or a rank's own thread setting, such as jobs.generate's for a sharded replica, still applies.)"""
     import torch
 
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
+    with environment(OMP_NUM_THREADS="1"):
+        yield
     torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def free_memory_is_not_checked():
+    """The checks that read the machine's free memory, other users' processes included, off for the session
+    (a test about one turns it on for itself): on a shared machine another job's memory would otherwise fail
+    or kill the tests' small processes.
+
+    - RAY_memory_monitor_refresh_ms=0 for every Ray the tests start (the session's cluster, a job's private
+      Ray): Ray's monitor kills a worker, a Serve proxy or a rank, when the machine passes 95%;
+    - DSQUANT_SKIP_MEMORY_CHECK=1: jobs.generate's and jobs.serve's up-front check of their engines against
+      MemAvailable (tests/test_engine_memory.py tests it)."""
+    with environment(RAY_memory_monitor_refresh_ms="0", DSQUANT_SKIP_MEMORY_CHECK="1"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread(torch_one_thread_by_default):
+    """A module of small matrices that says it runs on one intra-op thread: the session's default (above)."""
+    import torch
+
+    assert torch.get_num_threads() == 1, "a test before this module left its torch thread count changed"
 
 
 @pytest.fixture(scope="session")

@@ -30,8 +30,11 @@ NOT_COMPARED = {MANIFEST_NAME, SUMMARY_NAME, STATE_DIR}
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local test clusters: no token between processes
 
-# the simulated cluster (conftest.ray_cluster): worker nodes, and node death declared in ~1.5 s
-RAY_WORKER = {"num_cpus": 2, "object_store_memory": 96 * 2**20}
+# the simulated cluster (conftest.ray_cluster): worker nodes, and node death declared in ~1.5 s. Each node
+# declares its memory: left to Ray, every simulated node reports a share of the machine's free memory when it
+# starts, so the quantize job's resource check (plans of 6-9 GiB over 3-4 actors) would pass or refuse with
+# what other users' processes hold
+RAY_WORKER = {"num_cpus": 2, "object_store_memory": 96 * 2**20, "memory": 8 * 2**30}
 FAST_HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3, "health_check_timeout_ms": 500,
                "health_check_initial_delay_ms": 0}
 

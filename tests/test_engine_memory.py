@@ -13,6 +13,7 @@ from pipeline.engine.worker import memory
 
 
 def test_estimate_and_refusal(tmp_path, monkeypatch):
+    monkeypatch.delenv("DSQUANT_SKIP_MEMORY_CHECK", raising=False)   # the session's (conftest) is off here
     (tmp_path / "a.safetensors").write_bytes(b"\0" * 1000)       # unreadable headers: counted as float
     (tmp_path / "b.safetensors").write_bytes(b"\0" * 3000)
     assert memory.weight_bytes(str(tmp_path)) == 4000
@@ -50,9 +51,10 @@ def test_available_bytes_reads_the_machine():
     assert free is None or free > 0
 
 
-def test_generate_refuses_a_model_that_does_not_fit(embedded_quantized):
+def test_generate_refuses_a_model_that_does_not_fit(embedded_quantized, monkeypatch):
     """A limit far below the weights (a fake MemAvailable is not possible from outside: the fixed part is raised
     instead) gives one error line and status 2."""
+    monkeypatch.delenv("DSQUANT_SKIP_MEMORY_CHECK", raising=False)   # the session's (conftest) is off here
     code = ("import sys; from pipeline.engine.worker import memory; memory.FIXED_BYTES = 10**15; "
             "from jobs.generate import main; sys.exit(main(sys.argv[1:]))")
     out = subprocess.run([sys.executable, "-c", code, "--model-path", str(embedded_quantized), "hello"],

@@ -27,10 +27,24 @@ def head():
         stop_head(h)
 
 
-def run(args, env, timeout=300):
+def start(args, env) -> subprocess.Popen:
     env = dict(env, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+
+
+def finished(proc: subprocess.Popen, timeout=300) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run(args, env, timeout=300):
+    return finished(start(args, env), timeout)
 
 
 def test_quantize_stages_2_without_address_runs_on_a_private_ray_beside_a_users_head(head, tmp_path, calib4):
@@ -83,15 +97,23 @@ def test_an_address_naming_no_cluster_fails_at_once_and_writes_nothing(tmp_path)
     try:
         cases = [(["--ray-address", f"127.0.0.1:{mute.getsockname()[1]}"], env, "--ray-address", "no answer within"),
                  ([], dict(env, RAY_ADDRESS=closed), "RAY_ADDRESS", "cannot connect")]
-        for i, (flags, e, source, why) in enumerate(cases):
-            dst = tmp_path / f"q{i}"
-            r = run(["-m", "jobs.quantize", "--no-progress", "--model-path", str(TINY_FIXTURE), "--save-path",
-                     str(dst), "--stages", "2", *flags], e, timeout=120)
+        # the three jobs side by side (each starts no Ray: it stops at the address check)
+        procs = [start(["-m", "jobs.quantize", "--no-progress", "--model-path", str(TINY_FIXTURE), "--save-path",
+                        str(tmp_path / f"q{i}"), "--stages", "2", *flags], e) for i, (flags, e, _, _) in enumerate(cases)]
+        procs.append(start(["-m", "jobs.serve", "--model-path", str(TINY_FIXTURE), "--address", closed], env))
+        try:
+            results = [finished(p, timeout=120) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        for i, (r, (_, _, source, why)) in enumerate(zip(results, cases)):
             assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
             line = r.stderr.strip().splitlines()[-1]
             assert line.startswith("error: no Ray cluster at ") and f"({source})" in line and why in line, r.stderr
-            assert "Traceback" not in r.stderr and not dst.exists()
-        r = run(["-m", "jobs.serve", "--model-path", str(TINY_FIXTURE), "--address", closed], env, timeout=120)
+            assert "Traceback" not in r.stderr and not (tmp_path / f"q{i}").exists()
+        r = results[-1]
         assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
             f"error: no Ray cluster at {closed} (--address): cannot connect"), r.stderr[-2000:]
     finally:

@@ -175,8 +175,9 @@ def test_a_process_group_stop_leaves_no_process_or_port_and_the_port_serves_agai
 
     key = tmp_path / "key"
     key.write_text("sk-from-a-file\n")
+    # the 16 choices of 300 tokens decode side by side (16 sequences, 20 blocks each): 300 steps, not 1200
     b = Served(embedded_quantized, tmp_path / "b", ("--http-proxy", "serve", "--api-key-file", str(key),
-                                                    "--num-blocks", "128"), port=a.port)
+                                                    "--num-blocks", "336", "--max-num-seqs", "16"), port=a.port)
     try:
         b.wait_for("serving ")
         assert "API key required" in b.text() and "sk-from-a-file" not in " ".join(

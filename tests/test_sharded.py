@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from engine_ref import drain, request, submit
+from environ import environment
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.core.engine import LLMEngine
 from pipeline.engine.worker.loader import load_quantized
@@ -95,21 +96,6 @@ def tok(embedded_quantized):
 
 
 @contextmanager
-def _env(**values):
-    """Environment variables set inside the block, restored after it."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextmanager
 def _torch_linears(model):
     """The int8 linears and MoEs of ``model`` on their torch path inside the block (their C kernels, chosen
     when the model was built, off), as they were after it."""
@@ -127,7 +113,7 @@ def _torch_linears(model):
 def _one_rank(path: str, cfg: EngineConfig, tok=None) -> LLMEngine:
     """The one-rank reference with the torch lm_head / RMSNorm / router modules the ranks' shard loader
     builds (the loader swaps C ones in on a CPU: within float32 rounding, not bit for bit)."""
-    with _env(DSQUANT_NATIVE_FLOAT="0"):
+    with environment(DSQUANT_NATIVE_FLOAT="0"):
         return LLMEngine(load_quantized(path), cfg, tok)
 
 
@@ -302,22 +288,33 @@ def test_msmodelslim_output_sharded(ray_cluster):
 
 @pytest.mark.slow
 def test_generate_job_sharded_gives_the_single_rank_answer(embedded_quantized):
+    """The three jobs run side by side, each on one torch thread (its ranks too: they follow the driver) so
+    that they share the cores without spin-waiting: each sharded one on a private Ray of its own (its GCS on
+    a port the system gives, its session directory its own)."""
     import subprocess
     import sys
 
-    def answer(*flags):
-        r = subprocess.run([sys.executable, "-m", "jobs.generate", "--model-path", embedded_quantized,
-                            "--max-new-tokens", "24", *flags, "What's deep learning?"],
-                           capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
-                                                                               "RAY_ADDRESS": ""})
-        assert r.returncode == 0, r.stderr[-2000:]
-        return r.stdout, r.stderr
+    def start(*flags) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "jobs.generate", "--model-path", embedded_quantized,
+                                 "--max-new-tokens", "24", *flags, "What's deep learning?"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "RAY_ADDRESS": "", "OMP_NUM_THREADS": "1"})
 
-    one, _ = answer()
-    sharded, log = answer("--tp", "2", "--moe-ep", "2")
+    def answer(p: subprocess.Popen) -> tuple[str, str]:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+        return out, err
+
+    procs = [start(), start("--tp", "2", "--moe-ep", "2"), start("--dp", "2", "--moe-ep", "2")]
+    try:
+        (one, _), (sharded, log), (dp, dp_log) = map(answer, procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     assert sharded == one and "2 rank(s): dp 1 x tp 2" in log and "private local Ray" in log
-    dp, log = answer("--dp", "2", "--moe-ep", "2")
-    assert dp == one and "2 rank(s): dp 2 x tp 1" in log
+    assert dp == one and "2 rank(s): dp 2 x tp 1" in dp_log
 
 
 def test_serve_config_takes_sharded_layouts():
