@@ -39,7 +39,9 @@ from bench_io import loadavg, write_result  # noqa: E402
 SEED = ["--fa_quant", "--mindie_format"]             # the legacy script's command: m4 (iter_smooth), FA3 everywhere
 FALLBACK = ["--fa-fallback", "auto", "--linear-fallback", "auto"]
 C8 = ["--model-type", "DeepSeek-V3.1", "--quant-type", "w8a8c8"]
+AT_INT8 = ["--fallback-target", "agreement=1,share=0"]   # the ladder's free rung only: no byte above int8
 RECIPES = {"seed": SEED, "seed+fallback": SEED + FALLBACK, "w8a8c8": C8, "w8a8c8+fallback": C8 + FALLBACK,
+           "w8a8c8+ladder@int8": C8 + ["--linear-fallback", "auto"] + AT_INT8,
            "dynamic+fallback": SEED + ["--dynamic"] + FALLBACK,
            "w8a8c8+fallback@0.99": C8 + FALLBACK + ["--fallback-target", "agreement=0.99,ppl=0.3"],
            "w8a8c8-dynamic": C8 + ["--dynamic"]}
@@ -77,23 +79,27 @@ def quantize(src: str, dst: Path, flags: list[str]) -> float:
 
 
 def fallback_picks(out: Path) -> dict:
-    """What fell back (fallback.json), or {} without a fallback; ``fallback_weight_share``: the share of the
-    weights the recipe quantizes (elements) that the fallback keeps bf16."""
-    from pipeline.format.description import QUANT_KINDS
-    from pipeline.format.reader import read_quantized
-    from pipeline.quant.recipe.patterns import selected
+    """What the output keeps above int8 and, with a fallback, what fell back (fallback.json):
+    ``share_above_int8``, the share of the linear weights (main layers, kv_b_proj and router left out) the
+    written output keeps FLOAT (pipeline.quant.evaluation.fallback.share); the FA3 layers kept bf16, the
+    pieces made W8A8_DYNAMIC and those kept FLOAT, the bytes above int8, and the pick's figures on the
+    fitting and held-out calibration samples."""
+    from pipeline.quant.evaluation.fallback.share import output_share
 
+    row = {"share_above_int8": round(output_share(str(out))["share"], 4)}
     f = out / "fallback.json"
     if not f.exists():
-        return {}
+        return row
     r = json.loads(f.read_text())
-    picked = (r.get("linear") or {}).get("picked") or []
-    _, types, tensors = read_quantized(str(out))
-    weights = {n[: -len(".weight")]: tensors[n].numel() for n in types if n.endswith(".weight")}
-    quantized = sum(v for n, v in weights.items() if types[n + ".weight"] in QUANT_KINDS)
-    kept = sum(v for n, v in weights.items() if picked and selected(n, tuple(picked), ()))
-    return {"fa_fallback_layers": (r.get("fa") or {}).get("picked"), "linear_fallback": picked,
-            "fallback_weight_share": round(kept / (kept + quantized), 4) if kept + quantized else 0.0}
+    lin = r.get("linear") or {}
+    row.update({"fa_fallback_layers": (r.get("fa") or {}).get("picked"), "linear_fallback": lin.get("picked"),
+                "linear_dynamic": lin.get("dynamic"),
+                "bytes_above_int8": (lin.get("bytes") or {}).get("above_int8"),
+                "calib_agreement": (r.get("with_fallback") or {}).get("agreement"),
+                "heldout_calib_agreement": (r.get("with_fallback_heldout") or {}).get("agreement"),
+                "calib_ppl_delta_pct": (r.get("with_fallback") or {}).get("ppl_delta_pct"),
+                "heldout_calib_ppl_delta_pct": (r.get("with_fallback_heldout") or {}).get("ppl_delta_pct")})
+    return row
 
 
 def proxies(src: str, qdir: Path, n_samples: int) -> dict:
@@ -133,6 +139,7 @@ def summarize(rows: list[dict], recipes) -> dict:
         if sel:
             out[r] = {k: round(statistics.mean(x[k] for x in sel), 4) for k in
                       ("agreement", "perplexity_delta_pct", "kl_mean", "kl_p99", "min_attn_sqnr_db")}
+            out[r]["share_above_int8"] = round(statistics.mean(x.get("share_above_int8") or 0.0 for x in sel), 4)
             out[r]["agreement_range"] = [min(x["agreement"] for x in sel), max(x["agreement"] for x in sel)]
     return out
 
@@ -180,6 +187,9 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default="/tmp/dsquant-accuracy")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--no-embedded", action="store_true", help="the variants only")
+    ap.add_argument("--models", default="",
+                    help="more checkpoints, NAME=PATH,...: e.g. residual-stream outlier variants made by "
+                         "scripts/train_embedded.py --init ... --plant-channels K (scripts/residual_outliers.py)")
     ap.add_argument("--merge", action="store_true",
                     help="keep --out's other rows: this run's (model, recipe) rows replace theirs, the rest stay")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "accuracy_variants.json"))
@@ -202,6 +212,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     load0 = loadavg()
     models = make_models(work, seeds, args.channels, parse_log2_range(args.factor_log2), not args.no_embedded)
+    models.update(dict(item.split("=", 1) for item in args.models.split(",") if item))
     tok = Tokenizer.from_dir(EMBEDDED_MODEL_DIR)
     windows = windows_of(token_stream(tok, [d.text for d in corpus.load_heldout(EMBEDDED_MODEL_DIR)[1]]), 256,
                          args.max_windows)
