@@ -1,16 +1,22 @@
 """Benchmark: accuracy of jobs.quantize's recipes on the embedded model and on outlier variants of it.
 
     python scripts/bench_accuracy_variants.py [--seeds 1,2,3] [--channels 4] [--factor-log2 4..6]
-        [--recipes seed,seed+fallback,w8a8c8,w8a8c8+fallback,dynamic+fallback] [--max-windows 32] [--proxy-samples 0]
-        [--work /tmp/dsquant-accuracy] [--keep] [--out benchmarks/accuracy_variants.json]
+        [--recipes seed,seed+fallback,w8a8c8,w8a8c8+fallback,w8a8c8+ladder@int8,...] [--max-windows 32]
+        [--models NAME=PATH,...] [--proxy-samples 0] [--work /tmp/dsquant-accuracy] [--keep]
+        [--out benchmarks/accuracy_variants.json]
 
 Each variant (jobs.make_outlier_variant's maker, every norm, --channels channels per norm, factors 2^lo..2^hi,
 one per seed) computes the embedded model's logits bit for bit. Each model is quantized with each recipe
 (RECIPES: the flags of ``python -m jobs.quantize``; seed = the legacy script's ``--fa_quant --mindie_format``,
-w8a8c8 = the DeepSeek-V3.1 preset; +fallback = ``--fa-fallback auto --linear-fallback auto``) and evaluated
+w8a8c8 = the DeepSeek-V3.1 preset, msModelSlim's QuaRot + flex_smooth recipe; +fallback = ``--fa-fallback auto
+--linear-fallback auto``, the ladder; +ladder@int8 = the ladder with a budget of no byte above int8, its free
+rung W8A8 -> W8A8_DYNAMIC only; --models adds checkpoints such as the residual-stream outlier variants
+scripts/train_embedded.py makes with --plant-channels) and evaluated
 from the written files against its float model (pipeline/quant/evaluation/evaluate.py) on the first --max-windows
 windows of 256 tokens of the embedded held-out texts: agreement, perplexity change, KL mean / p99 and the
-minimum per-layer attention SQNR, and what fell back. For the seed recipe it also checks the sensitivity proxies
+minimum per-layer attention SQNR, the share of linear weights kept above int8 (from the written files), and
+what fell back with the pick's figures on the fitting and held-out calibration samples. For the seed recipe
+it also checks the sensitivity proxies
 (pipeline/quant/evaluation/sensitivity.py) against the end-to-end costs on --proxy-samples calibration samples:
 Spearman's rho of the FA3 layer ranking and of the linear rankings, "sqnr" and "residual" (routed experts
 grouped per projection).

@@ -25,6 +25,7 @@ from tiny import FIXTURES, TINY_FIXTURE
 CALIB = str(FIXTURES / "calib.json")
 HARD_INPUT = 1          # its input_layernorm carries outliers: its static q_a / kv_a input suffers most
 DYNAMIC_GAIN_DB = 5.0   # per-token activations recover at least this much SQNR on that pair
+EXPERT_COST_RTOL = 1e-3  # the routed-expert proxy against the block rerun (float32 sums in another order)
 
 
 def fake(names_kinds: dict[str, tuple[str, tuple[int, int]]]) -> dict:
@@ -212,3 +213,18 @@ def test_the_search_takes_the_free_rung_first_and_the_fewest_bytes(hard):
     assert fit_only.n <= pick.n                                         # held-out only adds moves
     assert pick.bytes == sum(m.bytes for m in moves[: pick.n])
     assert pick.metrics.agreement >= target.min_agreement
+
+
+def test_routed_experts_cost_what_rerunning_their_block_costs(hard):
+    """The routed experts' proxy from their own tokens equals sensitivity's block rerun (one MoE forward per
+    piece and sample), up to float32 summation order."""
+    from pipeline.quant.evaluation.fallback.search import expert_costs
+    from pipeline.quant.evaluation.sensitivity import linear_costs
+
+    ref, params = hard[5], FakeQuantParams.from_dir(hard[2])
+    routed = [p for p in ladder_pieces(params.linears) if ".experts." in p.key][::7]
+    assert len(routed) >= 4 and any("down_proj" in p.key for p in routed) and any("{" in p.key for p in routed)
+    fast = expert_costs(ref, routed, params)
+    slow = {c.key: c.score for c in linear_costs(ref, params, "residual", {p.key: list(p.members) for p in routed})}
+    for p in routed:
+        assert fast[p] == pytest.approx(slow[p.key], rel=EXPERT_COST_RTOL), p.key

@@ -27,7 +27,10 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from pipeline.format.description import FLOAT, W8A8, W8A8_DYNAMIC
 from pipeline.quant.evaluation.fallback.rungs import Piece
-from pipeline.quant.evaluation.sensitivity import FakeQuantParams, FloatReference, Metrics, Target, linear_costs
+import torch
+
+from pipeline.quant.evaluation.sensitivity import (FakeQuantParams, FloatReference, Metrics, Target, _db,
+                                                   _float_passes, _nsr, linear_costs, quantized)
 
 HOLDOUT_EVERY = 4      # every 4th calibration sample validates the pick instead of fitting it
 
@@ -47,13 +50,78 @@ def rung_costs(ref: FloatReference, pieces: Sequence[Piece], params: FakeQuantPa
     type from ``params``, at W8A8_DYNAMIC (static pieces) from ``dynamic`` (module -> its dynamic
     parameters), 0 at FLOAT."""
     out: dict[str, dict[str, float]] = {p.key: {FLOAT: 0.0} for p in pieces}
-    for c in linear_costs(ref, params, "residual", {p.key: list(p.members) for p in pieces}):
-        out[c.key][next(p.kind for p in pieces if p.key == c.key)] = c.score
+    for p, cost in _costs(ref, pieces, params).items():
+        out[p.key][p.kind] = cost
     static = [p for p in pieces if p.kind == W8A8]
     if static:
         dyn = FakeQuantParams({m: (W8A8_DYNAMIC, dynamic[m]) for p in static for m in p.members})
-        for c in linear_costs(ref, dyn, "residual", {p.key: list(p.members) for p in static}):
-            out[c.key][W8A8_DYNAMIC] = c.score
+        for p, cost in _costs(ref, static, dyn).items():
+            out[p.key][W8A8_DYNAMIC] = cost
+    return out
+
+
+def _costs(ref: FloatReference, pieces: Sequence[Piece], params: FakeQuantParams) -> dict[Piece, float]:
+    """The residual proxy of each piece with ``params``: routed experts from their own tokens
+    (:func:`expert_costs`), the rest by rerunning their block (sensitivity.linear_costs)."""
+    routed = [p for p in pieces if _routed(p) is not None]
+    rest = [p for p in pieces if _routed(p) is None]
+    out = expert_costs(ref, routed, params) if routed else {}
+    if rest:
+        by_key = {p.key: p for p in rest}
+        for c in linear_costs(ref, params, "residual", {p.key: list(p.members) for p in rest}):
+            out[by_key[c.key]] = c.score
+    return out
+
+
+def _routed(p: Piece) -> Optional[tuple[int, int]]:
+    """(layer, expert) of a routed expert's piece, else None."""
+    parts = p.members[0].split(".")
+    if len(parts) > 5 and parts[3] == "mlp" and parts[4] == "experts" and \
+            all(m.split(".")[:6] == parts[:6] for m in p.members):
+        return int(parts[2]), int(parts[5])
+    return None
+
+
+@torch.no_grad()
+def expert_costs(ref: FloatReference, pieces: Sequence[Piece], params: FakeQuantParams) -> dict[Piece, float]:
+    """The residual proxy of routed experts' pieces, from the tokens routed to each expert: with one expert's
+    piece quantized, its MoE output changes by the expert's routing weight times its output change on
+    those tokens alone, against the residual stream the MoE output joins (the layer's output). The same
+    figure as rerunning the MoE block (sensitivity's ``residual``), one expert's tokens at a time."""
+    model = ref.model
+    layers = sorted({_routed(p)[0] for p in pieces})
+    inputs: dict[int, list] = {i: [] for i in layers}
+    signal = dict.fromkeys(layers, 0.0)
+    hooks = []
+    for i in layers:
+        layer = model.model.layers[i] if i < len(model.model.layers) else \
+            model.mtp_layers[i - model.config.num_hidden_layers]
+        hooks.append(layer.mlp.register_forward_pre_hook(
+            lambda mod, a, i=i: inputs[i].append(a[0].reshape(-1, a[0].shape[-1]))))
+        hooks.append(layer.register_forward_hook(
+            lambda mod, a, out, i=i: signal.__setitem__(i, signal[i] + torch.linalg.vector_norm(out.float()).item() ** 2)))
+    try:
+        _float_passes(model, ref.ids, layers)
+    finally:
+        for h in hooks:
+            h.remove()
+    out: dict[Piece, float] = {}
+    for p in pieces:
+        i, e = _routed(p)
+        mlp = model.model.layers[i].mlp if i < len(model.model.layers) else \
+            model.mtp_layers[i - model.config.num_hidden_layers].mlp
+        noise = 0.0
+        for flat in inputs[i]:
+            w, idx = mlp.gate(flat)
+            t, k = (idx == e).nonzero(as_tuple=True)
+            if not len(t):
+                continue
+            x, g = flat[t], w[t, k].float()[:, None]
+            y = mlp.experts[e](x).float() * g
+            with quantized(model, params.only(linears=list(p.members))):
+                yq = mlp.experts[e](x).float() * g
+            noise += torch.linalg.vector_norm(yq - y).item() ** 2
+        out[p] = _nsr(_db([signal[i], noise]))
     return out
 
 
