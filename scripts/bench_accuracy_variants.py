@@ -2,7 +2,7 @@
 
     python scripts/bench_accuracy_variants.py [--seeds 1,2,3] [--channels 4] [--factor-log2 4..6]
         [--recipes seed,seed+fallback,w8a8c8,w8a8c8+fallback,w8a8c8+ladder@int8,...] [--max-windows 32]
-        [--models NAME=PATH,...] [--proxy-samples 0] [--work /tmp/dsquant-accuracy] [--keep]
+        [--models NAME=PATH,...] [--proxy-samples 0] [--work /tmp/dsquant-accuracy] [--keep] [--reuse]
         [--out benchmarks/accuracy_variants.json]
 
 Each variant (jobs.make_outlier_variant's maker, every norm, --channels channels per norm, factors 2^lo..2^hi,
@@ -192,6 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--proxy-samples", type=int, default=0)
     ap.add_argument("--work", default="/tmp/dsquant-accuracy")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--reuse", action="store_true",
+                    help="evaluate the outputs an earlier --keep run left in --work instead of quantizing again")
     ap.add_argument("--no-embedded", action="store_true", help="the variants only")
     ap.add_argument("--models", default="",
                     help="more checkpoints, NAME=PATH,...: e.g. residual-stream outlier variants made by "
@@ -227,6 +229,9 @@ def main(argv=None) -> int:
         dirs = {}
         for r in recipes:
             dirs[r] = work / f"{name}-{r}"
+            if args.reuse and (dirs[r] / "quant_model_description.json").exists():
+                print(f"{name}: {r} already written in {dirs[r]}", flush=True)
+                continue
             print(f"{name}: quantize {r} ({quantize(src, dirs[r], RECIPES[r]):.0f}s)", flush=True)
         with torch.inference_mode():
             res = compare(load_model(src, dtype=torch.float32, device="cpu"),
