@@ -23,7 +23,8 @@ grouped per projection).
 Writes the JSON and a PNG beside it (agreement and perplexity change per recipe and model):
 benchmarks/accuracy_variants.json and accuracy_variants.png; with ``--seeds 4,5 --channels 8 --factor-log2 3..7
 --no-embedded --out benchmarks/accuracy_unseen.json``, the unseen variants' accuracy_unseen.json and
-accuracy_unseen.png.
+accuracy_unseen.png; with ``--seeds "" --no-embedded --models rv-s1=DIR --out benchmarks/accuracy_residual.json``
+(DIR made by docs/accuracy.md's residual-stream command), accuracy_residual.json and accuracy_residual.png.
 """
 
 from __future__ import annotations
@@ -254,7 +255,10 @@ def main(argv=None) -> int:
         proxy = {**old.get("proxies", {}), **proxy}
     result = {
         "what": "jobs.quantize recipes on the embedded model and outlier variants of it (same float function), "
-                "evaluated by fake-quant from the written files",
+                "evaluated by fake-quant from the written files" + (
+                    "; --models checkpoints (residual-stream variants: their own float function) against their own "
+                    "float logits" if args.models else ""),
+        "models": dict(item.split("=", 1) for item in args.models.split(",") if item),
         "setup": {"seeds": seeds, "channels_per_norm": args.channels, "factor_log2": args.factor_log2,
                   "norms": "all (input, post_attention, q_a, kv_a, MTP enorm/hnorm/head)",
                   "eval_tokens": int(windows.shape[0] * (windows.shape[1] - 1)), "window": 256,
