@@ -5,7 +5,7 @@
 
 msModelSlim's flags are kept (underscore spellings too). ``--fa-fallback`` / ``--linear-fallback`` auto|N|none
 keep the FA3 layers and linears whose quantization costs most, measured on a probe, in bf16, and record
-them in the written recipe (pipeline/quant/evaluation/fallback.py, docs/accuracy.md). With no arguments it quantizes the embedded
+them in the written recipe (pipeline/quant/evaluation/fallback/, docs/accuracy.md). With no arguments it quantizes the embedded
 model into ./out/dsv3-tiny-pydoc-w8a8-fa3. SRC and DST may be local paths or fsspec URLs (s3://...).
 
 With ``--stages N`` the job runs distributed on Ray (actors.quantize.quantize_job): N pipeline stages (times
@@ -92,15 +92,16 @@ def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -
     _flag(fa, "--no-fa-quant", dest="fa_quant", action="store_false", help="W8A8 only, no FA3 (default: FA3 on)")
     _flag(ap, "--fa-exclude-layers", type=_layers, default=(), help="layers kept out of FA3, e.g. 0,1,2,46")
     _flag(ap, "--fa-fallback", default="none", metavar="auto|N|none",
-          help="FA3 layers kept bf16 by measured cost (pipeline/quant/evaluation/fallback.py): auto, the fewest meeting its "
+          help="FA3 layers kept bf16 by measured cost (pipeline/quant/evaluation/fallback/): auto, the fewest meeting its "
                "target; N, the N costliest; none. Recorded in the written recipe, reported in fallback.json")
     _flag(ap, "--linear-fallback", default="none", metavar="auto|N|none",
-          help="quantized linears kept float by measured cost, as --fa-fallback (routed experts per layer and "
-               "projection)")
-    _flag(ap, "--fallback-target", default=None, metavar="agreement=A,ppl=P[,kl=K][,sqnr=S]",
-          help="what auto fallback meets on the calibration samples: top-1 agreement with float >= A, perplexity "
-               "change <= P %%, mean KL <= K, every layer's attention SQNR >= S dB (default "
-               "agreement=0.98,ppl=1,sqnr=32)")
+          help="quantized linears by measured cost: auto, the ladder W8A8 -> W8A8_DYNAMIC -> float per piece (one "
+               "routed expert at a time) with the fewest bytes above int8 meeting the target; N, the N costliest "
+               "kept float (routed experts per layer and projection); none")
+    _flag(ap, "--fallback-target", default=None, metavar="agreement=A,ppl=P[,kl=K][,sqnr=S][,share=F]",
+          help="what auto fallback meets on the calibration samples (fitting and held-out): top-1 agreement with "
+               "float >= A, perplexity change <= P %%, mean KL <= K, every layer's attention SQNR >= S dB; share: "
+               "at most F of the linear weights above int8 (default agreement=0.98,ppl=1,sqnr=32)")
     _flag(ap, "--dynamic", action="store_true", help="every quantized linear W8A8_DYNAMIC")
     _flag(ap, "--mindie-format", action="store_true", help="add MindIE's config.json keys (and model_type deepseekv2)")
     _flag(ap, "--target-runtime", choices=("vllm-ascend", "mindie", "dsquant"), default=None,

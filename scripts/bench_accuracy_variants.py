@@ -1,23 +1,30 @@
 """Benchmark: accuracy of jobs.quantize's recipes on the embedded model and on outlier variants of it.
 
     python scripts/bench_accuracy_variants.py [--seeds 1,2,3] [--channels 4] [--factor-log2 4..6]
-        [--recipes seed,seed+fallback,w8a8c8,w8a8c8+fallback,dynamic+fallback] [--max-windows 32] [--proxy-samples 0]
-        [--work /tmp/dsquant-accuracy] [--keep] [--out benchmarks/accuracy_variants.json]
+        [--recipes seed,seed+fallback,w8a8c8,w8a8c8+fallback,w8a8c8+ladder@int8,...] [--max-windows 32]
+        [--models NAME=PATH,...] [--proxy-samples 0] [--work /tmp/dsquant-accuracy] [--keep] [--reuse]
+        [--out benchmarks/accuracy_variants.json]
 
 Each variant (jobs.make_outlier_variant's maker, every norm, --channels channels per norm, factors 2^lo..2^hi,
 one per seed) computes the embedded model's logits bit for bit. Each model is quantized with each recipe
 (RECIPES: the flags of ``python -m jobs.quantize``; seed = the legacy script's ``--fa_quant --mindie_format``,
-w8a8c8 = the DeepSeek-V3.1 preset; +fallback = ``--fa-fallback auto --linear-fallback auto``) and evaluated
+w8a8c8 = the DeepSeek-V3.1 preset, msModelSlim's QuaRot + flex_smooth recipe; +fallback = ``--fa-fallback auto
+--linear-fallback auto``, the ladder; +ladder@int8 = the ladder with a budget of no byte above int8, its free
+rung W8A8 -> W8A8_DYNAMIC only; --models adds checkpoints such as the residual-stream outlier variants
+scripts/train_embedded.py makes with --plant-channels) and evaluated
 from the written files against its float model (pipeline/quant/evaluation/evaluate.py) on the first --max-windows
 windows of 256 tokens of the embedded held-out texts: agreement, perplexity change, KL mean / p99 and the
-minimum per-layer attention SQNR, and what fell back. For the seed recipe it also checks the sensitivity proxies
+minimum per-layer attention SQNR, the share of linear weights kept above int8 (from the written files), and
+what fell back with the pick's figures on the fitting and held-out calibration samples. For the seed recipe
+it also checks the sensitivity proxies
 (pipeline/quant/evaluation/sensitivity.py) against the end-to-end costs on --proxy-samples calibration samples:
 Spearman's rho of the FA3 layer ranking and of the linear rankings, "sqnr" and "residual" (routed experts
 grouped per projection).
 Writes the JSON and a PNG beside it (agreement and perplexity change per recipe and model):
 benchmarks/accuracy_variants.json and accuracy_variants.png; with ``--seeds 4,5 --channels 8 --factor-log2 3..7
 --no-embedded --out benchmarks/accuracy_unseen.json``, the unseen variants' accuracy_unseen.json and
-accuracy_unseen.png.
+accuracy_unseen.png; with ``--seeds "" --no-embedded --models rv-s1=DIR --out benchmarks/accuracy_residual.json``
+(DIR made by docs/accuracy.md's residual-stream command), accuracy_residual.json and accuracy_residual.png.
 """
 
 from __future__ import annotations
@@ -39,7 +46,9 @@ from bench_io import loadavg, write_result  # noqa: E402
 SEED = ["--fa_quant", "--mindie_format"]             # the legacy script's command: m4 (iter_smooth), FA3 everywhere
 FALLBACK = ["--fa-fallback", "auto", "--linear-fallback", "auto"]
 C8 = ["--model-type", "DeepSeek-V3.1", "--quant-type", "w8a8c8"]
+AT_INT8 = ["--fallback-target", "agreement=1,share=0"]   # the ladder's free rung only: no byte above int8
 RECIPES = {"seed": SEED, "seed+fallback": SEED + FALLBACK, "w8a8c8": C8, "w8a8c8+fallback": C8 + FALLBACK,
+           "w8a8c8+ladder@int8": C8 + ["--linear-fallback", "auto"] + AT_INT8,
            "dynamic+fallback": SEED + ["--dynamic"] + FALLBACK,
            "w8a8c8+fallback@0.99": C8 + FALLBACK + ["--fallback-target", "agreement=0.99,ppl=0.3"],
            "w8a8c8-dynamic": C8 + ["--dynamic"]}
@@ -77,23 +86,27 @@ def quantize(src: str, dst: Path, flags: list[str]) -> float:
 
 
 def fallback_picks(out: Path) -> dict:
-    """What fell back (fallback.json), or {} without a fallback; ``fallback_weight_share``: the share of the
-    weights the recipe quantizes (elements) that the fallback keeps bf16."""
-    from pipeline.format.description import QUANT_KINDS
-    from pipeline.format.reader import read_quantized
-    from pipeline.quant.recipe.patterns import selected
+    """What the output keeps above int8 and, with a fallback, what fell back (fallback.json):
+    ``share_above_int8``, the share of the linear weights (main layers, kv_b_proj and router left out) the
+    written output keeps FLOAT (pipeline.quant.evaluation.fallback.share); the FA3 layers kept bf16, the
+    pieces made W8A8_DYNAMIC and those kept FLOAT, the bytes above int8, and the pick's figures on the
+    fitting and held-out calibration samples."""
+    from pipeline.quant.evaluation.fallback.share import output_share
 
+    row = {"share_above_int8": round(output_share(str(out))["share"], 4)}
     f = out / "fallback.json"
     if not f.exists():
-        return {}
+        return row
     r = json.loads(f.read_text())
-    picked = (r.get("linear") or {}).get("picked") or []
-    _, types, tensors = read_quantized(str(out))
-    weights = {n[: -len(".weight")]: tensors[n].numel() for n in types if n.endswith(".weight")}
-    quantized = sum(v for n, v in weights.items() if types[n + ".weight"] in QUANT_KINDS)
-    kept = sum(v for n, v in weights.items() if picked and selected(n, tuple(picked), ()))
-    return {"fa_fallback_layers": (r.get("fa") or {}).get("picked"), "linear_fallback": picked,
-            "fallback_weight_share": round(kept / (kept + quantized), 4) if kept + quantized else 0.0}
+    lin = r.get("linear") or {}
+    row.update({"fa_fallback_layers": (r.get("fa") or {}).get("picked"), "linear_fallback": lin.get("picked"),
+                "linear_dynamic": lin.get("dynamic"),
+                "bytes_above_int8": (lin.get("bytes") or {}).get("above_int8"),
+                "calib_agreement": (r.get("with_fallback") or {}).get("agreement"),
+                "heldout_calib_agreement": (r.get("with_fallback_heldout") or {}).get("agreement"),
+                "calib_ppl_delta_pct": (r.get("with_fallback") or {}).get("ppl_delta_pct"),
+                "heldout_calib_ppl_delta_pct": (r.get("with_fallback_heldout") or {}).get("ppl_delta_pct")})
+    return row
 
 
 def proxies(src: str, qdir: Path, n_samples: int) -> dict:
@@ -133,6 +146,7 @@ def summarize(rows: list[dict], recipes) -> dict:
         if sel:
             out[r] = {k: round(statistics.mean(x[k] for x in sel), 4) for k in
                       ("agreement", "perplexity_delta_pct", "kl_mean", "kl_p99", "min_attn_sqnr_db")}
+            out[r]["share_above_int8"] = round(statistics.mean(x.get("share_above_int8") or 0.0 for x in sel), 4)
             out[r]["agreement_range"] = [min(x["agreement"] for x in sel), max(x["agreement"] for x in sel)]
     return out
 
@@ -179,7 +193,12 @@ def main(argv=None) -> int:
     ap.add_argument("--proxy-samples", type=int, default=0)
     ap.add_argument("--work", default="/tmp/dsquant-accuracy")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--reuse", action="store_true",
+                    help="evaluate the outputs an earlier --keep run left in --work instead of quantizing again")
     ap.add_argument("--no-embedded", action="store_true", help="the variants only")
+    ap.add_argument("--models", default="",
+                    help="more checkpoints, NAME=PATH,...: e.g. residual-stream outlier variants made by "
+                         "scripts/train_embedded.py --init ... --plant-channels K (scripts/residual_outliers.py)")
     ap.add_argument("--merge", action="store_true",
                     help="keep --out's other rows: this run's (model, recipe) rows replace theirs, the rest stay")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "accuracy_variants.json"))
@@ -202,6 +221,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     load0 = loadavg()
     models = make_models(work, seeds, args.channels, parse_log2_range(args.factor_log2), not args.no_embedded)
+    models.update(dict(item.split("=", 1) for item in args.models.split(",") if item))
     tok = Tokenizer.from_dir(EMBEDDED_MODEL_DIR)
     windows = windows_of(token_stream(tok, [d.text for d in corpus.load_heldout(EMBEDDED_MODEL_DIR)[1]]), 256,
                          args.max_windows)
@@ -210,6 +230,9 @@ def main(argv=None) -> int:
         dirs = {}
         for r in recipes:
             dirs[r] = work / f"{name}-{r}"
+            if args.reuse and (dirs[r] / "quant_model_description.json").exists():
+                print(f"{name}: {r} already written in {dirs[r]}", flush=True)
+                continue
             print(f"{name}: quantize {r} ({quantize(src, dirs[r], RECIPES[r]):.0f}s)", flush=True)
         with torch.inference_mode():
             res = compare(load_model(src, dtype=torch.float32, device="cpu"),
@@ -232,7 +255,10 @@ def main(argv=None) -> int:
         proxy = {**old.get("proxies", {}), **proxy}
     result = {
         "what": "jobs.quantize recipes on the embedded model and outlier variants of it (same float function), "
-                "evaluated by fake-quant from the written files",
+                "evaluated by fake-quant from the written files" + (
+                    "; --models checkpoints (residual-stream variants: their own float function) against their own "
+                    "float logits" if args.models else ""),
+        "models": dict(item.split("=", 1) for item in args.models.split(",") if item),
         "setup": {"seeds": seeds, "channels_per_norm": args.channels, "factor_log2": args.factor_log2,
                   "norms": "all (input, post_attention, q_a, kv_a, MTP enorm/hnorm/head)",
                   "eval_tokens": int(windows.shape[0] * (windows.shape[1] - 1)), "window": 256,

@@ -11,6 +11,16 @@ question/answer samples from the same documents); the held-out split is never tr
 
     python scripts/train_embedded.py --steps 1500 --out pipeline/assets/dsv3-tiny-pydoc
 
+With ``--init DIR`` it fine-tunes the checkpoint in DIR instead (its tokenizer, held-out split and
+calibration texts are copied to --out); with ``--plant-channels K`` it first plants massive activations in
+K channels of the residual stream (scripts/residual_outliers.py) and fine-tunes until the held-out
+perplexity (on the first --eval-tokens tokens, checked every --eval-every steps) is within --recover-pct of
+the source's, at most --steps steps:
+
+    python scripts/train_embedded.py --init pipeline/assets/dsv3-tiny-pydoc --out /tmp/rv-s1 \
+        --plant-channels 2 --plant-factor-log2 5..6 --plant-seed 1 --steps 200 --lr 1e-3 --warmup 5 \
+        --batch 8 --eval-every 10 --recover-pct 2
+
 Writes model.safetensors (bf16), config.json and training_report.json (held-out perplexity) next to the
 tokenizer files that scripts/train_tokenizer.py wrote.
 """
@@ -89,6 +99,20 @@ def save(model: DeepseekV3ForCausalLM, out: Path, cfg_dict: dict) -> None:
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
 
 
+INIT_FILES = ("tokenizer.json", "tokenizer_config.json", "heldout.json", "calib.json", "corpus_fingerprint.json")
+
+
+def copy_init_files(src: Path, out: Path) -> dict:
+    """--init: the source's tokenizer, held-out split and calibration texts into ``out``; its config."""
+    import shutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in INIT_FILES:
+        if (src / f).exists():
+            shutil.copyfile(src / f, out / f)
+    return json.loads((src / "config.json").read_text())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=EMBEDDED_MODEL_DIR)
@@ -102,14 +126,27 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--init", default=None, help="fine-tune this checkpoint instead of training from scratch")
+    ap.add_argument("--plant-channels", type=int, default=0, help="with --init: residual channels to plant")
+    ap.add_argument("--plant-factor-log2", default="5..6", help="each planted offset: 2^lo..2^hi residual RMS")
+    ap.add_argument("--plant-seed", type=int, default=1)
+    ap.add_argument("--plant-tokens", type=int, default=3, help="the most frequent token ids that carry them")
+    ap.add_argument("--recover-pct", type=float, default=None,
+                    help="with --init: stop once held-out perplexity is within this many %% of the source's")
+    ap.add_argument("--eval-tokens", type=int, default=None, help="held-out tokens each evaluation reads")
     args = ap.parse_args(argv)
+    if args.init is None and (args.plant_channels or args.recover_pct is not None):
+        raise SystemExit("--plant-channels / --recover-pct: give --init (the checkpoint to fine-tune)")
 
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
+    cfg_dict = EMBEDDED_CONFIG
+    if args.init:
+        cfg_dict = copy_init_files(Path(args.init), out)
     tok = Tokenizer.from_dir(str(out))
-    cfg = DeepseekV3Config.from_dict(EMBEDDED_CONFIG)
+    cfg = DeepseekV3Config.from_dict(cfg_dict)
     if tok.vocab_size != cfg.vocab_size:
         raise SystemExit(f"tokenizer vocab {tok.vocab_size} != config vocab_size {cfg.vocab_size}")
 
@@ -121,9 +158,27 @@ def main(argv=None) -> int:
     held = token_stream(tok, [d.text for d in held_docs])
     print(f"train tokens {len(train):,}  held-out tokens {len(held):,}", flush=True)
 
-    model = DeepseekV3ForCausalLM(cfg, dtype=torch.float32)
-    init_weights(model, cfg.extra.get("initializer_range", 0.02))
+    if args.init:
+        from safetensors.torch import load_file
+
+        model = build_model(cfg, load_file(str(Path(args.init) / "model.safetensors")), dtype=torch.float32)
+    else:
+        model = DeepseekV3ForCausalLM(cfg, dtype=torch.float32)
+        init_weights(model, cfg.extra.get("initializer_range", 0.02))
     tie_mtp(model)
+    held_eval = held[: args.eval_tokens] if args.eval_tokens else held
+    source_eval = perplexity(model, held_eval, args.seq) if args.init else None
+    planted = None
+    if args.plant_channels:
+        from residual_outliers import freeze_channels, outlier_ratio, plant
+
+        lo, _, hi = args.plant_factor_log2.partition("..")
+        probe = torch.stack([train[s: s + args.seq + 2] for s in range(0, 8 * args.seq, args.seq)])
+        planted = plant(model, probe, args.plant_channels, (int(lo), int(hi or lo)), args.plant_seed,
+                        args.plant_tokens)
+        freeze_channels(model, planted["channels"], planted["token_ids"])
+        planted["planted_heldout"] = perplexity(model, held_eval, args.seq)
+        print(f"planted {planted}; source held-out {source_eval}", flush=True)
     model.train()
     params = [p for p in model.parameters()]
     decay = [p for p in params if p.dim() >= 2]
@@ -158,10 +213,13 @@ def main(argv=None) -> int:
             print(f"step {step:5d}  loss {main_loss.item():.3f}  mtp {mtp_loss.item():.3f}  lr {lr_at(step):.2e}"
                   f"  {el / (step + 1):.2f}s/step  elapsed {el / 60:.1f} min", flush=True)
         if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
-            ev = perplexity(model, held, args.seq)
+            ev = perplexity(model, held_eval, args.seq)
             history.append({"step": step + 1, **ev})
             print(f"  held-out: {ev}", flush=True)
-            save(model, out, EMBEDDED_CONFIG)
+            save(model, out, cfg_dict)
+            if args.recover_pct is not None and \
+                    ev["perplexity"] <= source_eval["perplexity"] * (1 + args.recover_pct / 100):
+                break
 
     # The shipped numbers: reload the bf16 checkpoint as a user would, evaluate in float32.
     from safetensors.torch import load_file
@@ -179,6 +237,12 @@ def main(argv=None) -> int:
         "final_heldout_bf16_weights": final,
         "history_fp32_weights": history,
     }
+    if args.init:
+        report.update({"init": args.init, "steps_run": history[-1]["step"] if history else 0,
+                       "source_heldout_eval": source_eval})
+    if planted:
+        planted["outlier_ratio"] = outlier_ratio(shipped, probe, planted["channels"])
+        report["planted"] = planted
     (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report["final_heldout_bf16_weights"]), flush=True)
     return 0

@@ -15,7 +15,7 @@ import torch
 from jobs import quantize
 from pipeline.assets import EMBEDDED_MODEL_DIR
 from pipeline.format.checker import check_dir
-from pipeline.format.description import FAQUANT, FLOAT
+from pipeline.format.description import FAQUANT, FLOAT, W8A8, W8A8_DYNAMIC
 from pipeline.format.reader import read_quantized
 from pipeline.model.loading import load_model
 from pipeline.model.perplexity import token_stream
@@ -51,6 +51,13 @@ def members(key: str) -> list[str]:
     head, brace, rest = key.partition("{")
     names = [head + m for m in rest.rstrip("}").split(",")] if brace else [key]
     return [n.replace("*", "0") for n in names]
+
+
+def members_all(key: str, names) -> list[str]:
+    """Every module a picked key names, from the written tensors' names."""
+    from pipeline.quant.recipe.patterns import selected
+
+    return sorted({n[: -len(".weight")] for n in names if n.endswith(".weight") and selected(n[: -len(".weight")], (key,), ())})
 
 
 def same_output(a: Path, b: Path) -> bool:
@@ -92,8 +99,8 @@ def outs(tmp_path_factory):
 def test_auto_keeps_the_costly_pieces_float_and_improves(outs):
     d, src, seed, auto = outs
     report = json.loads((auto / "fallback.json").read_text())
-    fa, lin = report["fa"]["picked"], report["linear"]["picked"]
-    assert fa or lin
+    fa, lin, dyn = report["fa"]["picked"], report["linear"]["picked"], report["linear"]["dynamic"]
+    assert fa or lin or dyn
     assert report["target"] == {"min_agreement": 0.98, "max_ppl_delta_pct": 1.0, "min_attn_sqnr_db": 32.0}
     assert report["with_fallback"]["min_attn_sqnr_db"] >= 32.0 > report["quantized"]["min_attn_sqnr_db"]
     _, types, _ = read_quantized(str(auto))
@@ -102,9 +109,23 @@ def test_auto_keeps_the_costly_pieces_float_and_improves(outs):
     assert all(types.get(f"model.layers.{i}.self_attn.fa_k.scale") == FAQUANT
                for i in range(3) if i not in fa)
     seed_types = read_quantized(str(seed))[1]
-    for key in lin:                                 # a name, or one pattern for experts or a q_a/kv_a pair
+    for key in lin:                                 # a name, or one pattern for a fused pair
         for prefix in members(key):
             assert types[prefix + ".weight"] == FLOAT and seed_types[prefix + ".weight"] != FLOAT, key
+    for key in dyn:                                 # static in the seed output, per-token here
+        for prefix in members(key):
+            assert types[prefix + ".weight"] == W8A8_DYNAMIC and seed_types[prefix + ".weight"] == W8A8, key
+    # the bytes above int8 that fallback.json reports are the written FLOAT weights' bytes above int8
+    shapes = {n: t.numel() for n, t in read_quantized(str(auto))[2].items()}
+    kept = sum(shapes[m + ".weight"] for key in lin for m in members_all(key, shapes))
+    assert report["linear"]["bytes"]["above_int8"] == kept == report["linear"]["search"]["bytes_above_int8"]
+    assert report["linear"]["bytes"]["rungs"]["FLOAT"]["bytes"] == 2 * kept
+    # the held-out slice validates the pick: the target stands on both
+    target = Target(**report["target"])
+    for k in ("with_fallback", "with_fallback_heldout"):
+        figures = report[k]
+        assert figures["agreement"] >= target.min_agreement and figures["ppl_delta_pct"] <= target.max_ppl_delta_pct, k
+    assert report["heldout_samples"] > 0 and report["samples"] == 3 * report["heldout_samples"]
     a0, p0 = heldout_figures(src, seed)
     a1, p1 = heldout_figures(src, auto)
     assert a1 >= a0 + MIN_AGREEMENT_GAIN and a1 >= MIN_AUTO_AGREEMENT, (a0, a1)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from jobs import quantize as quantize_job
-from pipeline.quant.evaluation import fallback
+from pipeline.quant.evaluation.fallback import job as fallback
 from pipeline.quant.numerics.qparams import QuantError
 from tiny import FIXTURES, TINY_FIXTURE
 

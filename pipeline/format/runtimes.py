@@ -229,6 +229,17 @@ def _fused(desc: Mapping[str, Any], linears: Mapping[str, str], report: RuntimeR
         if len(set(kinds.values())) > 1:
             report.add("method-lookup", fused, f"the shards of one fused projection have different methods "
                                                f"({', '.join(f'{k}: {v}' for k, v in sorted(kinds.items()))})")
+    per_layer: dict[str, dict[str, set]] = {}
+    for prefix in linears:
+        if ".experts." in prefix:
+            layer, _, rest = prefix.partition(".experts.")
+            per_layer.setdefault(layer + ".experts", {}).setdefault(desc.get(prefix + ".weight"), set()).add(
+                rest.split(".")[0])
+    for fused, kinds in sorted(per_layer.items()):
+        if len(kinds) > 1:
+            report.add("method-lookup", fused, "the routed experts of one layer have different methods (the fused "
+                                               "MoE takes one for all: " + ", ".join(
+                                                   f"{k}: {len(v)} expert(s)" for k, v in sorted(kinds.items())) + ")")
 
 
 def _spec(specs, name: str) -> Optional[TensorSpec]:

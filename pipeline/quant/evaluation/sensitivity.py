@@ -444,12 +444,15 @@ def expert_groups(names: Sequence[str]) -> dict[str, list[str]]:
 # ----- the fallback pick ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Target:
-    """Bounds a fallback must meet (None: not asked)."""
+    """Bounds a fallback must meet (None: not asked). ``max_share_above_int8`` is a budget, not a figure:
+    the ladder (pipeline.quant.evaluation.fallback) keeps at most that share of the linear weights above int8
+    and takes the fewest moves within it that meet the rest (all of them when none does)."""
 
     min_agreement: Optional[float] = None
     max_kl: Optional[float] = None
     max_ppl_delta_pct: Optional[float] = None
     min_attn_sqnr_db: Optional[float] = None
+    max_share_above_int8: Optional[float] = None
 
     def __post_init__(self):
         if all(v is None for v in vars(self).values()):
@@ -457,6 +460,8 @@ class Target:
                              "min_attn_sqnr_db")
         if self.min_agreement is not None and not 0 <= self.min_agreement <= 1:
             raise ValueError(f"target: min_agreement must be in [0, 1], got {self.min_agreement}")
+        if self.max_share_above_int8 is not None and not 0 <= self.max_share_above_int8 <= 1:
+            raise ValueError(f"target: max_share_above_int8 must be in [0, 1], got {self.max_share_above_int8}")
 
     def met(self, m: Metrics) -> bool:
         if self.min_attn_sqnr_db is not None and m.min_attn_sqnr_db is None:

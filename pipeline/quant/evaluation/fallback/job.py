@@ -1,5 +1,5 @@
-"""Measured fallback (``--fa-fallback`` / ``--linear-fallback``): the FA3 layers and the linears whose
-quantization costs most stay in the model dtype.
+"""The measured fallback job (``--fa-fallback`` / ``--linear-fallback``): the FA3 layers and the linears whose
+quantization costs most climb a ladder, toward the model dtype, by measurement.
 
 The job quantizes once with the recipe into a probe directory (a hidden sibling of the destination, under
 the destination's lock: removed when the job ends or is stopped with SIGTERM, and by the next run on the
@@ -8,31 +8,38 @@ recipe amended; that amended recipe is what the output's
 ``<model_type>_best_practice.yaml`` holds, so a rerun from it writes the same output without the flags:
 
 - FA3 layers that fall back join ``fa_exclude_layers`` (the file's ``dsquant`` section);
-- linears that fall back join the ``exclude`` patterns of every ``linear_quant`` rule (the default mix is
-  written out as its two rules first), so they are FLOAT in the description. Routed experts fall back per
-  layer and projection (``model.layers.5.mlp.experts.*.down_proj``, one pattern); a layer's ``q_a_proj`` and
-  ``kv_a_proj_with_mqa`` fall back together (``model.layers.5.self_attn.{q_a_proj,kv_a_proj_with_mqa}``),
-  since runtimes fuse the two and the format wants one type for both.
+- linears moved to W8A8_DYNAMIC are the ``include`` of one W8A8_DYNAMIC ``linear_quant`` rule put first;
+  linears kept float join the ``exclude`` patterns of every rule (the default mix is written out as its two
+  rules first), so they are FLOAT in the description (:func:`.rungs.with_ladder`).
 
 What is measured: on the probe's own model (its float tensors, biases and rotation, and each quantized
 linear with the float weight it was quantized from, smoothed and rotated as the recipe has it, kept while
 the probe is written: :class:`FloatWeights`), each piece is put back to its quantized form and compared with
-the source's float model on the calibration samples (pipeline.quant.evaluation.sensitivity). A linear that falls back
-is then measured as the output writes it (its float weight), not as its dequantized int8 weight, whose
-error is large where smoothing has scaled outlier columns up:
-- FA3 layers, ranked by the ``sqnr`` proxy (the attention output with the int8 latent against the residual
-  stream it joins); the pick is judged with the linears unquantized, so it is the latent's share alone;
-- linears (and expert groups), ranked by the ``residual`` proxy (their block rerun with only them
-  quantized); the pick is judged on the whole model with the FA3 pick applied.
+the source's float model on the calibration samples (pipeline.quant.evaluation.sensitivity). A linear that
+falls back is measured as the output writes it (its float weight, not its dequantized int8 weight, whose
+error is large where smoothing has scaled outlier columns up). Every fourth calibration sample is held out
+of the fitting and validates the pick (:mod:`.search`); the report gives both
+figures.
+- FA3 layers (int8 latent -> bf16), ranked by the ``sqnr`` proxy (the attention output with the int8 latent
+  against the residual stream it joins); the pick is judged with the linears unquantized, so it is the
+  latent's share alone;
+- linears, ``auto``: the ladder (:mod:`.rungs`, :mod:`.search`): each piece (a linear; a q_a/kv_a pair or
+  a gate/up pair, which runtimes fuse; one routed expert at a time) W8A8 -> W8A8_DYNAMIC -> FLOAT, by the
+  ``residual`` proxy's error reduction per byte kept above int8 (W8A8_DYNAMIC keeps the int8 weight: no
+  byte, so it comes first), the fewest bytes above int8 meeting the target on the whole model with the FA3
+  pick applied, on the fitting and the held-out samples; ``N``: the N costliest pieces as before the
+  ladder (routed experts per layer and projection, a layer's q_a/kv_a together) kept FLOAT.
 
-``auto`` takes what each layer's attention bound needs, then the shortest ranked prefix of the rest that
-meets :data:`TARGET` or ``--fallback-target`` (the module doc of pipeline.quant.evaluation.sensitivity says how it
-searches); ``N`` the N costliest (at most the pieces the recipe quantizes, checked before any work); ``none``
-(or ``0``) nothing, and no probe for it. The default target (agreement >= 98%, perplexity
+``auto`` for FA3 takes what each layer's attention bound needs, then the shortest ranked prefix of the rest
+that meets :data:`TARGET` or ``--fallback-target`` (the module doc of pipeline.quant.evaluation.sensitivity
+says how it searches); ``N`` the N costliest (at most the pieces the recipe quantizes, checked before any
+work); ``none`` (or ``0``) nothing, and no probe for it. The default target (agreement >= 98%, perplexity
 within +1%, every layer's attention output SQNR >= 32 dB) is stricter than the project's goals (agreement
 >= 95%, perplexity within +2%, attention SQNR >= 30 dB on held-out text) because the calibration texts are
 not the evaluation texts and the final output is calibrated again.
-``fallback.json`` in the output records the picks, each piece's cost, the target and the figures measured.
+``fallback.json`` in the output records the picks, each piece's cost per rung, the bytes per rung, the
+target and the figures measured on the fitting and held-out samples; the log gives the share of the linear
+weights kept above int8 in the written output (:mod:`.share`).
 """
 
 from __future__ import annotations
@@ -44,11 +51,15 @@ import uuid
 from dataclasses import replace
 from typing import Callable, Optional, Union
 
+from pipeline.format.description import FLOAT, W8A8, W8A8_DYNAMIC
 from pipeline.io import storage
-from pipeline.quant.recipe.linear_rules import LinearRule, default_rules
 from pipeline.quant.writing.output_files import FALLBACK_REPORT
 from pipeline.quant.numerics.qparams import QuantError
 from pipeline.quant.recipe.recipe import Recipe
+from pipeline.quant.evaluation.fallback.rungs import dynamic_params, ladder_pieces, rung_bytes, with_ladder
+from pipeline.quant.evaluation.fallback.search import (ladder_moves, ladder_search, params_at, rung_costs,
+                                                     split_samples, state_of, within_budget)
+from pipeline.quant.evaluation.fallback.share import counted, linear_share, output_share
 from pipeline.quant.evaluation.sensitivity import (Cost, FakeQuantParams, FloatReference, Target, expert_groups, fa3_costs,
                                         linear_costs, smallest_fallback)
 
@@ -70,13 +81,14 @@ def parse_choice(text: str, flag: str) -> Choice:
     raise QuantError(f"{flag}: expected auto, none or a count such as 3, got {text!r}")
 
 
-TARGET_KEYS = {"agreement": "min_agreement", "ppl": "max_ppl_delta_pct", "kl": "max_kl", "sqnr": "min_attn_sqnr_db"}
+TARGET_KEYS = {"agreement": "min_agreement", "ppl": "max_ppl_delta_pct", "kl": "max_kl", "sqnr": "min_attn_sqnr_db",
+               "share": "max_share_above_int8"}
 
 
 def parse_target(text: str, flag: str = "--fallback-target") -> Target:
-    """``agreement=0.99,ppl=0.5[,kl=0.01][,sqnr=30]`` (agreement as a fraction, ppl in percent, kl the mean
-    KL, sqnr the lowest per-layer attention SQNR in dB) as a Target; a one-line error naming ``flag``
-    otherwise."""
+    """``agreement=0.99,ppl=0.5[,kl=0.01][,sqnr=30][,share=0.05]`` (agreement as a fraction, ppl in percent,
+    kl the mean KL, sqnr the lowest per-layer attention SQNR in dB, share the budget of linear weights kept
+    above int8, a fraction) as a Target; a one-line error naming ``flag`` otherwise."""
     fields = {}
     for item in str(text).split(","):
         key, sep, value = item.partition("=")
@@ -101,15 +113,7 @@ def target_text(target: Target) -> str:
 
 def with_fallback(recipe: Recipe, fa_layers, linears) -> Recipe:
     """``recipe`` with ``fa_layers`` kept off FA3 and the linears (names or patterns) kept FLOAT."""
-    out = recipe
-    if fa_layers:
-        out = replace(out, fa_exclude_layers=tuple(sorted(set(out.fa_exclude_layers) | set(fa_layers))))
-    if linears:
-        rules = out.linear_rules or default_rules()
-        extra = tuple(sorted(linears))
-        out = replace(out, linear_rules=tuple(
-            LinearRule(r.kind, r.include, r.exclude + tuple(p for p in extra if p not in r.exclude)) for r in rules))
-    return out
+    return with_ladder(recipe, fa_layers, (), linears)
 
 
 def pieces(recipe: Recipe, cfg) -> tuple[int, int]:
@@ -202,39 +206,78 @@ def choose(src: str, probe: str, samples: list[list[int]], fa: Choice, linear: C
            log: Callable[[str], None] = print, float_weights: Optional[FloatWeights] = None) -> dict:
     """Measure the probe output ``probe`` of ``src`` on ``samples`` and pick (module doc): the report.
     ``float_weights``: the probe's quantized linears' float weights (without them, a linear that falls back
-    is measured with its dequantized int8 weight)."""
+    is measured with its dequantized int8 weight, and its W8A8_DYNAMIC rung from the stored int8 weight)."""
     import torch
 
     from pipeline.model.loading import load_model
     from pipeline.quant.evaluation.fakequant import load_fakequant_model
 
+    fit, hold = split_samples(samples)
     with torch.no_grad():
         base = load_fakequant_model(probe, w8a8=False, fa3=False)
         if float_weights is not None:
             float_weights.install(base)
-        ref = FloatReference(base, samples, reference=load_model(src, dtype=torch.float32, device="cpu"),
-                             attention=True)
+        reference = load_model(src, dtype=torch.float32, device="cpu")
+        ref = FloatReference(base, fit, reference=reference, attention=True)
+        held = FloatReference(base, hold, reference=reference, attention=True) if hold else None
+        del reference
     params = FakeQuantParams.from_dir(probe)
     groups = fallback_groups(list(params.linears))
     report: dict = {"target": {k: v for k, v in vars(target).items() if v is not None},
-                    "samples": len(samples), "tokens": ref.tokens,
+                    "samples": len(fit), "tokens": ref.tokens,
+                    "heldout_samples": len(hold), "heldout_tokens": held.tokens if held else 0,
                     "fa_fallback": fa, "linear_fallback": linear,
-                    "quantized": ref.measure(params).to_dict()}
+                    "quantized": ref.measure(params).to_dict(),
+                    "quantized_heldout": held.measure(params).to_dict() if held else None}
     fa_keys: list = []
     if fa is not None:
         ranked = fa3_costs(ref, params, "sqnr")
         fa_keys, search = _take(fa, ranked, ref, params.only(fa=list(params.fa_k)), "fa", target)
-        report["fa"] = {"picked": fa_keys, "search": search, "costs": [_cost(c) for c in ranked]}
+        report["fa"] = {"picked": fa_keys, "search": search, "costs": [_cost(c) for c in ranked],
+                        "cache_bytes_per_token_above_int8": len(fa_keys) * base.config.kv_lora_rank}
         log(f"FA3 fallback ({fa}): layers {fa_keys} stay bf16 (of {len(ranked)} FA3 layers){_why(search)}")
-    lin_keys: list = []
-    if linear is not None:
+    final = params.without(fa=fa_keys)
+    if linear == AUTO:
+        report["linear"], final = _ladder(ref, held, final, target, log, float_weights)
+    elif linear is not None:
         ranked = linear_costs(ref, params, "residual", groups)
-        lin_keys, search = _take(linear, ranked, ref, params.without(fa=fa_keys), "linear", target, groups)
-        report["linear"] = {"picked": lin_keys, "search": search, "costs": [_cost(c) for c in ranked]}
-        log(f"linear fallback ({linear}): {len(lin_keys)} kept float{_why(search)}: {lin_keys}")
-    report["with_fallback"] = ref.measure(params.without(
-        fa=fa_keys, linears=[m for k in lin_keys for m in groups[k]])).to_dict()
+        lin_keys, _ = _take(linear, ranked, ref, final, "linear", target, groups)
+        report["linear"] = {"picked": lin_keys, "dynamic": [], "search": None, "costs": [_cost(c) for c in ranked]}
+        log(f"linear fallback ({linear}): {len(lin_keys)} kept float: {lin_keys}")
+        final = final.without(linears=[m for k in lin_keys for m in groups[k]])
+    report["with_fallback"] = ref.measure(final).to_dict()
+    report["with_fallback_heldout"] = held.measure(final).to_dict() if held else None
     return report
+
+
+def _ladder(ref: FloatReference, held: Optional[FloatReference], params: FakeQuantParams, target: Target,
+            log: Callable[[str], None], float_weights: Optional[FloatWeights]) -> tuple[dict, FakeQuantParams]:
+    """``--linear-fallback auto``: the ladder's pick (:mod:`.search`) over ``params`` (the
+    FA3 pick applied): the report's ``linear`` section and the parameters with the pick made."""
+    fw = float_weights.tensors if float_weights is not None else {}
+    pieces = ladder_pieces(params.linears)
+    dynamic = {m: dynamic_params(kind, p, fw.get(m + ".weight"), fw.get(m + ".bias"))
+               for m, (kind, p) in params.linears.items() if kind == W8A8}
+    costs = rung_costs(ref, pieces, params, dynamic)
+    n_layers = ref.model.config.num_hidden_layers
+    moves = ladder_moves(pieces, costs)
+    if target.max_share_above_int8 is not None:
+        total = sum(p[1]["weight"].numel() for m, p in params.linears.items() if counted(m, n_layers))
+        moves = within_budget(moves, target.max_share_above_int8 * total)
+    pick = ladder_search(ref, held, moves, target, lambda ms: params_at(params, pieces, state_of(ms), dynamic))
+    state = pick.state
+    types = {m: state.get(p.key, p.kind) for p in pieces for m in p.members}
+    share = linear_share(types, {m: p[1]["weight"].numel() for m, p in params.linears.items()}, n_layers)
+    section = {"picked": pick.keys(FLOAT), "dynamic": pick.keys(W8A8_DYNAMIC), "pieces": len(pieces),
+               "bytes": rung_bytes(pieces, state), "quantized_share_above_int8": share["share"],
+               "search": pick.to_dict(),
+               "costs": [{"key": p.key, "kind": p.kind, "weights": p.weights, "costs": costs[p.key]} for p in pieces]}
+    held_text = f", held-out agreement {pick.heldout.agreement:.4f}" if pick.heldout else ""
+    log(f"linear fallback (auto): {len(section['dynamic'])} of {len(pieces)} pieces W8A8_DYNAMIC, "
+        f"{len(section['picked'])} FLOAT ({pick.bytes} bytes above int8, {100 * share['share']:.2f}% of the "
+        f"quantized linear weights); {'target met' if pick.met else 'target missed even with every move'}: "
+        f"agreement {pick.metrics.agreement:.4f}{held_text}")
+    return section, params_at(params, pieces, state, dynamic)
 
 
 def _why(search: Optional[dict]) -> str:
@@ -304,13 +347,27 @@ def quantize_with_fallback(src: str, dst: str, recipe: Recipe, opts, fa: Choice,
             del weights
         finally:
             storage.remove(probe)
-        final = with_fallback(recipe, report.get("fa", {}).get("picked", []),
-                              report.get("linear", {}).get("picked", []))
+        lin = report.get("linear") or {}
+        final = with_ladder(recipe, report.get("fa", {}).get("picked", []), lin.get("dynamic", []),
+                            lin.get("picked", []))
         name = opts.recipe_file[0] if opts.recipe_file else None
         files = (*opts.extra_files, (REPORT_NAME, (json.dumps(report, indent=1) + "\n").encode()))
         quantize_checkpoint(src, dst, final, replace(opts, recipe_file=(name, recipe_yaml(final)) if name else None,
                                                      extra_files=files), log=log, lock=lock)
-    log(f"fallback: {REPORT_NAME} written; on the calibration samples agreement "
-        f"{report['quantized']['agreement']:.4f} -> {report['with_fallback']['agreement']:.4f}, perplexity "
-        f"{report['quantized']['ppl_delta_pct']:+.2f}% -> {report['with_fallback']['ppl_delta_pct']:+.2f}%")
+    q, w = report["quantized"], report["with_fallback"]
+    log(f"fallback: {REPORT_NAME} written; on {report['samples']} calibration samples agreement "
+        f"{q['agreement']:.4f} -> {w['agreement']:.4f}, perplexity {q['ppl_delta_pct']:+.2f}% -> "
+        f"{w['ppl_delta_pct']:+.2f}%{_held_text(report)}")
+    share = output_share(dst)
+    log(f"fallback: {100 * share['share']:.2f}% of the linear weights above int8 (kv_b_proj, router and MTP layer "
+        f"left out; W8A8 {share['weights'][W8A8]}, W8A8_DYNAMIC {share['weights'][W8A8_DYNAMIC]}, FLOAT "
+        f"{share['weights'][FLOAT]} elements)")
     return final
+
+
+def _held_text(report: dict) -> str:
+    q, w = report.get("quantized_heldout"), report.get("with_fallback_heldout")
+    if not q or not w:
+        return ""
+    return (f"; on {report['heldout_samples']} held-out ones {q['agreement']:.4f} -> {w['agreement']:.4f}, "
+            f"{q['ppl_delta_pct']:+.2f}% -> {w['ppl_delta_pct']:+.2f}%")
