@@ -99,11 +99,15 @@ def _sharded_moe(moe: MoE, cfg, comm: Comm, combine: str) -> ShardedMoE:
 
 
 def resident_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer the rank's model holds."""
+    """Bytes of every parameter and buffer the rank's model holds, a compact int8 linear's weight (held as
+    the C kernels' pack: pipeline.engine.native.cpu_linear.compact) counted as its int8 bytes."""
+    from pipeline.engine.native import cpu_linear
+
     seen, n = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
         if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
         n += t.numel() * t.element_size()
-    return n
+    return n + sum(m.out_features * m.in_features for m in model.modules()
+                   if "weight" in m._buffers and cpu_linear.is_compact(m))
