@@ -335,7 +335,7 @@ def _loading(module: Int8Linear, state_dict, prefix: str, *args) -> None:
 
 def _with_weight(module: Int8Linear, state_dict, prefix: str, local_metadata) -> None:
     """state_dict post hook: a compact module's weight, read back from its packed copy."""
-    if module._buffers.get("weight") is None:
+    if cpu_linear.is_compact(module):
         state_dict[prefix + "weight"] = module.int8_weight()
 
 

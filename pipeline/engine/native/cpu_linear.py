@@ -218,7 +218,6 @@ class Packed:
         self.version = None if self.weight is None else self.weight._version
         n, k = mod.out_features, mod.in_features
         self.pack, self.wsum = pack_weight(w, pack, wsum)
-        del w
         prm = LinearParams(n=n, k=k, wpack=self.pack.data_ptr(), wsum=self.wsum.data_ptr(),
                            epilogue=EPILOGUES[mod.epilogue])
         prm.np, prm.kp = padded(n, k)

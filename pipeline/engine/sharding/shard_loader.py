@@ -109,5 +109,4 @@ def resident_bytes(model: nn.Module) -> int:
             continue
         seen.add(t.data_ptr())
         n += t.numel() * t.element_size()
-    return n + sum(m.out_features * m.in_features for m in model.modules()
-                   if "weight" in m._buffers and cpu_linear.is_compact(m))
+    return n + sum(m.out_features * m.in_features for m in model.modules() if cpu_linear.is_compact(m))

@@ -33,7 +33,7 @@ from pipeline.model import DeepseekV3ForCausalLM, build_model
 from pipeline.engine.config import Kernels, resolve
 from pipeline.engine.layers.moe import fuse_moe_layers
 from pipeline.engine.layers.native_swap import compact_linears, use_kernels
-from pipeline.engine.layers.qlinear import EXACT, build_from_checkpoint, by_linear
+from pipeline.engine.layers.qlinear import EXACT, build_int8_linear, by_linear
 from pipeline.format.description import DESCRIPTION_NAME, FLOAT, QUANT_KINDS
 from pipeline.format.reader import QuantizedSource, fa_scales
 from pipeline.io import storage
@@ -92,13 +92,13 @@ def load_quantized(path: str, dtype: torch.dtype = torch.float32, device: str = 
     del floats
     fa_k = {i: float(s.float().reshape(())) for i, s in fa_scales(
         src.read({n: "full" for n in src.where if n.endswith("self_attn.fa_k.scale")})).items()}
+    names = by_linear(dict.fromkeys(src.where))          # {linear: {leaf: None}}: each linear's tensor names
     by_layer: dict[Optional[int], list[str]] = {}
     for prefix in sorted(quant):
         if layout.layer_of(prefix + ".weight") not in skip:
             by_layer.setdefault(layout.layer_of(prefix + ".weight"), []).append(prefix)
     for layer, prefixes in sorted(by_layer.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
-        wanted = set(prefixes)
-        index = by_linear(src.read({n: "full" for n in src.where if n.rpartition(".")[0] in wanted}))
+        index = by_linear(src.read({f"{p}.{leaf}": "full" for p in prefixes for leaf in names.get(p, ())}))
         for prefix in prefixes:
             parent_name, child = prefix.rsplit(".", 1)
             parent = model.get_submodule(parent_name)
@@ -109,9 +109,7 @@ def load_quantized(path: str, dtype: torch.dtype = torch.float32, device: str = 
             # would keep the whole buffer alive after the weights are packed)
             params = {leaf: v.to(device) if leaf == "weight" else v.to(device, copy=True)
                       for leaf, v in index.pop(prefix, {}).items()}
-            setattr(parent, child, build_from_checkpoint(prefix, {f"{prefix}.{k}": v for k, v in params.items()},
-                                                         types, epilogue=epilogue))
-            del params
+            setattr(parent, child, build_int8_linear(prefix, types[prefix + ".weight"], params, epilogue=epilogue))
         del index
         unit = model if layer is None else model.model.layers[layer]
         if fuse_moe:
