@@ -22,7 +22,7 @@ its cache holds the latent in the model's dtype (bf16 for the embedded model), n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -78,7 +78,7 @@ def load_quantized(path: str, dtype: torch.dtype = torch.float32, device: str = 
     src = QuantizedSource(path)
     cfg, types = src.config, src.types
     kernels = kernels or resolve(device)
-    pack_now = kernels.linears and torch.device(device).type == "cpu"
+    pack_now = packs_at_load(kernels, device)
     quant = {n[: -len(".weight")] for n, t in types.items() if n.endswith(".weight") and t in QUANT_KINDS}
     skip = set() if with_mtp else set(cfg.mtp_layer_ids)
     float_names = [n for n in layout.checkpoint_shapes(cfg)
@@ -93,25 +93,18 @@ def load_quantized(path: str, dtype: torch.dtype = torch.float32, device: str = 
     fa_k = {i: float(s.float().reshape(())) for i, s in fa_scales(
         src.read({n: "full" for n in src.where if n.endswith("self_attn.fa_k.scale")})).items()}
     names = by_linear(dict.fromkeys(src.where))          # {linear: {leaf: None}}: each linear's tensor names
-    by_layer: dict[Optional[int], list[str]] = {}
-    for prefix in sorted(quant):
-        if layout.layer_of(prefix + ".weight") not in skip:
-            by_layer.setdefault(layout.layer_of(prefix + ".weight"), []).append(prefix)
-    for layer, prefixes in sorted(by_layer.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
-        index = by_linear(src.read({f"{p}.{leaf}": "full" for p in prefixes for leaf in names.get(p, ())}))
+    for layer, prefixes in linears_by_layer(quant, skip):
+        index = read_linears(src, {f"{p}.{leaf}": "full" for p in prefixes for leaf in names.get(p, ())}, device)
         for prefix in prefixes:
             parent_name, child = prefix.rsplit(".", 1)
             parent = model.get_submodule(parent_name)
             if not isinstance(getattr(parent, child, None), nn.Linear):
                 raise ValueError(f"{path}: {prefix} is typed {types[prefix + '.weight']} but the model has no linear "
                                  f"there")
-            # the scales are copied out of the read buffer they share with the layer's weights (a view
-            # would keep the whole buffer alive after the weights are packed)
-            params = {leaf: v.to(device) if leaf == "weight" else v.to(device, copy=True)
-                      for leaf, v in index.pop(prefix, {}).items()}
-            setattr(parent, child, build_int8_linear(prefix, types[prefix + ".weight"], params, epilogue=epilogue))
+            setattr(parent, child, build_int8_linear(prefix, types[prefix + ".weight"], index.pop(prefix, {}),
+                                                     epilogue=epilogue))
         del index
-        unit = model if layer is None else model.model.layers[layer]
+        unit = layer_unit(model, layer)
         if fuse_moe:
             fuse_moe_layers(unit)
         if pack_now:
@@ -121,6 +114,37 @@ def load_quantized(path: str, dtype: torch.dtype = torch.float32, device: str = 
         raise ValueError(f"{path}: tensors missing for {missing[:5]}")
     use_kernels(model, kernels)
     return LoadedModel(model.eval(), cfg, dict(types), fa_k, path, kernels)
+
+
+def packs_at_load(kernels: Kernels, device: str) -> bool:
+    """Whether a loader packs each layer's int8 linears for the C kernels as it reads them (compact_linears):
+    where those kernels run them, on the CPU."""
+    return kernels.linears and torch.device(device).type == "cpu"
+
+
+def linears_by_layer(prefixes: Iterable[str], skip: Iterable[int] = ()) -> list[tuple[Optional[int], list[str]]]:
+    """The linears ``prefixes`` grouped by layer in loading order, those outside a layer (lm_head,
+    embed_tokens) first, the layers in ``skip`` left out."""
+    out: dict[Optional[int], list[str]] = {}
+    skip = set(skip)
+    for prefix in sorted(prefixes):
+        layer = layout.layer_of(prefix + ".weight")
+        if layer not in skip:
+            out.setdefault(layer, []).append(prefix)
+    return sorted(out.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
+
+
+def layer_unit(model: DeepseekV3ForCausalLM, layer: Optional[int]) -> nn.Module:
+    """The module holding a layer's linears (``None``: the model itself, for lm_head / embed_tokens)."""
+    return model if layer is None else model.model.layers[layer]
+
+
+def read_linears(src: QuantizedSource, parts: Mapping[str, object], device: str) -> dict[str, dict[str, torch.Tensor]]:
+    """One layer's linears' tensors (``parts``: name -> what to read, QuantizedSource.read's) by linear and
+    leaf, on ``device``: the weights as read, every other tensor copied out of the read buffer it shares
+    with the layer's weights (a view would keep the whole buffer alive after the weights are packed)."""
+    return {prefix: {leaf: v.to(device) if leaf == "weight" else v.to(device, copy=True) for leaf, v in leaves.items()}
+            for prefix, leaves in by_linear(src.read(parts)).items()}
 
 
 def dir_kind(path: str) -> str:
