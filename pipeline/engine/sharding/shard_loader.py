@@ -14,8 +14,8 @@ from torch import nn
 from pipeline import layout
 from pipeline.engine.config import resolve
 from pipeline.engine.sharding.comm import Comm
-from pipeline.engine.layers.native_swap import compact_linears
-from pipeline.engine.worker.loader import LoadedModel, layer_unit, linears_by_layer, packs_at_load, read_linears
+from pipeline.engine.worker.loader import (LoadedModel, layer_unit, linears_by_layer, pack_layer, packs_at_load,
+                                          read_linears)
 from pipeline.engine.layers.moe import Int8Expert, is_int8_mlp
 from pipeline.engine.layers.qlinear import EXACT, build_int8_linear, by_linear
 from pipeline.engine.sharding.shard_spec import REPLICATED, ROW, VOCAB, expert_range, linear_role, part, tensor_slice
@@ -72,8 +72,7 @@ def load_sharded(path: str, comm: Comm, dtype: torch.dtype = torch.float32, devi
             unit.self_attn.H = cfg.num_attention_heads // p.tp
             if isinstance(unit.mlp, MoE):
                 unit.mlp = _sharded_moe(unit.mlp, cfg, comm, combine)
-        if packs_at_load(kernels, device):
-            compact_linears(unit)
+        pack_layer(unit, packs_at_load(kernels, device))
     missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if missing:
         raise ValueError(f"{path}: rank {rank}: tensors missing for {missing[:5]}")
@@ -117,8 +116,9 @@ def _sharded_moe(moe: MoE, cfg, comm: Comm, combine: str) -> ShardedMoE:
 
 def resident_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and buffer the rank's model holds, a compact int8 linear's weight (held as
-    the C kernels' pack: pipeline.engine.native.cpu_linear.compact) counted as its int8 bytes."""
-    from pipeline.engine.native import cpu_linear
+    the C kernels' pack: pipeline.engine.native.cpu_linear.compact) counted as its int8 bytes, a compact
+    float linear's (cpu_float.NativeLinear.compact) as its bf16 bits."""
+    from pipeline.engine.native import cpu_float, cpu_linear
 
     seen, n = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
@@ -126,4 +126,9 @@ def resident_bytes(model: nn.Module) -> int:
             continue
         seen.add(t.data_ptr())
         n += t.numel() * t.element_size()
-    return n + sum(m.out_features * m.in_features for m in model.modules() if cpu_linear.is_compact(m))
+    for m in model.modules():
+        if cpu_linear.is_compact(m):
+            n += m.out_features * m.in_features                  # int8
+        elif isinstance(m, cpu_float.NativeLinear) and m.is_compact():
+            n += 2 * m.out_features * m.in_features              # bf16
+    return n

@@ -30,10 +30,12 @@ from torch import nn
 from pipeline import layout
 from pipeline.config import DeepseekV3Config
 from pipeline.model import DeepseekV3ForCausalLM, build_model
+from pipeline.engine import malloc_tuning
 from pipeline.engine.config import Kernels, resolve
 from pipeline.engine.layers.moe import fuse_moe_layers
 from pipeline.engine.layers.native_swap import compact_linears, use_kernels
 from pipeline.engine.layers.qlinear import EXACT, build_int8_linear, by_linear
+from pipeline.engine.native.cpu_float import NativeLinear
 from pipeline.format.description import DESCRIPTION_NAME, FLOAT, QUANT_KINDS
 from pipeline.format.reader import QuantizedSource, fa_scales
 from pipeline.io import storage
@@ -73,8 +75,10 @@ def load_quantized(path: str, dtype: torch.dtype = torch.float32, device: str = 
 
     The quantized linears are read one layer at a time, straight into their modules; where the C kernels
     run them (``kernels.linears``) each layer is packed into their layout before the next is read, the
-    pack the only copy of its weights (cpu_linear.compact, cpu_moe.compact). So the peak while loading is
-    the weights once plus about two layers, and no whole-checkpoint copy is ever held."""
+    pack the only copy of its weights (cpu_linear.compact, cpu_moe.compact). Where the C float kernels run
+    the float linears (:func:`bits_at_load`), those are read the same way, each built from its stored bf16
+    weight as the kernels' packed bits, never widened (cpu_float.NativeLinear.from_bf16). So the peak while
+    loading is the weights once plus about two layers, and no whole-checkpoint copy is ever held."""
     src = QuantizedSource(path)
     cfg, types = src.config, src.types
     kernels = kernels or resolve(device)
@@ -86,29 +90,32 @@ def load_quantized(path: str, dtype: torch.dtype = torch.float32, device: str = 
     # iter_smooth's biases on norms and on linears kept float (a quantized linear's is inside its quant_bias)
     float_names += [n for n in src.where if n.endswith(".bias") and types.get(n, FLOAT) == FLOAT
                     and n[: -len(".bias")] not in quant]
-    floats = src.read({n: "full" for n in float_names if layout.layer_of(n) not in skip})
-    model = build_model(cfg, floats, dtype=dtype, device=device, with_mtp=with_mtp and bool(cfg.mtp_layer_ids),
-                        strict=False)
+    with_mtp = with_mtp and bool(cfg.mtp_layer_ids)
+    bits = bf16_linears(src, cfg, float_names, with_mtp) if bits_at_load(kernels, device, dtype) else set()
+    floats = src.read({n: "full" for n in set(float_names) - {f"{p}.weight" for p in bits}
+                       if layout.layer_of(n) not in skip})
+    model = build_model(cfg, floats, dtype=dtype, device=device, with_mtp=with_mtp, strict=False)
     del floats
     fa_k = {i: float(s.float().reshape(())) for i, s in fa_scales(
         src.read({n: "full" for n in src.where if n.endswith("self_attn.fa_k.scale")})).items()}
     names = by_linear(dict.fromkeys(src.where))          # {linear: {leaf: None}}: each linear's tensor names
-    for layer, prefixes in linears_by_layer(quant, skip):
+    for layer, prefixes in linears_by_layer(quant | bits, skip):
         index = read_linears(src, {f"{p}.{leaf}": "full" for p in prefixes for leaf in names.get(p, ())}, device)
         for prefix in prefixes:
-            parent_name, child = prefix.rsplit(".", 1)
-            parent = model.get_submodule(parent_name)
+            parent_name, _, child = prefix.rpartition(".")
+            parent = model.get_submodule(parent_name)     # "" (lm_head): the model itself
             if not isinstance(getattr(parent, child, None), nn.Linear):
                 raise ValueError(f"{path}: {prefix} is typed {types[prefix + '.weight']} but the model has no linear "
                                  f"there")
-            setattr(parent, child, build_int8_linear(prefix, types[prefix + ".weight"], index.pop(prefix, {}),
-                                                     epilogue=epilogue))
+            params = index.pop(prefix, {})
+            setattr(parent, child, NativeLinear.from_bf16(params["weight"], f"{path}: {prefix}.weight")
+                    if prefix in bits else build_int8_linear(prefix, types[prefix + ".weight"], params,
+                                                             epilogue=epilogue))
         del index
         unit = layer_unit(model, layer)
         if fuse_moe:
             fuse_moe_layers(unit)
-        if pack_now:
-            compact_linears(unit)
+        pack_layer(unit, pack_now)
     missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if missing:
         raise ValueError(f"{path}: tensors missing for {missing[:5]}")
@@ -120,6 +127,33 @@ def packs_at_load(kernels: Kernels, device: str) -> bool:
     """Whether a loader packs each layer's int8 linears for the C kernels as it reads them (compact_linears):
     where those kernels run them, on the CPU."""
     return kernels.linears and torch.device(device).type == "cpu"
+
+
+def pack_layer(unit: nn.Module, pack: bool) -> None:
+    """The end of a layer's loading: its int8 linears packed for the C kernels, the pack their only copy
+    (compact_linears), where ``pack`` (:func:`packs_at_load`); then the heap's free pages handed back (its
+    read buffer's and temporaries: malloc_tuning.release), so that the next layer's peak does not stack on
+    them."""
+    if pack:
+        compact_linears(unit)
+    malloc_tuning.release()
+
+
+def bits_at_load(kernels: Kernels, device: str, dtype: torch.dtype) -> bool:
+    """Whether the float linears the C float kernels run (cpu_float.NativeLinear: a float32 model's bias-free
+    linears of bf16 values, native_swap.use_native_float_ops) are built at load straight from their stored
+    bf16 weights as compact modules, the bits the only copy, never widened to float32."""
+    return kernels.float_ops and torch.device(device).type == "cpu" and dtype == torch.float32
+
+
+def bf16_linears(src: QuantizedSource, cfg: DeepseekV3Config, float_names: Iterable[str], with_mtp: bool) -> set[str]:
+    """The float linears of ``float_names`` that :func:`bits_at_load` builds from their bf16 bits: the
+    model's ``nn.Linear`` modules whose weight is stored in bf16, with no bias."""
+    with torch.device("meta"):
+        meta = DeepseekV3ForCausalLM(cfg, dtype=torch.float32, with_mtp=with_mtp)
+    linears = {n for n, m in meta.named_modules() if type(m) is nn.Linear}
+    return {n[: -len(".weight")] for n in float_names if n.endswith(".weight") and n[: -len(".weight")] in linears
+            and src.where[n].info(n).dtype == "BF16" and n[: -len(".weight")] + ".bias" not in src.where}
 
 
 def linears_by_layer(prefixes: Iterable[str], skip: Iterable[int] = ()) -> list[tuple[Optional[int], list[str]]]:
