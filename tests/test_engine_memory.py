@@ -17,7 +17,7 @@ def test_estimate_and_refusal(tmp_path, monkeypatch):
     (tmp_path / "a.safetensors").write_bytes(b"\0" * 1000)       # unreadable headers: counted as float
     (tmp_path / "b.safetensors").write_bytes(b"\0" * 3000)
     assert memory.weight_bytes(str(tmp_path)) == 4000
-    assert memory.engine_bytes(str(tmp_path)) == 4000 * memory.FLOAT_FACTOR // 2 + memory.FIXED_BYTES
+    assert memory.engine_bytes(str(tmp_path)) == 4000 * memory.FLOAT_MODEL_FACTOR // 2 + memory.FIXED_BYTES
     assert memory.weight_bytes("s3://bucket/model") is None
     need = memory.engine_bytes(str(tmp_path))
     monkeypatch.setattr(memory, "available_bytes", lambda: 2 * need)
@@ -30,20 +30,35 @@ def test_estimate_and_refusal(tmp_path, monkeypatch):
     memory.check_fits(str(tmp_path), engines=3)
 
 
-def test_int8_weights_are_held_once_float_ones_widened_and_the_largest_layer_once_more(tmp_path):
-    """What the loader holds (the module docstring): int8 bytes once, float values as float32 plus a bf16
-    copy, and the largest layer once more while it is read and packed."""
+def test_int8_weights_are_held_once_float_ones_by_what_they_become_and_the_largest_layer_once_more(tmp_path):
+    """What the loader holds (the module docstring): int8 bytes once; a quantized output's bias-free bf16
+    float linear as bf16 bits (kv_b_proj also as the attention's forms), every other float value as
+    float32, each float linear as float32 where the C float kernels do not run; a float checkpoint's
+    values as float32 and a bf16 copy; and the largest layer once more while it is read and packed."""
     import torch
     from safetensors.torch import save_file
 
     save_file({"model.layers.0.mlp.w": torch.zeros(1000, dtype=torch.int8),
                "model.layers.1.mlp.w": torch.zeros(3000, dtype=torch.int8),
                "model.layers.1.mlp.s": torch.zeros(10, dtype=torch.float32),
-               "lm_head.weight": torch.zeros(500, dtype=torch.bfloat16)}, str(tmp_path / "a.safetensors"))
-    w = memory.tensor_bytes(str(tmp_path))
-    assert (w.total, w.largest_layer) == (1000 + 3000 + 40 + 1000, 3040)
-    assert w.held == 1000 + 3000 + 10 * memory.FLOAT_FACTOR + 500 * memory.FLOAT_FACTOR
-    assert memory.engine_bytes(str(tmp_path)) == w.held + 3040 + memory.FIXED_BYTES
+               "model.layers.1.self_attn.kv_b_proj.weight": torch.zeros(4, 5, dtype=torch.bfloat16),
+               "model.layers.1.mlp.gate.weight": torch.zeros(2, 5, dtype=torch.bfloat16),     # the router
+               "model.layers.1.eh_proj.weight": torch.zeros(3, 5, dtype=torch.float16),       # not bf16
+               "model.layers.1.o_proj.weight": torch.zeros(3, 5, dtype=torch.bfloat16),       # with a bias
+               "model.layers.1.o_proj.bias": torch.zeros(3, dtype=torch.float32),
+               "model.embed_tokens.weight": torch.zeros(7, 5, dtype=torch.bfloat16),
+               "lm_head.weight": torch.zeros(100, 5, dtype=torch.bfloat16)}, str(tmp_path / "a.safetensors"))
+    layer1 = 3000 + 40 + 40 + 20 + 30 + 30 + 12
+    floats = 10 + 2 * 5 + 3 * 5 + 3 * 5 + 3 + 7 * 5           # the values held as float32 either way
+    as_float = memory.tensor_bytes(str(tmp_path), bits=True)   # no description: a float checkpoint
+    assert (as_float.total, as_float.largest_layer) == (1000 + layer1 + 70 + 1000, layer1)
+    assert as_float.held == 1000 + 3000 + (floats + 20 + 500) * memory.FLOAT_MODEL_FACTOR
+    (tmp_path / "quant_model_description.json").write_text("{}")
+    w = memory.tensor_bytes(str(tmp_path), bits=True)
+    assert w.held == 1000 + 3000 + floats * memory.FLOAT_FACTOR + 20 * memory.KV_B_FACTOR + 500 * memory.BITS_FACTOR
+    assert memory.engine_bytes(str(tmp_path)) == memory.tensor_bytes(str(tmp_path)).held + layer1 + memory.FIXED_BYTES
+    wide = memory.tensor_bytes(str(tmp_path), bits=False)
+    assert wide.held == 1000 + 3000 + (floats + 500) * memory.FLOAT_FACTOR + 20 * memory.KV_B_WIDE_FACTOR
 
 
 def test_available_bytes_reads_the_machine():
@@ -76,3 +91,4 @@ def test_without_the_mtp_layer_its_tensors_are_not_counted(tmp_path):
                "lm_head.weight": torch.zeros(10, dtype=torch.bfloat16)}, str(tmp_path / "a.safetensors"))
     assert memory.weight_bytes(str(tmp_path), with_mtp=False) == 100 + 20
     assert memory.weight_bytes(str(tmp_path)) == 100 + 1000 + 20
+

@@ -136,6 +136,51 @@ def test_absorbed_call_equals_attention_between_the_bmms(nz, int8, dtype):
 
 
 @needs_native
+@pytest.mark.parametrize("nz,int8,dtype", KINDS[:2])
+def test_bf16_absorbed_weights_give_their_float32_copies_bits(nz, int8, dtype):
+    """W_UK / W_UV^T of bf16 values, passed as bf16 (what NativeAttention keeps: the kernel widens each value
+    exactly and runs the same FMA chains) or as their float32 copies: the same bits."""
+    lengths = [1, 17, 64, 200]
+    H, dn, C, dv = 4, 24, 72, 40
+    cache, tables, _, qp = _setup(lengths, nz, int8, dtype, C=C, R=24, H=H)
+    w_uk, w_uv_t = (w.bfloat16() for w in _absorbed_weights(H, dn, C, dv))
+    q_nope = torch.randn(len(lengths), H, dn, generator=torch.Generator().manual_seed(6))
+    batch = DecodeBatch.build(tables, lengths, 16, cache.num_blocks)
+    wide = cpu_attention.decode_attention(q_nope, qp, cache, batch, SCALE, w_uk=w_uk.float(), w_uv_t=w_uv_t.float())
+    assert torch.equal(cpu_attention.decode_attention(q_nope, qp, cache, batch, SCALE, w_uk=w_uk, w_uv_t=w_uv_t), wide)
+
+
+@needs_native
+def test_the_backend_keeps_bf16_forms_and_kv_b_projs_bits():
+    """NativeAttention with C decode and prefill: a float32 kv_b_proj of bf16 values gives bf16 absorbed
+    forms equal to its values, and the prefill's pack is the C float linear's own bits (no second copy),
+    the same bits mha.native_weights packs."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from pipeline.engine.attention import mha_prefill as mha
+    from pipeline.engine.attention.backends import NativeAttention
+    from pipeline.engine.native.cpu_float import NativeLinear
+
+    H, dn, dv, C = 4, 16, 8, 32
+    lin = nn.Linear(C, H * (dn + dv), bias=False)
+    lin.weight.data = torch.randn(H * (dn + dv), C, generator=torch.Generator().manual_seed(3)).bfloat16().float()
+    kv_b = NativeLinear(lin)
+    assert kv_b.compact()
+    w = kv_b.weight.view(H, dn + dv, C)
+    attn = SimpleNamespace(kv_b_proj=kv_b, absorbed_weights=lambda: (w[:, :dn], w[:, dn:]))
+    backend = NativeAttention()
+    if backend._prefill_libs[0] is None:
+        pytest.skip("no vectorized MHA prefill library here: the torch prefill keeps the float32 forms")
+    got = backend.weights(attn)
+    assert got.w_pack is kv_b.packed() and got.w_kv is None
+    assert torch.equal(got.w_pack, mha.native_weights(mha.kv_weights(w[:, :dn].float(), w[:, dn:].transpose(1, 2))))
+    assert got.w_uk.dtype == got.w_uv_t.dtype == torch.bfloat16
+    assert torch.equal(got.w_uk.float(), w[:, :dn]) and torch.equal(got.w_uv_t.float(), w[:, dn:].transpose(1, 2))
+
+
+@needs_native
 def test_absorbed_call_refuses_mismatched_weights():
     cache, tables, _, qp = _setup([20, 3], nz=False, int8=True)
     batch = DecodeBatch.build(tables, [20, 3], 16, cache.num_blocks)

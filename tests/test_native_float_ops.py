@@ -172,6 +172,39 @@ def test_linear_state_dict_edits_fallbacks_and_refusals():
 
 
 @needs_native
+def test_a_compact_linear_holds_only_its_bits_and_computes_the_same():
+    """NativeLinear.compact (what the engine's loader does): no float32 parameter left, the bits its only
+    copy; the same outputs bit for bit on the C path and on the torch path (> LINEAR_C_ROWS rows: F.linear
+    over the weight read back), the same refusal of another dtype, the same state dict, and a state dict or
+    ``.to()`` make it a plain module again."""
+    lin = _head(70, 96, seed=3)
+    plain, nat = NativeLinear(lin), NativeLinear(_head(70, 96, seed=3))
+    assert nat.compact() and nat.is_compact() and list(dict(nat.named_parameters())) == []
+    assert "weight" not in nat._parameters and nat.packed().numel() * 4 == 2 * 80 * 96     # 2 bytes a value
+    assert torch.equal(nat.weight, lin.weight) and nat.weight.dtype == torch.float32
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for x in (torch.randn(5, 96, generator=g), torch.randn(LINEAR_C_ROWS + 1, 96, generator=g)):
+            assert torch.equal(nat(x), plain(x)), x.shape
+        with pytest.raises(RuntimeError, match="dtype"):                 # F.linear, as nn.Linear
+            nat(torch.randn(3, 96, generator=g).bfloat16())
+    sd = nat.state_dict()
+    assert list(sd) == ["weight"] and torch.equal(sd["weight"], lin.weight)
+    other = _head(70, 96, seed=9)
+    nat.load_state_dict(other.state_dict())                              # a plain module again, re-packed
+    assert not nat.is_compact() and torch.equal(nat.weight, other.weight)
+    x = torch.randn(2, 96, generator=g)
+    with torch.no_grad():
+        assert torch.equal(nat(x), NativeLinear(other)(x))
+        assert nat.compact() and torch.equal(nat(x), NativeLinear(other)(x))
+        nat.to(torch.float32)
+        assert not nat.is_compact() and torch.equal(nat(x), NativeLinear(other)(x))
+    odd = NativeLinear(_head(8, 24))
+    odd.load_state_dict({"weight": torch.randn(8, 24)})                  # not bf16 values: no bits to keep
+    assert not odd.compact() and "weight" in odd._parameters
+
+
+@needs_native
 @pytest.mark.parametrize("xdt,wdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                      (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("shape", [(4, 5, 72), (1, 512), (3, 7), (0, 16)])
@@ -364,6 +397,7 @@ def test_the_loader_swaps_them_where_native(qdir, monkeypatch):
     assert type(model.model.layers[3].mlp) is MoE and type(model.model.layers[0].self_attn.kv_b_proj) is NativeLinear
     assert not any(type(m) in (RMSNorm, Router) for m in model.modules())
     assert model.lm_head.weight.dtype == torch.float32                 # what reference.py builds its cache from
+    assert all(m.is_compact() for m in model.modules() if isinstance(m, NativeLinear))   # bf16 bits only
     from pipeline.assets import EMBEDDED_MODEL_DIR
 
     f32 = load_model(EMBEDDED_MODEL_DIR).model                         # load_float: the float model

@@ -11,6 +11,10 @@ tcmalloc for the same reason (its docs); here glibc's own knobs, set once per pr
   M_TOP_PAD         64 MiB: the heap grows in steps this large
 
 ``DSQUANT_MALLOC_TUNING=0`` leaves malloc as it is. Other C libraries (musl, macOS): nothing is done.
+
+Loading is the other way round: a layer's temporaries (blocks under glibc's mmap threshold, which it
+raises as large blocks are freed) come from the heap and, freed between blocks still held, stay in the
+process. :func:`release` hands such free pages back (malloc_trim), what a loader calls after each layer.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
 SETTINGS = {M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 1 << 30, M_TOP_PAD: 64 << 20}
 
 _applied: bool | None = None
+_libc = None
 
 
 def tune() -> bool:
@@ -31,10 +36,33 @@ def tune() -> bool:
     global _applied
     if _applied is None:
         _applied = False
-        if os.environ.get("DSQUANT_MALLOC_TUNING", "1") != "0" and platform.libc_ver()[0] == "glibc":
+        libc = _glibc() if os.environ.get("DSQUANT_MALLOC_TUNING", "1") != "0" else None
+        if libc is not None:
             try:
-                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
                 _applied = all(libc.mallopt(k, v) == 1 for k, v in SETTINGS.items())
-            except (OSError, AttributeError):
+            except AttributeError:
                 pass
     return _applied
+
+
+def release() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing)."""
+    libc = _glibc()
+    if libc is not None:
+        try:
+            libc.malloc_trim(0)
+        except AttributeError:
+            pass
+
+
+def _glibc():
+    """glibc (ctypes), or None for another C library or where it cannot be opened."""
+    global _libc
+    if _libc is None:
+        _libc = False
+        if platform.libc_ver()[0] == "glibc":
+            try:
+                _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            except OSError:
+                pass
+    return _libc or None

@@ -31,6 +31,8 @@ from pipeline.engine.attention.paged import paged_prefill_attention
 from pipeline.engine.cache.paged_cache import PagedLatentCache
 from pipeline.engine.config import NATIVE, TRITON, Kernels
 from pipeline.engine.native import cpu_attention, hugepages
+from pipeline.engine.native.bf16_pack import bf16_representable
+from pipeline.engine.native.cpu_float import NativeLinear
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,8 @@ class LayerWeights:
     """A layer's absorbed weights, contiguous: W_UK [H, d_n, C], W_UV^T [H, C, d_v], the MHA prefill's
     kv_weights [H, C, d_n + d_v], and the C prefill's packed form of the last (None where that call does not
     run). float32, except where the C kernels do both the decode and the prefill (NativeAttention): then the
-    first two are in the checkpoint's dtype and kv_weights is None."""
+    first two are in the checkpoint's dtype (bf16 where they hold bf16 values), kv_weights is None, and the
+    packed form is kv_b_proj's own bits where the C float linear holds them."""
 
     w_uk: torch.Tensor
     w_uv_t: torch.Tensor
@@ -90,9 +93,11 @@ class TorchAttention:
     def weights(self, attn) -> LayerWeights:
         w = self._weights.get(id(attn))
         if w is None:
-            w_uk, w_uv = attn.absorbed_weights()
-            w = self._weights[id(attn)] = self._make_weights(w_uk, w_uv)
+            w = self._weights[id(attn)] = self._layer_weights(attn)
         return w
+
+    def _layer_weights(self, attn) -> LayerWeights:
+        return self._make_weights(*attn.absorbed_weights())
 
     def _make_weights(self, w_uk: torch.Tensor, w_uv: torch.Tensor) -> LayerWeights:
         w_uk, w_uv_t = w_uk.float().contiguous(), w_uv.float().transpose(1, 2).contiguous()
@@ -150,17 +155,26 @@ class NativeAttention(TorchAttention):
         # the MHA prefill's library (its vector loops built, for float32; any build, for bf16): chosen now
         self._prefill_libs = (mha.serving_library(), mha.library()) if mha_prefill else (None, None)
 
-    def _make_weights(self, w_uk, w_uv) -> LayerWeights:
+    def _layer_weights(self, attn) -> LayerWeights:
+        kv_b = getattr(attn, "kv_b_proj", None)       # its bf16 bits, where the C float linear holds them
+        return self._make_weights(*attn.absorbed_weights(), kv_b.packed() if isinstance(kv_b, NativeLinear) else None)
+
+    def _make_weights(self, w_uk, w_uv, bits: Optional[torch.Tensor] = None) -> LayerWeights:
+        """``bits``: kv_b_proj's packed bf16 bits (cpu_float.NativeLinear), which are the MHA prefill's packed
+        form (mha.native_weights packs the same [H * (d_n + d_v), C] matrix), taken instead of a second copy."""
         lib = self._prefill_libs[0] if w_uk.dtype == torch.float32 else self._prefill_libs[1]
         w = super()._make_weights(w_uk, w_uv)
         if not (self.mha_prefill and lib is not None):
             return w
-        w_pack = mha.native_weights(w.w_kv)
+        w_pack = bits if bits is not None else mha.native_weights(w.w_kv)
         if w_pack is None or not self.absorbs or w_uk.dtype not in (torch.float32, torch.bfloat16):
             return LayerWeights(w.w_uk, w.w_uv_t, w.w_kv, w_pack)
-        # C decode and C prefill: the decode reads the absorbed weights as the checkpoint stores them (bf16:
-        # the same products as their float32 copies, half the bytes a step reads), the prefill its packed
-        # form; no float32 copy is kept
+        # C decode and C prefill: the decode reads the absorbed weights as the checkpoint stores them, bf16
+        # (float32 weights of bf16 values narrowed exactly: the kernel widens each value back and runs the
+        # same FMA chains, so the same bits as from float32 copies, half the bytes a step reads), the
+        # prefill its packed form; no float32 copy is kept
+        if w_uk.dtype == torch.float32 and bf16_representable(w_uk) and bf16_representable(w_uv):
+            w_uk, w_uv = w_uk.bfloat16(), w_uv.bfloat16()
         return LayerWeights(hugepages.copy(w_uk), hugepages.copy(w_uv.transpose(1, 2)), None, w_pack)
 
     def write(self, cache, slots, c, k_pe) -> None:

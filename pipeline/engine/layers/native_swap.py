@@ -24,7 +24,7 @@ log = logging.getLogger("dsquant.kernels")
 def use_kernels(model: nn.Module, kernels: Kernels) -> None:
     """Give ``model`` ``kernels``: its int8 linears and int8 MoEs run their C kernels or not as
     ``kernels.linears`` says (on a triton backend the linears' and the MoE's Triton GEMMs), and the float C modules are
-    swapped in where ``kernels.float_ops``."""
+    swapped in where ``kernels.float_ops`` (each float linear's bf16 bits its only copy: NativeLinear.compact)."""
     from pipeline.engine.layers.moe import Int8MoE
     from pipeline.engine.layers.qlinear import Int8Linear
 
@@ -34,7 +34,7 @@ def use_kernels(model: nn.Module, kernels: Kernels) -> None:
         elif isinstance(m, Int8MoE):
             m.native, m.backend = kernels.linears, kernels.backend
     if kernels.float_ops:
-        use_native_float_ops(model)
+        use_native_float_ops(model, compact=True)
 
 
 def compact_linears(module: nn.Module) -> None:
@@ -82,35 +82,42 @@ def _swap(name: str, mod: nn.Module, float_model: bool) -> Optional[tuple[nn.Mod
     return None
 
 
-def use_native_float_ops(model: nn.Module) -> dict[str, int]:
+def use_native_float_ops(model: nn.Module, compact: bool = False) -> dict[str, int]:
     """Swap the C modules into ``model`` (in place); the counts per kind. Any model: the lm_head / MTP head
     when a float32 linear of bf16 values, every RMSNorm of a float32 or bf16 weight, every Router that fits
     (groups of >= 2 experts). A float model (no int8 linear) also: every MoE whose experts fit and every
     dense MLP (cpu_float_ffn: their linears, and a MoE's shared expert, run inside the C call and stay
     nn.Linear for the torch fallback). Every model: every other bias-free float32 linear of bf16 values
     (a quantized model's float MTP layer's included; its MoE stays torch, its experts' linears swapped).
-    Nothing when the library is not available (:func:`status` says why)."""
+    ``compact``: each NativeLinear keeps its bf16 bits as the only copy of its weight (NativeLinear.compact),
+    made so as it is swapped in, so that no more than one float32 weight and its bits are held at once
+    beyond the model's. Nothing when the library is not available (:func:`status` says why)."""
     counts = dict.fromkeys(("lm_head", "linear", "rms_norm", "router", "moe", "mlp"), 0)
     if _LIB.library() is None:
         return counts
     float_model = not _quantized(model) and cpu_float_ffn.library() is not None
-    swaps, inside = [], []                       # inside: prefixes computed within a swapped C block
-    for name, mod in model.named_modules():
+    inside = []                                  # prefixes computed within a swapped C block
+    # parents first (named_modules' order): a MoE's router is then set on the NativeFloatMoE, which holds it;
+    # each entry let go as it is taken, so that a swapped linear's float32 weight is freed then
+    modules = list(model.named_modules())
+    for i, (name, mod) in enumerate(modules):
+        modules[i] = None
         if not name or any(name == p or name.startswith(p + ".") for p in inside):
             continue
         new = _swap(name, mod, float_model)
         if new is None:
             continue
-        swaps.append((name, *new))
-        if new[1] == "mlp":
+        module, kind = new
+        if kind == "mlp":
             inside.append(name)
-        elif new[1] == "moe":
+        elif kind == "moe":
             inside.append(name + ".experts")
             if cpu_float_ffn.plain_mlp(mod.shared_experts):
                 inside.append(name + ".shared_experts")
-    for name, new, kind in swaps:                # parents first (named_modules' order): a MoE's router is
-        parent, _, child = name.rpartition(".")  # then set on the NativeFloatMoE, which holds it
-        setattr(model.get_submodule(parent), child, new)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, module)
+        if compact and isinstance(module, NativeLinear):
+            module.compact()
         counts[kind] += 1
     log.info("native float ops: %s", counts)
     return counts

@@ -27,16 +27,27 @@ def packed_shape(n: int, k: int) -> tuple[int, int, int]:
 
 
 def pack_bf16(w: torch.Tensor, name: str = "weight") -> torch.Tensor:
-    """A float32 [n, k] weight of bf16 values -> its packed bf16 bits (module docstring), int32, contiguous,
-    on the CPU. ValueError naming ``name`` for another shape or dtype, or values that are not bf16."""
-    if w.dim() != 2 or w.dtype != torch.float32 or 0 in w.shape:
-        raise ValueError(f"{name}: a float32 [n, k] weight is needed, got {w.dtype} {tuple(w.shape)}")
+    """A float32 [n, k] weight of bf16 values, or a bf16 one, -> its packed bf16 bits (module docstring),
+    int32, contiguous, on the CPU. ValueError naming ``name`` for another shape or dtype, or float32 values
+    that are not bf16 values."""
+    if w.dim() != 2 or w.dtype not in (torch.float32, torch.bfloat16) or 0 in w.shape:
+        raise ValueError(f"{name}: a float32 or bf16 [n, k] weight is needed, got {w.dtype} {tuple(w.shape)}")
     w = w.detach().cpu()
-    if not bf16_representable(w):
+    if w.dtype == torch.float32 and not bf16_representable(w):
         raise ValueError(f"{name}: float32 values that are not bf16 values (the packed form holds bf16 bits)")
     n, k = w.shape
     nb, kh, _ = packed_shape(n, k)
-    bits = F.pad(w.to(torch.bfloat16).view(torch.int16), (0, 2 * kh - k, 0, 16 * nb - n))
+    bits = w.to(torch.bfloat16).view(torch.int16)
+    if (n, k) != (16 * nb, 2 * kh):                          # (no padded copy of a weight that needs none)
+        bits = F.pad(bits, (0, 2 * kh - k, 0, 16 * nb - n))
     out = hugepages.empty((nb, kh, 16, 2), torch.int16)      # huge-page backed: the GEMMs stream it
     out.copy_(bits.view(nb, 16, kh, 2).permute(0, 2, 1, 3))
     return out.view(torch.int32).view(nb, kh, 16)
+
+
+def unpack_bf16(bits: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The float32 [n, k] weight that :func:`pack_bf16` packed into ``bits`` (a new tensor; exact: the bf16
+    values widened)."""
+    nb, kh, _ = packed_shape(n, k)
+    w = bits.view(torch.int16).view(nb, kh, 16, 2).permute(0, 2, 1, 3).reshape(16 * nb, 2 * kh)[:n, :k]
+    return w.contiguous().view(torch.bfloat16).float()

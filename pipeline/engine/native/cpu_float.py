@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.cbuild import EXACT_FLAGS, NativeLibrary
-from pipeline.engine.native.bf16_pack import bf16_representable, pack_bf16
+from pipeline.engine.native.bf16_pack import bf16_representable, pack_bf16, unpack_bf16
 from pipeline.model.ffn import Router
 from pipeline.model.norm import RMSNorm
 from pipeline.model.rope import apply_rope
@@ -136,7 +136,13 @@ class NativeLinear(nn.Linear):
     bytes; re-packed when the weight changes, in place or replaced). forward: float32 x [..., k] on the CPU
     with at most LINEAR_C_ROWS rows -> x @ W.T in C (float32 accumulation, csrc/bf16_gemm.h); anything else
     (more rows, another dtype or device, autograd, torch.compile tracing, a weight no longer of bf16
-    values) -> F.linear with the float32 weight, nn.Linear's own op."""
+    values) -> F.linear with the float32 weight, nn.Linear's own op.
+
+    :meth:`compact` (what an engine's loader does: native_swap.use_kernels) makes the packed bits the only
+    copy, 2 bytes a value instead of 4 + 2: the ``weight`` parameter is released and ``weight`` reads it
+    back from the bits on each access (float32, a new tensor, exactly the values it held: the torch
+    path's F.linear and ``state_dict()`` then pay that widening, the C path never does); loading a state
+    dict, assigning a weight or ``.to()`` make the module a plain one again."""
 
     def __init__(self, linear: nn.Linear):
         nn.Module.__init__(self)
@@ -144,15 +150,70 @@ class NativeLinear(nn.Linear):
         if linear.bias is not None or w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
             raise ValueError(f"{type(self).__name__}: a bias-free linear whose weight is float32 on the CPU is "
                              f"needed (weight {w.dtype} {tuple(w.shape)} on {w.device}, bias {linear.bias is not None})")
-        self.out_features, self.in_features = w.shape
         self.weight = w
+        self._start(w, pack_bf16(w, f"{type(self).__name__} weight"))    # ValueError: not bf16 values
+
+    @classmethod
+    def from_bf16(cls, weight: torch.Tensor, name: str = "weight") -> "NativeLinear":
+        """A compact module (:meth:`compact`) of the bf16 [n, k] ``weight`` (a checkpoint's, as read): its bits
+        packed straight from it, never widened to float32; the same module as NativeLinear of the widened
+        weight, compacted."""
+        if weight.dtype != torch.bfloat16:
+            raise ValueError(f"{name}: a bf16 weight is needed, got {weight.dtype}")
+        mod = cls.__new__(cls)
+        nn.Module.__init__(mod)
+        mod._start(None, pack_bf16(weight, name), weight.shape)
+        mod.__dict__["_compact"] = True
+        return mod
+
+    def _start(self, w: Optional[torch.Tensor], bits: torch.Tensor, shape: Optional[torch.Size] = None) -> None:
+        self.out_features, self.in_features = w.shape if w is not None else shape
         self.register_parameter("bias", None)
-        self._packed = (w, w._version, pack_bf16(w, f"{type(self).__name__} weight"))   # ValueError: not bf16
+        self._packed = (w, None if w is None else w._version, bits)
+        self.register_state_dict_post_hook(_with_weight)
+        self.register_load_state_dict_pre_hook(_loading)
+
+    def __getattr__(self, name: str):
+        if name == "weight" and self.__dict__.get("_compact"):
+            return unpack_bf16(self._packed[2], self.out_features, self.in_features)
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "weight":                    # a weight assigned: a plain module again
+            self.__dict__.pop("_compact", None)
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, recurse=True):
+        self.expand()                           # .to(), .float(), ...: on the float32 parameter
+        return super()._apply(fn, recurse)
+
+    def is_compact(self) -> bool:
+        return bool(self.__dict__.get("_compact"))
+
+    def compact(self) -> bool:
+        """Keep the packed bits as the only copy of the weight (class docstring); False (nothing done) where
+        the weight holds other values than bf16's (then there are no bits to keep)."""
+        if self.is_compact():
+            return True
+        if self.packed() is None:
+            return False
+        del self._parameters["weight"]
+        self._packed = (None, None, self._packed[2])
+        self.__dict__["_compact"] = True
+        return True
+
+    def expand(self) -> None:
+        """A compact module's weight back as its float32 parameter (a plain module again)."""
+        if self.is_compact():
+            self.weight = nn.Parameter(self.weight, requires_grad=False)
+            self._packed = (self._parameters["weight"], self._parameters["weight"]._version, self._packed[2])
 
     def packed(self) -> Optional[torch.Tensor]:
         """The weight's packed bf16 bits, None when it holds other values (then forward is F.linear)."""
-        w = self.weight
         src, version, bits = self._packed
+        if self.is_compact():
+            return bits
+        w = self.weight
         if src is not w or version != w._version:
             wd = w.detach()
             ok = wd.dtype == torch.float32 and wd.device.type == "cpu" and bf16_representable(wd)
@@ -161,10 +222,10 @@ class NativeLinear(nn.Linear):
         return bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, k = self.weight, self.in_features
+        k, w = self.in_features, self._parameters.get("weight")     # (None when compact: no gradient)
         if x.dtype != torch.float32 or not x.is_cpu or x.shape[-1] != k or torch.compiler.is_compiling() \
-                or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
-            return F.linear(x, w)
+                or (torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad))):
+            return F.linear(x, self.weight)
         if x.is_contiguous():
             m, ldx = x.numel() // k, k
         else:
@@ -172,7 +233,7 @@ class NativeLinear(nn.Linear):
         bits = self.packed() if m <= LINEAR_C_ROWS else None
         lib = _LIB.loaded() if bits is not None else None
         if lib is None:
-            return F.linear(x, w)
+            return F.linear(x, self.weight)
         out = torch.empty(x.shape[:-1] + (self.out_features,), dtype=torch.float32)
         if m:
             _check(lib.bf16_linear(*self.call_args(x, m, ldx, bits, out)), "linear")
@@ -198,6 +259,17 @@ class NativeLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias=False, C=bf16 bits"
+
+
+def _with_weight(module: NativeLinear, state_dict, prefix: str, local_metadata) -> None:
+    """state_dict post hook: a compact module's weight, read back from its packed bits."""
+    if module.is_compact():
+        state_dict[prefix + "weight"] = module.weight
+
+
+def _loading(module: NativeLinear, state_dict, prefix: str, *args) -> None:
+    """load_state_dict pre hook: a compact module loads into its weight parameter like any other."""
+    module.expand()
 
 
 #: The lm_head's former name (the same module: every bias-free bf16-valued float linear).

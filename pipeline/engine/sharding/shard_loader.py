@@ -14,7 +14,8 @@ from torch import nn
 from pipeline import layout
 from pipeline.engine.config import resolve
 from pipeline.engine.sharding.comm import Comm
-from pipeline.engine.worker.loader import LoadedModel
+from pipeline.engine.worker.loader import (LoadedModel, layer_unit, linears_by_layer, pack_layer, packs_at_load,
+                                          read_linears)
 from pipeline.engine.layers.moe import Int8Expert, is_int8_mlp
 from pipeline.engine.layers.qlinear import EXACT, build_int8_linear, by_linear
 from pipeline.engine.sharding.shard_spec import REPLICATED, ROW, VOCAB, expert_range, linear_role, part, tensor_slice
@@ -43,49 +44,64 @@ def held_parts(src: QuantizedSource, comm: Comm, with_mtp: bool) -> dict[str, ob
 
 def load_sharded(path: str, comm: Comm, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  with_mtp: bool = True, epilogue: str = EXACT, combine: str = REDUCE) -> LoadedModel:
+    """Rank ``comm.rank``'s shard of ``path``, read as ``loader.load_quantized`` reads a whole model: the
+    float parts first, then the linears one layer at a time, each layer's int8 linears packed for the C
+    kernels before the next is read (the pack their only copy: compact_linears) where those run them."""
     src = QuantizedSource(path)
     cfg, types, p, rank = src.config, src.types, comm.parallel, comm.rank
     p.check_config(cfg)
-    tensors = {n: t.to(device) for n, t in src.read(held_parts(src, comm, with_mtp)).items()}
-    quant = {_prefix(n) for n, t in types.items() if n.endswith(".weight") and t in QUANT_KINDS and n in tensors}
-    split = {_prefix(n) for n in tensors if n.endswith(".weight") and _prefix(n) not in quant
+    kernels = resolve(device)
+    parts = held_parts(src, comm, with_mtp)
+    quant = {_prefix(n) for n, t in types.items() if n.endswith(".weight") and t in QUANT_KINDS and n in parts}
+    split = {_prefix(n) for n in parts if n.endswith(".weight") and _prefix(n) not in quant
              and linear_role(cfg, _prefix(n))[0] != REPLICATED}
-    floats = {n: t for n, t in tensors.items() if types.get(n, FLOAT) == FLOAT and _prefix(n) not in quant
-              and _prefix(n) not in split}
-    model = build_model(cfg, floats, dtype=dtype, device=device, with_mtp=with_mtp and bool(cfg.mtp_layer_ids),
-                        strict=False)
-    index = by_linear(tensors)
-    for prefix in sorted(quant | split):
-        parent_name, _, child = prefix.rpartition(".")
-        parent = model.get_submodule(parent_name)     # "" (lm_head): the model itself
-        role, group, width = linear_role(cfg, prefix)
-        if prefix in quant:
-            module: nn.Module = build_int8_linear(prefix, types[prefix + ".weight"], index.get(prefix, {}),
-                                                  epilogue=epilogue)
-        else:
-            w = tensors[prefix + ".weight"].to(dtype)
-            if role == VOCAB:
-                module = (VocabEmbedding(w, part(width, p, rank, "tp")[0], comm) if child == "embed_tokens"
-                          else VocabHead(w, comm))
-            else:
-                module = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
-                module.weight = nn.Parameter(w, requires_grad=False)
-        if role == ROW:
-            module = RowParallel(module, comm, group)
-        elif role == VOCAB and prefix in quant:
-            raise ValueError(f"{path}: {prefix} is quantized; a vocab-parallel int8 head is not supported")
-        setattr(parent, child, module)
-    for layer in model.model.layers:
-        layer.self_attn.H = cfg.num_attention_heads // p.tp
-        if isinstance(layer.mlp, MoE):
-            layer.mlp = _sharded_moe(layer.mlp, cfg, comm, combine)
+    rest = {n: t.to(device) for n, t in src.read({n: s for n, s in parts.items()
+                                                   if _prefix(n) not in quant | split}).items()}
+    model = build_model(cfg, {n: t for n, t in rest.items() if types.get(n, FLOAT) == FLOAT}, dtype=dtype,
+                        device=device, with_mtp=with_mtp and bool(cfg.mtp_layer_ids), strict=False)
+    fa_k = {i: float(s.float().reshape(())) for i, s in fa_scales(rest).items()}
+    del rest
+    names = by_linear(parts)                               # {linear: {leaf: the part held}}
+    for layer, prefixes in linears_by_layer(quant | split):
+        index = read_linears(src, {f"{q}.{leaf}": s for q in prefixes for leaf, s in names[q].items()}, device)
+        for prefix in prefixes:
+            _install(model, prefix, index.pop(prefix), prefix in quant, types, cfg, comm, dtype, epilogue, path)
+        del index
+        unit = layer_unit(model, layer)
+        if layer is not None:
+            unit.self_attn.H = cfg.num_attention_heads // p.tp
+            if isinstance(unit.mlp, MoE):
+                unit.mlp = _sharded_moe(unit.mlp, cfg, comm, combine)
+        pack_layer(unit, packs_at_load(kernels, device))
     missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if missing:
         raise ValueError(f"{path}: rank {rank}: tensors missing for {missing[:5]}")
-    fa_k = {i: float(s.float().reshape(())) for i, s in fa_scales(tensors).items()}
     # the kernels of this device (the int8 linears take them when built; the float modules stay torch's,
     # as every rank must compute the router identically: sharded.py)
-    return LoadedModel(model.eval(), cfg, dict(types), fa_k, path, resolve(device))
+    return LoadedModel(model.eval(), cfg, dict(types), fa_k, path, kernels)
+
+
+def _install(model: nn.Module, prefix: str, params: dict[str, torch.Tensor], quantized: bool, types, cfg,
+             comm: Comm, dtype: torch.dtype, epilogue: str, path: str) -> None:
+    """The rank's module for linear ``prefix`` (its held tensors ``params`` by leaf) in place of the meta one."""
+    parent_name, _, child = prefix.rpartition(".")
+    parent = model.get_submodule(parent_name)     # "" (lm_head): the model itself
+    role, group, width = linear_role(cfg, prefix)
+    if quantized:
+        module: nn.Module = build_int8_linear(prefix, types[prefix + ".weight"], params, epilogue=epilogue)
+    else:
+        w = params["weight"].to(dtype)
+        if role == VOCAB:
+            module = (VocabEmbedding(w, part(width, comm.parallel, comm.rank, "tp")[0], comm)
+                      if child == "embed_tokens" else VocabHead(w, comm))
+        else:
+            module = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+            module.weight = nn.Parameter(w, requires_grad=False)
+    if role == ROW:
+        module = RowParallel(module, comm, group)
+    elif role == VOCAB and quantized:
+        raise ValueError(f"{path}: {prefix} is quantized; a vocab-parallel int8 head is not supported")
+    setattr(parent, child, module)
 
 
 def _expert(mlp: nn.Module) -> nn.Module:
@@ -100,8 +116,9 @@ def _sharded_moe(moe: MoE, cfg, comm: Comm, combine: str) -> ShardedMoE:
 
 def resident_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and buffer the rank's model holds, a compact int8 linear's weight (held as
-    the C kernels' pack: pipeline.engine.native.cpu_linear.compact) counted as its int8 bytes."""
-    from pipeline.engine.native import cpu_linear
+    the C kernels' pack: pipeline.engine.native.cpu_linear.compact) counted as its int8 bytes, a compact
+    float linear's (cpu_float.NativeLinear.compact) as its bf16 bits."""
+    from pipeline.engine.native import cpu_float, cpu_linear
 
     seen, n = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
@@ -109,4 +126,9 @@ def resident_bytes(model: nn.Module) -> int:
             continue
         seen.add(t.data_ptr())
         n += t.numel() * t.element_size()
-    return n + sum(m.out_features * m.in_features for m in model.modules() if cpu_linear.is_compact(m))
+    for m in model.modules():
+        if cpu_linear.is_compact(m):
+            n += m.out_features * m.in_features                  # int8
+        elif isinstance(m, cpu_float.NativeLinear) and m.is_compact():
+            n += 2 * m.out_features * m.in_features              # bf16
+    return n

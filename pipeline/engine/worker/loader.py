@@ -22,7 +22,7 @@ its cache holds the latent in the model's dtype (bf16 for the embedded model), n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -30,10 +30,12 @@ from torch import nn
 from pipeline import layout
 from pipeline.config import DeepseekV3Config
 from pipeline.model import DeepseekV3ForCausalLM, build_model
+from pipeline.engine import malloc_tuning
 from pipeline.engine.config import Kernels, resolve
 from pipeline.engine.layers.moe import fuse_moe_layers
 from pipeline.engine.layers.native_swap import compact_linears, use_kernels
 from pipeline.engine.layers.qlinear import EXACT, build_int8_linear, by_linear
+from pipeline.engine.native.cpu_float import NativeLinear
 from pipeline.format.description import DESCRIPTION_NAME, FLOAT, QUANT_KINDS
 from pipeline.format.reader import QuantizedSource, fa_scales
 from pipeline.io import storage
@@ -73,12 +75,14 @@ def load_quantized(path: str, dtype: torch.dtype = torch.float32, device: str = 
 
     The quantized linears are read one layer at a time, straight into their modules; where the C kernels
     run them (``kernels.linears``) each layer is packed into their layout before the next is read, the
-    pack the only copy of its weights (cpu_linear.compact, cpu_moe.compact). So the peak while loading is
-    the weights once plus about two layers, and no whole-checkpoint copy is ever held."""
+    pack the only copy of its weights (cpu_linear.compact, cpu_moe.compact). Where the C float kernels run
+    the float linears (:func:`bits_at_load`), those are read the same way, each built from its stored bf16
+    weight as the kernels' packed bits, never widened (cpu_float.NativeLinear.from_bf16). So the peak while
+    loading is the weights once plus about two layers, and no whole-checkpoint copy is ever held."""
     src = QuantizedSource(path)
     cfg, types = src.config, src.types
     kernels = kernels or resolve(device)
-    pack_now = kernels.linears and torch.device(device).type == "cpu"
+    pack_now = packs_at_load(kernels, device)
     quant = {n[: -len(".weight")] for n, t in types.items() if n.endswith(".weight") and t in QUANT_KINDS}
     skip = set() if with_mtp else set(cfg.mtp_layer_ids)
     float_names = [n for n in layout.checkpoint_shapes(cfg)
@@ -86,41 +90,95 @@ def load_quantized(path: str, dtype: torch.dtype = torch.float32, device: str = 
     # iter_smooth's biases on norms and on linears kept float (a quantized linear's is inside its quant_bias)
     float_names += [n for n in src.where if n.endswith(".bias") and types.get(n, FLOAT) == FLOAT
                     and n[: -len(".bias")] not in quant]
-    floats = src.read({n: "full" for n in float_names if layout.layer_of(n) not in skip})
-    model = build_model(cfg, floats, dtype=dtype, device=device, with_mtp=with_mtp and bool(cfg.mtp_layer_ids),
-                        strict=False)
+    with_mtp = with_mtp and bool(cfg.mtp_layer_ids)
+    bits = bf16_linears(src, cfg, float_names, with_mtp) if bits_at_load(kernels, device, dtype) else set()
+    floats = src.read({n: "full" for n in set(float_names) - {f"{p}.weight" for p in bits}
+                       if layout.layer_of(n) not in skip})
+    model = build_model(cfg, floats, dtype=dtype, device=device, with_mtp=with_mtp, strict=False)
     del floats
     fa_k = {i: float(s.float().reshape(())) for i, s in fa_scales(
         src.read({n: "full" for n in src.where if n.endswith("self_attn.fa_k.scale")})).items()}
     names = by_linear(dict.fromkeys(src.where))          # {linear: {leaf: None}}: each linear's tensor names
-    by_layer: dict[Optional[int], list[str]] = {}
-    for prefix in sorted(quant):
-        if layout.layer_of(prefix + ".weight") not in skip:
-            by_layer.setdefault(layout.layer_of(prefix + ".weight"), []).append(prefix)
-    for layer, prefixes in sorted(by_layer.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
-        index = by_linear(src.read({f"{p}.{leaf}": "full" for p in prefixes for leaf in names.get(p, ())}))
+    for layer, prefixes in linears_by_layer(quant | bits, skip):
+        index = read_linears(src, {f"{p}.{leaf}": "full" for p in prefixes for leaf in names.get(p, ())}, device)
         for prefix in prefixes:
-            parent_name, child = prefix.rsplit(".", 1)
-            parent = model.get_submodule(parent_name)
+            parent_name, _, child = prefix.rpartition(".")
+            parent = model.get_submodule(parent_name)     # "" (lm_head): the model itself
             if not isinstance(getattr(parent, child, None), nn.Linear):
                 raise ValueError(f"{path}: {prefix} is typed {types[prefix + '.weight']} but the model has no linear "
                                  f"there")
-            # the scales are copied out of the read buffer they share with the layer's weights (a view
-            # would keep the whole buffer alive after the weights are packed)
-            params = {leaf: v.to(device) if leaf == "weight" else v.to(device, copy=True)
-                      for leaf, v in index.pop(prefix, {}).items()}
-            setattr(parent, child, build_int8_linear(prefix, types[prefix + ".weight"], params, epilogue=epilogue))
+            params = index.pop(prefix, {})
+            setattr(parent, child, NativeLinear.from_bf16(params["weight"], f"{path}: {prefix}.weight")
+                    if prefix in bits else build_int8_linear(prefix, types[prefix + ".weight"], params,
+                                                             epilogue=epilogue))
         del index
-        unit = model if layer is None else model.model.layers[layer]
+        unit = layer_unit(model, layer)
         if fuse_moe:
             fuse_moe_layers(unit)
-        if pack_now:
-            compact_linears(unit)
+        pack_layer(unit, pack_now)
     missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if missing:
         raise ValueError(f"{path}: tensors missing for {missing[:5]}")
     use_kernels(model, kernels)
     return LoadedModel(model.eval(), cfg, dict(types), fa_k, path, kernels)
+
+
+def packs_at_load(kernels: Kernels, device: str) -> bool:
+    """Whether a loader packs each layer's int8 linears for the C kernels as it reads them (compact_linears):
+    where those kernels run them, on the CPU."""
+    return kernels.linears and torch.device(device).type == "cpu"
+
+
+def pack_layer(unit: nn.Module, pack: bool) -> None:
+    """The end of a layer's loading: its int8 linears packed for the C kernels, the pack their only copy
+    (compact_linears), where ``pack`` (:func:`packs_at_load`); then the heap's free pages handed back (its
+    read buffer's and temporaries: malloc_tuning.release), so that the next layer's peak does not stack on
+    them."""
+    if pack:
+        compact_linears(unit)
+    malloc_tuning.release()
+
+
+def bits_at_load(kernels: Kernels, device: str, dtype: torch.dtype) -> bool:
+    """Whether the float linears the C float kernels run (cpu_float.NativeLinear: a float32 model's bias-free
+    linears of bf16 values, native_swap.use_native_float_ops) are built at load straight from their stored
+    bf16 weights as compact modules, the bits the only copy, never widened to float32."""
+    return kernels.float_ops and torch.device(device).type == "cpu" and dtype == torch.float32
+
+
+def bf16_linears(src: QuantizedSource, cfg: DeepseekV3Config, float_names: Iterable[str], with_mtp: bool) -> set[str]:
+    """The float linears of ``float_names`` that :func:`bits_at_load` builds from their bf16 bits: the
+    model's ``nn.Linear`` modules whose weight is stored in bf16, with no bias."""
+    with torch.device("meta"):
+        meta = DeepseekV3ForCausalLM(cfg, dtype=torch.float32, with_mtp=with_mtp)
+    linears = {n for n, m in meta.named_modules() if type(m) is nn.Linear}
+    return {n[: -len(".weight")] for n in float_names if n.endswith(".weight") and n[: -len(".weight")] in linears
+            and src.where[n].info(n).dtype == "BF16" and n[: -len(".weight")] + ".bias" not in src.where}
+
+
+def linears_by_layer(prefixes: Iterable[str], skip: Iterable[int] = ()) -> list[tuple[Optional[int], list[str]]]:
+    """The linears ``prefixes`` grouped by layer in loading order, those outside a layer (lm_head,
+    embed_tokens) first, the layers in ``skip`` left out."""
+    out: dict[Optional[int], list[str]] = {}
+    skip = set(skip)
+    for prefix in sorted(prefixes):
+        layer = layout.layer_of(prefix + ".weight")
+        if layer not in skip:
+            out.setdefault(layer, []).append(prefix)
+    return sorted(out.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
+
+
+def layer_unit(model: DeepseekV3ForCausalLM, layer: Optional[int]) -> nn.Module:
+    """The module holding a layer's linears (``None``: the model itself, for lm_head / embed_tokens)."""
+    return model if layer is None else model.model.layers[layer]
+
+
+def read_linears(src: QuantizedSource, parts: Mapping[str, object], device: str) -> dict[str, dict[str, torch.Tensor]]:
+    """One layer's linears' tensors (``parts``: name -> what to read, QuantizedSource.read's) by linear and
+    leaf, on ``device``: the weights as read, every other tensor copied out of the read buffer it shares
+    with the layer's weights (a view would keep the whole buffer alive after the weights are packed)."""
+    return {prefix: {leaf: v.to(device) if leaf == "weight" else v.to(device, copy=True) for leaf, v in leaves.items()}
+            for prefix, leaves in by_linear(src.read(parts)).items()}
 
 
 def dir_kind(path: str) -> str:

@@ -4,10 +4,13 @@ memory monitor and restarted in a loop.
 
 The estimate follows what the loader holds (pipeline.engine.worker.loader, measured in docs/performance.md
 "Loading at real width"): every int8 weight once (read one layer at a time straight into the C kernels'
-packed layout, the pack the only copy), the float parts (embeddings, lm_head, kv_b_proj, norms, a FLOAT MTP
-layer) widened to float32 with a bf16 copy for the C linears: :data:`FLOAT_FACTOR` x their values, the
-largest layer once more while it is read and packed, and :data:`FIXED_BYTES` for the runtime and a default
-KV cache. Only the safetensors headers are read.
+packed layout, the pack the only copy); a quantized output's float parts by what they become
+(:func:`float_factor`): a float linear's weight (lm_head, the MTP layer's when FLOAT, eh_proj) as the C
+float kernels' bf16 bits only, 2 bytes a value (where those kernels run: :func:`float_bits`; else widened
+to float32), kv_b_proj's also as the attention's absorbed forms, everything else (embeddings, norms,
+router) widened to float32; a float checkpoint's values as float32 with a bf16 copy for the C kernels
+(:data:`FLOAT_MODEL_FACTOR`); the largest layer once more while it is read and packed, and
+:data:`FIXED_BYTES` for the runtime and a default KV cache. Only the safetensors headers are read.
 """
 
 from __future__ import annotations
@@ -19,10 +22,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from pipeline.format.description import DESCRIPTION_NAME
+
 FLOAT_DTYPES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F8_E5M2": 1}
-#: bytes held per float value: float32 (4) and the C linears' bf16 copy (2)
-FLOAT_FACTOR = 6
+#: bytes held per float value of a quantized output (module docstring): widened to float32
+FLOAT_FACTOR = 4
+#: ... a float linear's weight held as the C float kernels' bf16 bits only (cpu_float.NativeLinear.compact)
+BITS_FACTOR = 2
+#: ... kv_b_proj's: its bits (which the MHA prefill reads too) and the attention's absorbed W_UK / W_UV^T in
+#: bf16 (pipeline.engine.attention.backends.NativeAttention; float32 forms, 2 + 8, on a CPU without the
+#: prefill's vector loops); without the bits: the float32 weight, the float32 forms and the prefill's
+#: float32 form (4 + 4 + 4)
+KV_B_FACTOR, KV_B_WIDE_FACTOR = 2 + 2, 12
+#: bytes held per value of a float checkpoint: float32 (4) and the C kernels' bf16 copy of its MLPs (2)
+FLOAT_MODEL_FACTOR = 6
 FIXED_BYTES = int(1e9)
+_NOT_LINEARS = ("embed_tokens.weight", ".mlp.gate.weight")     # 2-D float weights that are not linears
 
 
 @dataclass
@@ -48,9 +63,36 @@ def _headers(files: list[Path]):
                 yield f, None
 
 
-def tensor_bytes(path: str, with_mtp: bool = True) -> Optional[WeightBytes]:
+def float_bits() -> bool:
+    """Whether an engine on this CPU holds a quantized output's float linears as bf16 bits: the C float
+    kernels run (pipeline.engine.config: the native backend, ``DSQUANT_NATIVE_FLOAT`` not 0), read from the
+    environment without building anything."""
+    from pipeline.engine import config
+
+    try:
+        return config.choose("cpu")[0] == config.NATIVE and os.environ.get("DSQUANT_NATIVE_FLOAT", "1") != "0"
+    except (RuntimeError, ValueError):
+        return False
+
+
+def float_factor(name: str, meta: dict, names, bits: bool) -> int:
+    """Bytes held per value of a quantized output's float tensor ``name`` (``meta``: its header entry;
+    ``names``: every tensor name of the directory, for a linear's bias; ``bits``: :func:`float_bits`). The
+    loader keeps only a bias-free linear's stored bf16 weight as bits."""
+    shape = meta.get("shape", ())
+    if len(shape) != 2 or not name.endswith(".weight") or name.endswith(_NOT_LINEARS) \
+            or name[: -len("weight")] + "bias" in names:
+        return FLOAT_FACTOR
+    bits = bits and meta.get("dtype") == "BF16"
+    if name.endswith("self_attn.kv_b_proj.weight"):
+        return KV_B_FACTOR if bits else KV_B_WIDE_FACTOR
+    return BITS_FACTOR if bits else FLOAT_FACTOR
+
+
+def tensor_bytes(path: str, with_mtp: bool = True, bits: Optional[bool] = None) -> Optional[WeightBytes]:
     """The tensor bytes of a local model directory (its *.safetensors files, from their headers; without
-    the MTP layer's tensors unless ``with_mtp``); None for a URL."""
+    the MTP layer's tensors unless ``with_mtp``); None for a URL. ``bits``: whether the C float kernels
+    hold the float linears as bf16 bits (default :func:`float_bits`)."""
     if "://" in path:
         return None
     files = sorted(Path(path).glob("*.safetensors"))
@@ -58,12 +100,16 @@ def tensor_bytes(path: str, with_mtp: bool = True) -> Optional[WeightBytes]:
         first_mtp = int(json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"])
     except (OSError, ValueError, KeyError, TypeError):
         first_mtp = None
+    quantized = (Path(path) / DESCRIPTION_NAME).is_file()
+    bits = float_bits() if bits is None else bits
+    headers = list(_headers(files))
+    names = {n for _, h in headers if h is not None for n in h}
     out, layers = WeightBytes(), {}
-    for f, header in _headers(files):
+    for f, header in headers:
         if header is None:                       # unreadable: count the file as float, the worst case
             size = f.stat().st_size
             out.total += size
-            out.held += size * FLOAT_FACTOR // 2
+            out.held += size * FLOAT_MODEL_FACTOR // 2
             continue
         for name, meta in header.items():
             if name == "__metadata__" or not isinstance(meta, dict):
@@ -76,7 +122,11 @@ def tensor_bytes(path: str, with_mtp: bool = True) -> Optional[WeightBytes]:
             a, b = meta.get("data_offsets", (0, 0))
             dt = meta.get("dtype")
             out.total += b - a
-            out.held += (b - a) // FLOAT_DTYPES[dt] * FLOAT_FACTOR if dt in FLOAT_DTYPES else b - a
+            if dt in FLOAT_DTYPES:
+                factor = float_factor(name, meta, names, bits) if quantized else FLOAT_MODEL_FACTOR
+                out.held += (b - a) // FLOAT_DTYPES[dt] * factor
+            else:
+                out.held += b - a
             if layer is not None:
                 layers[layer] = layers.get(layer, 0) + b - a
     out.largest_layer = max(layers.values(), default=0)
