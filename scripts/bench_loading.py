@@ -8,7 +8,11 @@ benchmarks/loading.json (--out) and prints one line per model. ``--tp N``: a sha
 instead (tensor parallel, one process each joined by gloo on this machine: shard_loader.load_sharded),
 each rank's peak while loading, RSS after one step together and resident bytes.
 
-    python scripts/bench_loading.py /data/rw-q [/data/rw-bf16 ...] [--mtp] [--tp N] [--out benchmarks/loading.json]
+    python scripts/bench_loading.py /data/rw-q [/data/rw-bf16 ...] [--mtp | --also-mtp] [--tp N] [--out benchmarks/loading.json]
+
+The float engine on a bf16 checkpoint at real width, without and with its MTP layer:
+
+    python scripts/bench_loading.py /work/ckpt/rw-3l-16e --also-mtp --out benchmarks/loading_float.json
 """
 
 from __future__ import annotations
@@ -101,10 +105,18 @@ def measure(path: str, mtp: bool) -> dict:
     return r
 
 
+def report(r: dict) -> dict:
+    print(f"{r['model']}{' with MTP' if r['with_mtp'] else ''}: weights {r['weights_bytes'] / 1e9:.2f} GB, peak while "
+          f"loading {r['peak_loading_bytes'] / 1e9:.2f} GB ({r['peak_x']}x), after a step {r['steady_bytes'] / 1e9:.2f} "
+          f"GB ({r['steady_x']}x), the check said {r['estimate_bytes'] / 1e9:.2f} GB, loaded in {r['load_s']} s")
+    return r
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="+", help="quantized output directories or float checkpoints")
     ap.add_argument("--mtp", action="store_true", help="load the MTP layer too")
+    ap.add_argument("--also-mtp", action="store_true", help="measure each model without, then with its MTP layer")
     ap.add_argument("--tp", type=int, default=1, help="measure each rank of a replica sharded over this many "
                                                       "tensor-parallel ranks (processes on this machine)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "loading.json"))
@@ -118,11 +130,8 @@ def main(argv=None) -> int:
                       f"loading {r['peak_loading_bytes'] / 1e9:.2f} GB, after a step {r['steady_bytes'] / 1e9:.2f} GB, "
                       f"loaded in {r['load_s']} s")
             continue
-        r = measure(path, args.mtp)
-        rows.append(r)
-        print(f"{path}: weights {r['weights_bytes'] / 1e9:.2f} GB, peak while loading {r['peak_loading_bytes'] / 1e9:.2f} GB "
-              f"({r['peak_x']}x), after a step {r['steady_bytes'] / 1e9:.2f} GB ({r['steady_x']}x), the check said "
-              f"{r['estimate_bytes'] / 1e9:.2f} GB, loaded in {r['load_s']} s")
+        for mtp in ([False, True] if args.also_mtp else [args.mtp]):
+            rows.append(report(measure(path, mtp)))
     Path(args.out).write_text(json.dumps({"machine": platform.processor() or platform.machine(),
                                           "when": time.strftime("%Y-%m-%d"), "goal": "peak <= 1.3x weights + 2 GB",
                                           "runs": rows}, indent=1) + "\n")
