@@ -1,13 +1,18 @@
-"""Peak and steady memory of the engine loading a quantized output (issue: loading at real width).
+"""Peak and steady memory of the engine loading a model directory (issue: loading at real width).
 
-For each model directory, in a fresh process each: the tensors' bytes (the MTP layer left out unless
---mtp), the peak RSS while ``load_quantized`` runs, the RSS after one decode step, and what the replica's
-check before loading (pipeline/engine/worker/memory.py) said it would need. Writes
+For each model directory (a quantized output or a float checkpoint: loader.load_model takes either), in a
+fresh process each: the tensors' bytes (the MTP layer left out unless --mtp), the peak RSS while it loads,
+the RSS after one decode step, and what the replica's check before loading (pipeline/engine/worker/memory.py)
+said it would need. Writes
 benchmarks/loading.json (--out) and prints one line per model. ``--tp N``: a sharded replica's N ranks
 instead (tensor parallel, one process each joined by gloo on this machine: shard_loader.load_sharded),
 each rank's peak while loading, RSS after one step together and resident bytes.
 
-    python scripts/bench_loading.py /data/rw-q [/data/rw-q2 ...] [--mtp] [--tp N] [--out benchmarks/loading.json]
+    python scripts/bench_loading.py /data/rw-q [/data/rw-bf16 ...] [--mtp | --also-mtp] [--tp N] [--out benchmarks/loading.json]
+
+The float engine on a bf16 checkpoint at real width, without and with its MTP layer:
+
+    python scripts/bench_loading.py /work/ckpt/rw-3l-16e --also-mtp --out benchmarks/loading_float.json
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import json, sys, time, torch
-from pipeline.engine.worker.loader import load_quantized
+from pipeline.engine.worker.loader import load_model
 from pipeline.engine.worker import memory
 
 def status(key):
@@ -35,7 +40,7 @@ path, mtp = sys.argv[1], sys.argv[2] == "1"
 w = memory.tensor_bytes(path, mtp)
 base = status("VmRSS:")
 t = time.perf_counter()
-m = load_quantized(path, with_mtp=mtp)
+m = load_model(path, with_mtp=mtp)
 load_s = time.perf_counter() - t
 peak = status("VmHWM:")
 with torch.no_grad():
@@ -100,10 +105,18 @@ def measure(path: str, mtp: bool) -> dict:
     return r
 
 
+def report(r: dict) -> dict:
+    print(f"{r['model']}{' with MTP' if r['with_mtp'] else ''}: weights {r['weights_bytes'] / 1e9:.2f} GB, peak while "
+          f"loading {r['peak_loading_bytes'] / 1e9:.2f} GB ({r['peak_x']}x), after a step {r['steady_bytes'] / 1e9:.2f} "
+          f"GB ({r['steady_x']}x), the check said {r['estimate_bytes'] / 1e9:.2f} GB, loaded in {r['load_s']} s")
+    return r
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("models", nargs="+", help="quantized output directories")
+    ap.add_argument("models", nargs="+", help="quantized output directories or float checkpoints")
     ap.add_argument("--mtp", action="store_true", help="load the MTP layer too")
+    ap.add_argument("--also-mtp", action="store_true", help="measure each model without, then with its MTP layer")
     ap.add_argument("--tp", type=int, default=1, help="measure each rank of a replica sharded over this many "
                                                       "tensor-parallel ranks (processes on this machine)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "loading.json"))
@@ -117,11 +130,8 @@ def main(argv=None) -> int:
                       f"loading {r['peak_loading_bytes'] / 1e9:.2f} GB, after a step {r['steady_bytes'] / 1e9:.2f} GB, "
                       f"loaded in {r['load_s']} s")
             continue
-        r = measure(path, args.mtp)
-        rows.append(r)
-        print(f"{path}: weights {r['weights_bytes'] / 1e9:.2f} GB, peak while loading {r['peak_loading_bytes'] / 1e9:.2f} GB "
-              f"({r['peak_x']}x), after a step {r['steady_bytes'] / 1e9:.2f} GB ({r['steady_x']}x), the check said "
-              f"{r['estimate_bytes'] / 1e9:.2f} GB, loaded in {r['load_s']} s")
+        for mtp in ([False, True] if args.also_mtp else [args.mtp]):
+            rows.append(report(measure(path, mtp)))
     Path(args.out).write_text(json.dumps({"machine": platform.processor() or platform.machine(),
                                           "when": time.strftime("%Y-%m-%d"), "goal": "peak <= 1.3x weights + 2 GB",
                                           "runs": rows}, indent=1) + "\n")

@@ -33,8 +33,9 @@ def test_estimate_and_refusal(tmp_path, monkeypatch):
 def test_int8_weights_are_held_once_float_ones_by_what_they_become_and_the_largest_layer_once_more(tmp_path):
     """What the loader holds (the module docstring): int8 bytes once; a quantized output's bias-free bf16
     float linear as bf16 bits (kv_b_proj also as the attention's forms), every other float value as
-    float32, each float linear as float32 where the C float kernels do not run; a float checkpoint's
-    values as float32 and a bf16 copy; and the largest layer once more while it is read and packed."""
+    float32, each float linear as float32 where the C float kernels do not run; a float checkpoint's the
+    same way where they run (its linears read as bits: float_bits), else its values as float32 and a bf16
+    copy; and the largest layer once more while it is read and packed."""
     import torch
     from safetensors.torch import save_file
 
@@ -50,12 +51,15 @@ def test_int8_weights_are_held_once_float_ones_by_what_they_become_and_the_large
                "lm_head.weight": torch.zeros(100, 5, dtype=torch.bfloat16)}, str(tmp_path / "a.safetensors"))
     layer1 = 3000 + 40 + 40 + 20 + 30 + 30 + 12
     floats = 10 + 2 * 5 + 3 * 5 + 3 * 5 + 3 + 7 * 5           # the values held as float32 either way
+    as_bits = 1000 + 3000 + floats * memory.FLOAT_FACTOR + 20 * memory.KV_B_FACTOR + 500 * memory.BITS_FACTOR
     as_float = memory.tensor_bytes(str(tmp_path), bits=True)   # no description: a float checkpoint
     assert (as_float.total, as_float.largest_layer) == (1000 + layer1 + 70 + 1000, layer1)
+    assert as_float.held == as_bits
+    as_float = memory.tensor_bytes(str(tmp_path), bits=False)
     assert as_float.held == 1000 + 3000 + (floats + 20 + 500) * memory.FLOAT_MODEL_FACTOR
     (tmp_path / "quant_model_description.json").write_text("{}")
     w = memory.tensor_bytes(str(tmp_path), bits=True)
-    assert w.held == 1000 + 3000 + floats * memory.FLOAT_FACTOR + 20 * memory.KV_B_FACTOR + 500 * memory.BITS_FACTOR
+    assert w.held == as_bits
     assert memory.engine_bytes(str(tmp_path)) == memory.tensor_bytes(str(tmp_path)).held + layer1 + memory.FIXED_BYTES
     wide = memory.tensor_bytes(str(tmp_path), bits=False)
     assert wide.held == 1000 + 3000 + (floats + 500) * memory.FLOAT_FACTOR + 20 * memory.KV_B_WIDE_FACTOR
@@ -92,3 +96,14 @@ def test_without_the_mtp_layer_its_tensors_are_not_counted(tmp_path):
     assert memory.weight_bytes(str(tmp_path), with_mtp=False) == 100 + 20
     assert memory.weight_bytes(str(tmp_path)) == 100 + 1000 + 20
 
+
+
+def test_a_float_checkpoint_with_fp8_weights_counts_float32_and_a_bf16_copy(tmp_path):
+    """An FP8 checkpoint is dequantized to float32 values (not read as bits: float_bits.takes)."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"model.layers.0.mlp.down_proj.weight": torch.zeros(4, 4, dtype=torch.float8_e4m3fn),
+               "model.layers.0.mlp.down_proj.weight_scale_inv": torch.ones(1, 1, dtype=torch.float32),
+               "lm_head.weight": torch.zeros(10, 2, dtype=torch.bfloat16)}, str(tmp_path / "a.safetensors"))
+    assert memory.tensor_bytes(str(tmp_path), bits=True).held == (16 + 1 + 20) * memory.FLOAT_MODEL_FACTOR

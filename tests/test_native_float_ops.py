@@ -401,14 +401,15 @@ def test_the_loader_swaps_them_where_native(qdir, monkeypatch):
     from pipeline.assets import EMBEDDED_MODEL_DIR
 
     f32 = load_model(EMBEDDED_MODEL_DIR).model                         # load_float: the float model
-    # 5 attention linears x 4 layers, eh_proj, 2 heads; layers 1, 2, 3 MoE; layer 0's MLP
-    assert _kinds(f32) == {**kinds, "linear": 23, "moe": 3, "mlp": 1}
+    # 5 attention linears x 4 layers, eh_proj, 2 heads, and (read as bf16 bits: float_bits) the linears the
+    # C MoEs and MLP compute, 3 x (16 experts + 1 shared) x 3 and layer 0's 3; layers 1, 2, 3 MoE; layer 0's MLP
+    assert _kinds(f32) == {**kinds, "linear": 23 + 3 * 17 * 3 + 3, "moe": 3, "mlp": 1}
     monkeypatch.setenv(engine_config.ENV, "torch")
     ref = load_model(EMBEDDED_MODEL_DIR).model.state_dict()            # the torch modules' state dict
     got = f32.state_dict()
     assert list(got) == list(ref) and all(torch.equal(got[n], ref[n]) and got[n].dtype == ref[n].dtype for n in ref)
     assert all(isinstance(f32.get_submodule(n[:-len(".weight")]), nn.Linear)
-               for n, w in f32.named_parameters() if w.dim() == 2 and "embed_tokens" not in n and ".gate." not in n)
+               for n, w in got.items() if w.dim() == 2 and "embed_tokens" not in n and ".gate." not in n)
     monkeypatch.setenv(engine_config.ENV, "native")
     bf = load_model(EMBEDDED_MODEL_DIR, dtype="bfloat16").model        # bf16: linears, MoE, MLP stay torch
     assert type(bf.lm_head) is nn.Linear and _kinds(bf) == {**NONE, "rms_norm": kinds["rms_norm"], "router": 3}

@@ -82,6 +82,11 @@ def _swap(name: str, mod: nn.Module, float_model: bool) -> Optional[tuple[nn.Mod
     return None
 
 
+def _computed_inside(name: str, moe: nn.Module) -> list[str]:
+    """The submodules of a MoE that its NativeFloatMoE computes within its C call."""
+    return [name + ".experts"] + ([name + ".shared_experts"] if cpu_float_ffn.plain_mlp(moe.shared_experts) else [])
+
+
 def use_native_float_ops(model: nn.Module, compact: bool = False) -> dict[str, int]:
     """Swap the C modules into ``model`` (in place); the counts per kind. Any model: the lm_head / MTP head
     when a float32 linear of bf16 values, every RMSNorm of a float32 or bf16 weight, every Router that fits
@@ -104,6 +109,9 @@ def use_native_float_ops(model: nn.Module, compact: bool = False) -> dict[str, i
         modules[i] = None
         if not name or any(name == p or name.startswith(p + ".") for p in inside):
             continue
+        if isinstance(mod, cpu_float_ffn.NativeFloatMoE):      # swapped already (a loader's: float_bits)
+            inside.extend(_computed_inside(name, mod))
+            continue
         new = _swap(name, mod, float_model)
         if new is None:
             continue
@@ -111,9 +119,7 @@ def use_native_float_ops(model: nn.Module, compact: bool = False) -> dict[str, i
         if kind == "mlp":
             inside.append(name)
         elif kind == "moe":
-            inside.append(name + ".experts")
-            if cpu_float_ffn.plain_mlp(mod.shared_experts):
-                inside.append(name + ".shared_experts")
+            inside.extend(_computed_inside(name, mod))
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, module)
         if compact and isinstance(module, NativeLinear):

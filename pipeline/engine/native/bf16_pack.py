@@ -11,6 +11,8 @@ W[c, 2s+1] in its high half, zero padded.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -26,9 +28,10 @@ def packed_shape(n: int, k: int) -> tuple[int, int, int]:
     return -(-n // 16), -(-k // 2), 16
 
 
-def pack_bf16(w: torch.Tensor, name: str = "weight") -> torch.Tensor:
+def pack_bf16(w: torch.Tensor, name: str = "weight", out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A float32 [n, k] weight of bf16 values, or a bf16 one, -> its packed bf16 bits (module docstring),
-    int32, contiguous, on the CPU. ValueError naming ``name`` for another shape or dtype, or float32 values
+    int32, contiguous, on the CPU; written into ``out`` (contiguous int32 of :func:`packed_shape`, e.g. one
+    slot of a stack) when given. ValueError naming ``name`` for another shape or dtype, or float32 values
     that are not bf16 values."""
     if w.dim() != 2 or w.dtype not in (torch.float32, torch.bfloat16) or 0 in w.shape:
         raise ValueError(f"{name}: a float32 or bf16 [n, k] weight is needed, got {w.dtype} {tuple(w.shape)}")
@@ -40,9 +43,12 @@ def pack_bf16(w: torch.Tensor, name: str = "weight") -> torch.Tensor:
     bits = w.to(torch.bfloat16).view(torch.int16)
     if (n, k) != (16 * nb, 2 * kh):                          # (no padded copy of a weight that needs none)
         bits = F.pad(bits, (0, 2 * kh - k, 0, 16 * nb - n))
-    out = hugepages.empty((nb, kh, 16, 2), torch.int16)      # huge-page backed: the GEMMs stream it
-    out.copy_(bits.view(nb, 16, kh, 2).permute(0, 2, 1, 3))
-    return out.view(torch.int32).view(nb, kh, 16)
+    if out is None:
+        out = hugepages.empty((nb, kh, 16), torch.int32)     # huge-page backed: the GEMMs stream it
+    elif out.shape != (nb, kh, 16) or out.dtype != torch.int32 or not out.is_contiguous():
+        raise ValueError(f"{name}: the packed form is int32 {[nb, kh, 16]}, got {out.dtype} {list(out.shape)}")
+    out.view(torch.int16).view(nb, kh, 16, 2).copy_(bits.view(nb, 16, kh, 2).permute(0, 2, 1, 3))
+    return out
 
 
 def unpack_bf16(bits: torch.Tensor, n: int, k: int) -> torch.Tensor:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.cbuild import EXACT_FLAGS, NativeLibrary
-from pipeline.engine.native.bf16_pack import bf16_representable, pack_bf16, unpack_bf16
+from pipeline.engine.native.bf16_pack import bf16_representable, pack_bf16, packed_shape, unpack_bf16
 from pipeline.model.ffn import Router
 from pipeline.model.norm import RMSNorm
 from pipeline.model.rope import apply_rope
@@ -160,9 +160,18 @@ class NativeLinear(nn.Linear):
         weight, compacted."""
         if weight.dtype != torch.bfloat16:
             raise ValueError(f"{name}: a bf16 weight is needed, got {weight.dtype}")
+        return cls.from_bits(pack_bf16(weight, name), weight.shape)
+
+    @classmethod
+    def from_bits(cls, bits: torch.Tensor, shape: tuple[int, int]) -> "NativeLinear":
+        """A compact module (:meth:`compact`) of the [n, k] weight ``shape`` whose packed bf16 bits are
+        ``bits`` (bf16_pack's layout, held as given: e.g. a view into a stack of experts' packs)."""
+        if tuple(bits.shape) != packed_shape(*shape) or bits.dtype != torch.int32 or not bits.is_contiguous():
+            raise ValueError(f"NativeLinear: bits for {list(shape)} are int32 {list(packed_shape(*shape))}, "
+                             f"got {bits.dtype} {list(bits.shape)}")
         mod = cls.__new__(cls)
         nn.Module.__init__(mod)
-        mod._start(None, pack_bf16(weight, name), weight.shape)
+        mod._start(None, bits, torch.Size(shape))
         mod.__dict__["_compact"] = True
         return mod
 

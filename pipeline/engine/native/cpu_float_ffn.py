@@ -20,7 +20,9 @@ rounding (tests/test_native_float_moe.py states the tolerance), the routing bein
 output never depends on the other tokens of the call.
 
 The weights are packed once per module on first use (:class:`PackedFFN`: their bf16 bits, half the
-float32 bytes, a second copy) and again after ``load_state_dict`` or ``.to()``; in-place edits of single
+float32 bytes, a second copy) and again after ``load_state_dict`` or ``.to()``; a bf16 checkpoint's are
+packed at load straight from the stored bits (:func:`bits_mlps`: pipeline.engine.worker.float_bits), the
+linears compact cpu_float.NativeLinears over their slots of the stacks, the only copy; in-place edits of single
 weight tensors are not watched (as cpu_moe's int8 pack): call :func:`drop_pack` after one. Anything the C
 code does not take (another dtype or device, autograd, torch.compile tracing, weights no longer of bf16
 values, the library off: ``DSQUANT_NATIVE=0`` or ``DSQUANT_NATIVE_FLOAT=0``) runs the torch module's own
@@ -37,7 +39,9 @@ import torch
 from torch import nn
 
 from pipeline.cbuild import EXACT_FLAGS, NativeLibrary
-from pipeline.engine.native.bf16_pack import bf16_representable, pack_bf16
+from pipeline.engine.native import hugepages
+from pipeline.engine.native.bf16_pack import bf16_representable, pack_bf16, packed_shape
+from pipeline.engine.native.cpu_float import NativeLinear
 from pipeline.model.ffn import MLP, MoE
 
 CSRC = Path(__file__).with_name("csrc")
@@ -80,23 +84,29 @@ def reset() -> None:
 
 
 def plain_mlp(mlp: Optional[nn.Module], shape: Optional[tuple[int, int]] = None) -> bool:
-    """An ``MLP`` whose three linears are bias-free float32 CPU ``nn.Linear`` weights of bf16 values
-    (gate, up [I, H], down [H, I]; ``shape`` (I, H) when given)."""
+    """An ``MLP`` whose three linears are bias-free float32 CPU ``nn.Linear`` weights of bf16 values, or
+    compact NativeLinears (their bf16 bits) (gate, up [I, H], down [H, I]; ``shape`` (I, H) when given)."""
     if not isinstance(mlp, MLP):
         return False
     lins = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     if not all(isinstance(m, nn.Linear) and m.bias is None for m in lins):
         return False
-    I, H = shape or tuple(mlp.gate_proj.weight.shape)
-    return all(m.weight.dtype == torch.float32 and m.weight.device.type == "cpu" and tuple(m.weight.shape) == s
-               for m, s in zip(lins, ((I, H), (I, H), (H, I)))) \
-        and all(bf16_representable(m.weight.detach()) for m in lins)
+    I, H = shape or (mlp.gate_proj.out_features, mlp.gate_proj.in_features)
+    return all(_bf16_linear(m, s) for m, s in zip(lins, ((I, H), (I, H), (H, I))))
+
+
+def _bf16_linear(m: nn.Linear, shape: tuple[int, int]) -> bool:
+    if isinstance(m, NativeLinear) and m.is_compact():     # its bits: bf16 values, read back on demand
+        return (m.out_features, m.in_features) == shape
+    w = m.weight.detach()
+    return w.dtype == torch.float32 and w.device.type == "cpu" and tuple(w.shape) == shape and bf16_representable(w)
 
 
 def supported(moe: MoE) -> bool:
     """Whether the C path can run ``moe``'s routed experts: plain MLPs (:func:`plain_mlp`) of one shape."""
     ex = list(moe.experts)
-    return bool(ex) and type(ex[0]) is MLP and all(plain_mlp(e, tuple(ex[0].gate_proj.weight.shape)) for e in ex)
+    return bool(ex) and type(ex[0]) is MLP \
+        and all(plain_mlp(e, (ex[0].gate_proj.out_features, ex[0].gate_proj.in_features)) for e in ex)
 
 
 def _pack_mlp(mlps: Sequence[MLP], names: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,19 +117,51 @@ def _pack_mlp(mlps: Sequence[MLP], names: Sequence[str]) -> tuple[torch.Tensor, 
     return gu, dn
 
 
+def bits_mlps(mlps: Sequence[MLP], weights: list[Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
+              names: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Give ``mlps`` (MLPs of one shape, e.g. a MoE's experts still on the meta device) the bf16 (gate, up,
+    down) ``weights`` as a checkpoint stores them, packed straight into the stacks the C call reads (gate+up
+    [E, 2I, H] and down [E, H, I], :class:`PackedFFN`'s layout) and never widened: each linear a compact
+    cpu_float.NativeLinear whose bits are its slot of a stack (gate's and up's bits are the two halves of
+    their stacked pack when I is a multiple of 16: :func:`stackable`), so the stacks are the only copy.
+    Each entry of ``weights`` is let go (None) once packed, so that its stored tensors can be freed then.
+    Returns the stacks (PackedFFN's ``stacks``)."""
+    I, H = weights[0][0].shape
+    if not stackable(I):
+        raise ValueError(f"{names[0]}: an MLP of {I} intermediate columns is not stacked from its parts' bits")
+    gu = hugepages.empty((len(mlps), *packed_shape(2 * I, H)), torch.int32)
+    dn = hugepages.empty((len(mlps), *packed_shape(H, I)), torch.int32)
+    half = I // 16
+    for e, (mlp, name) in enumerate(zip(mlps, names)):
+        (g, u, d), weights[e] = weights[e], None
+        mlp.gate_proj = NativeLinear.from_bits(pack_bf16(g, f"{name}gate_proj.weight", gu[e, :half]), (I, H))
+        mlp.up_proj = NativeLinear.from_bits(pack_bf16(u, f"{name}up_proj.weight", gu[e, half:]), (I, H))
+        mlp.down_proj = NativeLinear.from_bits(pack_bf16(d, f"{name}down_proj.weight", dn[e]), (H, I))
+    return gu, dn
+
+
+def stackable(inter: int) -> bool:
+    """Whether :func:`bits_mlps` takes MLPs of ``inter`` intermediate columns: gate's and up's packs are then
+    the two halves of their stack's (whole blocks of 16 rows each)."""
+    return inter % 16 == 0
+
+
 class PackedFFN:
     """Routed experts (stacked gate+up [2I, H] and down [H, I] per expert) and a shared / dense MLP, packed
     (bf16_pack); ``ref``: the C struct's address."""
 
-    def __init__(self, experts: Sequence[MLP], shared: Optional[MLP], shared_name: str = "shared_experts."):
+    def __init__(self, experts: Sequence[MLP], shared: Optional[MLP], shared_name: str = "shared_experts.",
+                 stacks: tuple = (None, None)):
+        """``stacks``: the experts' and the shared MLP's packs already made (:func:`bits_mlps`'s, or None
+        for one to pack here), taken as they are."""
         self.E, self.I, self.Is = len(experts), 0, 0
         gu = dn = s_gu = s_dn = None
         if experts:
-            self.I, self.H = experts[0].gate_proj.weight.shape
-            gu, dn = _pack_mlp(experts, [f"experts.{i}." for i in range(self.E)])
+            self.I, self.H = experts[0].gate_proj.out_features, experts[0].gate_proj.in_features
+            gu, dn = stacks[0] or _pack_mlp(experts, [f"experts.{i}." for i in range(self.E)])
         if shared is not None:
-            self.Is, self.H = shared.gate_proj.weight.shape
-            s_gu, s_dn = _pack_mlp([shared], [shared_name])
+            self.Is, self.H = shared.gate_proj.out_features, shared.gate_proj.in_features
+            s_gu, s_dn = stacks[1] or _pack_mlp([shared], [shared_name])
         self.keep = (gu, dn, s_gu, s_dn)
         self.params = FFNParams(self.E, self.H, self.I, self.Is,
                                 *(None if t is None else t.data_ptr() for t in self.keep))
@@ -210,7 +252,9 @@ def _c_input(x: torch.Tensor, params) -> bool:
 class NativeFloatMoE(_Packs, MoE):
     """Drop-in for a float ``MoE`` that :func:`supported` (module docstring); holds the same submodules."""
 
-    def __init__(self, moe: MoE):
+    def __init__(self, moe: MoE, stacks: tuple = (None, None)):
+        """``stacks``: the routed experts' and the shared expert's packs (:func:`bits_mlps`; None: packed on
+        first use)."""
         nn.Module.__init__(self)
         if not supported(moe):
             raise ValueError("NativeFloatMoE: every routed expert must be an MLP of bias-free float32 linears "
@@ -218,16 +262,21 @@ class NativeFloatMoE(_Packs, MoE):
         self.gate, self.experts, self.shared_experts = moe.gate, moe.experts, moe.shared_experts
         self.last_load: Optional[torch.Tensor] = moe.last_load
         self.register_load_state_dict_post_hook(drop_pack)
+        if any(s is not None for s in stacks):
+            self.__dict__["_packed_ffn"] = self._pack(stacks)
+
+    def _pack(self, stacks: tuple = (None, None)) -> Optional[PackedFFN]:
+        sh = self.shared_experts
+        H = self.experts[0].gate_proj.in_features
+        sh = sh if plain_mlp(sh) and sh.gate_proj.in_features == H else None
+        return PackedFFN(list(self.experts), sh, stacks=stacks) if supported(self) else None
 
     def packed(self) -> Optional[PackedFFN]:
         """The packed experts (the shared expert with them when it is a plain MLP of the same hidden size),
         None when the routed experts no longer fit (e.g. after ``.to(torch.bfloat16)``)."""
         d = self.__dict__
         if "_packed_ffn" not in d:
-            sh = self.shared_experts
-            H = self.experts[0].gate_proj.in_features
-            sh = sh if plain_mlp(sh) and sh.gate_proj.in_features == H else None
-            d["_packed_ffn"] = PackedFFN(list(self.experts), sh) if supported(self) else None
+            d["_packed_ffn"] = self._pack()
         return d["_packed_ffn"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -246,12 +295,15 @@ class NativeFloatMoE(_Packs, MoE):
 class NativeFloatMLP(_Packs, MLP):
     """Drop-in for a dense ``MLP`` that :func:`plain_mlp` (module docstring); holds the same linears."""
 
-    def __init__(self, mlp: MLP):
+    def __init__(self, mlp: MLP, stack: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+        """``stack``: its pack (:func:`bits_mlps`; None: packed on first use)."""
         nn.Module.__init__(self)
         if not plain_mlp(mlp):
             raise ValueError("NativeFloatMLP: an MLP of bias-free float32 linears holding bf16 values is needed")
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.register_load_state_dict_post_hook(drop_pack)
+        if stack is not None:
+            self.__dict__["_packed_ffn"] = PackedFFN([], self, "", (None, stack))
 
     def packed(self) -> Optional[PackedFFN]:
         """The packed linears, None when they no longer fit (e.g. after ``.to(torch.bfloat16)``)."""

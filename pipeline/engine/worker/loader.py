@@ -234,14 +234,24 @@ def load_float(path: str, dtype=None, device: str = "cpu", with_mtp: bool = True
     on reading, everything in ``dtype`` (:func:`resolve_float_dtype`) but the router bias (float32), the
     MTP layer when the checkpoint has one and ``with_mtp``. No fa_k scales: the engine's cache holds the
     latent in the model's dtype (EngineConfig.cache_dtype; default the config's torch_dtype).
-    The default dtype on the CPU is float32 (measured faster there: FLOAT_CPU_DTYPE)."""
+    The default dtype on the CPU is float32 (measured faster there: FLOAT_CPU_DTYPE). Where the C float
+    kernels run that model, a bf16 checkpoint's linears are read layer by layer straight into their bf16
+    bits, never widened, those bits the only copy (float_bits: the same modules and outputs)."""
+    from pipeline.engine.worker import float_bits
+    from pipeline.io.checkpoint import CheckpointReader
     from pipeline.model.loading import load_model as load_float_model
 
     cfg = read_model_config(storage.join(path, "config.json"))
     dt = resolve_float_dtype(dtype, cfg, device)
-    model = load_float_model(path, dtype=dt, device=device, with_mtp=with_mtp and bool(cfg.mtp_layer_ids))
-    types = {n: FLOAT for n, _ in [*model.named_parameters(), *model.named_buffers()]}
+    with_mtp = with_mtp and bool(cfg.mtp_layer_ids)
     kernels = kernels or resolve(device)
+    reader = CheckpointReader(path) if kernels.float_ops else None
+    if reader is not None and float_bits.takes(reader, dt, device):
+        model = float_bits.load(reader, with_mtp)
+    else:
+        model = load_float_model(path, dtype=dt, device=device, with_mtp=with_mtp)
+    types = {n: FLOAT for n, _ in [*model.named_parameters(), *model.named_buffers()]}
+    types.update({f"{n}.weight": FLOAT for n, m in model.named_modules() if isinstance(m, NativeLinear) and m.is_compact()})
     use_kernels(model, kernels)
     return LoadedModel(model.eval(), model.config, types, {}, path, kernels)
 

@@ -8,8 +8,10 @@ packed layout, the pack the only copy); a quantized output's float parts by what
 (:func:`float_factor`): a float linear's weight (lm_head, the MTP layer's when FLOAT, eh_proj) as the C
 float kernels' bf16 bits only, 2 bytes a value (where those kernels run: :func:`float_bits`; else widened
 to float32), kv_b_proj's also as the attention's absorbed forms, everything else (embeddings, norms,
-router) widened to float32; a float checkpoint's values as float32 with a bf16 copy for the C kernels
-(:data:`FLOAT_MODEL_FACTOR`); the largest layer once more while it is read and packed, and
+router) widened to float32; a float checkpoint's the same way where its linears are read as bits
+(pipeline.engine.worker.float_bits: the C float kernels run and no weight is FP8), else its values as
+float32 with a bf16 copy for the C kernels (:data:`FLOAT_MODEL_FACTOR`); the largest layer once more
+while it is read and packed, and
 :data:`FIXED_BYTES` for the runtime and a default KV cache. Only the safetensors headers are read.
 """
 
@@ -34,8 +36,10 @@ BITS_FACTOR = 2
 #: prefill's vector loops); without the bits: the float32 weight, the float32 forms and the prefill's
 #: float32 form (4 + 4 + 4)
 KV_B_FACTOR, KV_B_WIDE_FACTOR = 2 + 2, 12
-#: bytes held per value of a float checkpoint: float32 (4) and the C kernels' bf16 copy of its MLPs (2)
+#: bytes held per value of a float checkpoint read as float32 (an FP8 one, or where the C float kernels do
+#: not run): float32 (4) and the C kernels' bf16 copy of its linears (2)
 FLOAT_MODEL_FACTOR = 6
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 FIXED_BYTES = int(1e9)
 _NOT_LINEARS = ("embed_tokens.weight", ".mlp.gate.weight")     # 2-D float weights that are not linears
 
@@ -104,6 +108,9 @@ def tensor_bytes(path: str, with_mtp: bool = True, bits: Optional[bool] = None) 
     bits = float_bits() if bits is None else bits
     headers = list(_headers(files))
     names = {n for _, h in headers if h is not None for n in h}
+    # a float checkpoint's linears are held as bits where the loader reads them so (float_bits.takes)
+    as_bits = quantized or (bits and not any(isinstance(m, dict) and m.get("dtype") in FP8_DTYPES
+                                             for _, h in headers if h is not None for m in h.values()))
     out, layers = WeightBytes(), {}
     for f, header in headers:
         if header is None:                       # unreadable: count the file as float, the worst case
@@ -123,7 +130,7 @@ def tensor_bytes(path: str, with_mtp: bool = True, bits: Optional[bool] = None) 
             dt = meta.get("dtype")
             out.total += b - a
             if dt in FLOAT_DTYPES:
-                factor = float_factor(name, meta, names, bits) if quantized else FLOAT_MODEL_FACTOR
+                factor = float_factor(name, meta, names, bits) if as_bits else FLOAT_MODEL_FACTOR
                 out.held += (b - a) // FLOAT_DTYPES[dt] * factor
             else:
                 out.held += b - a
