@@ -23,12 +23,16 @@ figures.
 - FA3 layers (int8 latent -> bf16), ranked by the ``sqnr`` proxy (the attention output with the int8 latent
   against the residual stream it joins); the pick is judged with the linears unquantized, so it is the
   latent's share alone;
-- linears, ``auto``: the ladder (:mod:`.rungs`, :mod:`.search`): each piece (a linear; a q_a/kv_a pair or
-  a gate/up pair, which runtimes fuse; one routed expert at a time) W8A8 -> W8A8_DYNAMIC -> FLOAT, by the
-  ``residual`` proxy's error reduction per byte kept above int8 (W8A8_DYNAMIC keeps the int8 weight: no
-  byte, so it comes first), the fewest bytes above int8 meeting the target on the whole model with the FA3
-  pick applied, on the fitting and the held-out samples; ``N``: the N costliest pieces as before the
-  ladder (routed experts per layer and projection, a layer's q_a/kv_a together) kept FLOAT.
+- linears, ``auto``: first the MLP input smoothing (:mod:`.smoothing`: a second probe with every candidate
+  layer's post_attention_layernorm smoothed into its gate/up linears and router, kept on the layers where it
+  lowers the measured MLP error; the ladder then measures the probe of the recipe with those layers in
+  ``mlp_smooth_layers``, which the written recipe carries), then the ladder (:mod:`.rungs`, :mod:`.search`):
+  each piece (a linear; a q_a/kv_a pair or a gate/up pair, which runtimes fuse; one routed expert at a time)
+  W8A8 -> W8A8_DYNAMIC -> FLOAT, by the ``residual`` proxy's error reduction per byte kept above int8
+  (W8A8_DYNAMIC keeps the int8 weight: no byte, so it comes first), the fewest bytes above int8 meeting the
+  target on the whole model with the FA3 pick applied, on the fitting and the held-out samples; ``N``: the N
+  costliest pieces as before the ladder (routed experts per layer and projection, a layer's q_a/kv_a together)
+  kept FLOAT.
 
 ``auto`` for FA3 takes what each layer's attention bound needs, then the shortest ranked prefix of the rest
 that meets :data:`TARGET` or ``--fallback-target`` (the module doc of pipeline.quant.evaluation.sensitivity
