@@ -10,8 +10,8 @@ one per seed) computes the embedded model's logits bit for bit. Each model is qu
 (RECIPES: the flags of ``python -m jobs.quantize``; seed = the legacy script's ``--fa_quant --mindie_format``,
 w8a8c8 = the DeepSeek-V3.1 preset, msModelSlim's QuaRot + flex_smooth recipe; +fallback = ``--fa-fallback auto
 --linear-fallback auto``, the ladder; +ladder@int8 = the ladder with a budget of no byte above int8, its free
-rung W8A8 -> W8A8_DYNAMIC only; +fallback-nosmooth = the ladder without its MLP input smoothing; --models
-adds checkpoints such as the residual-stream outlier variants
+rung W8A8 -> W8A8_DYNAMIC only; +fallback-nosmooth = the ladder without its MLP input smoothing;
++ladder = --linear-fallback auto alone; --models adds checkpoints such as the residual-stream outlier variants
 scripts/train_embedded.py makes with --plant-channels) and evaluated
 from the written files against its float model (pipeline/quant/evaluation/evaluate.py) on the first --max-windows
 windows of 256 tokens of the embedded held-out texts: agreement, perplexity change, KL mean / p99 and the
@@ -50,6 +50,7 @@ C8 = ["--model-type", "DeepSeek-V3.1", "--quant-type", "w8a8c8"]
 AT_INT8 = ["--fallback-target", "agreement=1,share=0"]   # the ladder's free rung only: no byte above int8
 RECIPES = {"seed": SEED, "seed+fallback": SEED + FALLBACK, "w8a8c8": C8, "w8a8c8+fallback": C8 + FALLBACK,
            "w8a8c8+ladder@int8": C8 + ["--linear-fallback", "auto"] + AT_INT8,
+           "w8a8c8+ladder": C8 + ["--linear-fallback", "auto"],      # its FA3 is off on a 3-layer model
            "dynamic+fallback": SEED + ["--dynamic"] + FALLBACK,
            "seed+fallback-nosmooth": SEED + FALLBACK + ["--fallback-mlp-smooth", "none"],
            "w8a8c8+fallback@0.99": C8 + FALLBACK + ["--fallback-target", "agreement=0.99,ppl=0.3"],
