@@ -91,6 +91,9 @@ def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -
           help="FA3: int8 MLA latent cache scales (default: on)")
     _flag(fa, "--no-fa-quant", dest="fa_quant", action="store_false", help="W8A8 only, no FA3 (default: FA3 on)")
     _flag(ap, "--fa-exclude-layers", type=_layers, default=(), help="layers kept out of FA3, e.g. 0,1,2,46")
+    _flag(ap, "--mlp-smooth-layers", type=_layers, default=(),
+          help="main layers whose MLP input (post_attention_layernorm) is smoothed into gate/up and the router "
+               "by power-of-two scales, e.g. 1,2 (pipeline/quant/transforms/mlp_smooth.py); recorded in the recipe")
     _flag(ap, "--fa-fallback", default="none", metavar="auto|N|none",
           help="FA3 layers kept bf16 by measured cost (pipeline/quant/evaluation/fallback/): auto, the fewest meeting its "
                "target; N, the N costliest; none. Recorded in the written recipe, reported in fallback.json")
@@ -102,6 +105,9 @@ def build_parser(prog: str = "python -m jobs.quantize", description: str = "") -
           help="what auto fallback meets on the calibration samples (fitting and held-out): top-1 agreement with "
                "float >= A, perplexity change <= P %%, mean KL <= K, every layer's attention SQNR >= S dB; share: "
                "at most F of the linear weights above int8 (default agreement=0.98,ppl=1,sqnr=32)")
+    _flag(ap, "--fallback-mlp-smooth", choices=("auto", "none"), default="auto",
+          help="with --linear-fallback auto: smooth each layer's MLP input where that lowers its measured error, "
+               "before any piece goes bf16 (auto), or not (none)")
     _flag(ap, "--dynamic", action="store_true", help="every quantized linear W8A8_DYNAMIC")
     _flag(ap, "--mindie-format", action="store_true", help="add MindIE's config.json keys (and model_type deepseekv2)")
     _flag(ap, "--target-runtime", choices=("vllm-ascend", "mindie", "dsquant"), default=None,
@@ -225,6 +231,7 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
                         anti_method=args.anti_method, disable_anti=args.disable_anti, rot=args.rot,
                         quant_mtp="mix" if args.quantize_mtp else args.quant_mtp, fa_quant=args.fa_quant,
                         dynamic=args.dynamic, smooth=args.smooth, fa_exclude_layers=args.fa_exclude_layers,
+                        mlp_smooth_layers=args.mlp_smooth_layers,
                         dialect=args.dialect, calib_products=args.calib_products, calib_data=args.calib_data,
                         calibration=args.calibration)
     resolved = resolve(req, args.model_path, cfg, log)
@@ -235,7 +242,8 @@ def make_job(args: argparse.Namespace, log: Callable[[str], None] = print):
 
         fallback = check_choices(recipe, cfg, *fallback)     # from the recipe and config: before any work
     args.fallback = None if fallback == (None, None) else (
-        *fallback, lambda r: dataclasses.replace(resolved, recipe=r).yaml_text(), target)
+        *fallback, lambda r: dataclasses.replace(resolved, recipe=r).yaml_text(), target, print,
+        args.fallback_mlp_smooth == "auto")
     shard_gb = args.shard_size_gb if args.shard_size_gb is not None else (resolved.part_file_size or 4.0)
     opts = QuantizeOptions(calib_path=resolved.calib_path, max_calib_tokens=args.max_calib_tokens,
                            truncate=args.truncate, smooth_alpha=args.smooth_alpha,

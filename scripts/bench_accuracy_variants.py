@@ -10,7 +10,8 @@ one per seed) computes the embedded model's logits bit for bit. Each model is qu
 (RECIPES: the flags of ``python -m jobs.quantize``; seed = the legacy script's ``--fa_quant --mindie_format``,
 w8a8c8 = the DeepSeek-V3.1 preset, msModelSlim's QuaRot + flex_smooth recipe; +fallback = ``--fa-fallback auto
 --linear-fallback auto``, the ladder; +ladder@int8 = the ladder with a budget of no byte above int8, its free
-rung W8A8 -> W8A8_DYNAMIC only; --models adds checkpoints such as the residual-stream outlier variants
+rung W8A8 -> W8A8_DYNAMIC only; +fallback-nosmooth = the ladder without its MLP input smoothing;
++ladder = --linear-fallback auto alone; --models adds checkpoints such as the residual-stream outlier variants
 scripts/train_embedded.py makes with --plant-channels) and evaluated
 from the written files against its float model (pipeline/quant/evaluation/evaluate.py) on the first --max-windows
 windows of 256 tokens of the embedded held-out texts: agreement, perplexity change, KL mean / p99 and the
@@ -49,7 +50,9 @@ C8 = ["--model-type", "DeepSeek-V3.1", "--quant-type", "w8a8c8"]
 AT_INT8 = ["--fallback-target", "agreement=1,share=0"]   # the ladder's free rung only: no byte above int8
 RECIPES = {"seed": SEED, "seed+fallback": SEED + FALLBACK, "w8a8c8": C8, "w8a8c8+fallback": C8 + FALLBACK,
            "w8a8c8+ladder@int8": C8 + ["--linear-fallback", "auto"] + AT_INT8,
+           "w8a8c8+ladder": C8 + ["--linear-fallback", "auto"],      # its FA3 is off on a 3-layer model
            "dynamic+fallback": SEED + ["--dynamic"] + FALLBACK,
+           "seed+fallback-nosmooth": SEED + FALLBACK + ["--fallback-mlp-smooth", "none"],
            "w8a8c8+fallback@0.99": C8 + FALLBACK + ["--fallback-target", "agreement=0.99,ppl=0.3"],
            "w8a8c8-dynamic": C8 + ["--dynamic"]}
 FIELDS = ("agreement", "perplexity", "perplexity_delta_pct", "kl_mean", "kl_p99", "min_attn_sqnr_db",
@@ -101,6 +104,7 @@ def fallback_picks(out: Path) -> dict:
     lin = r.get("linear") or {}
     row.update({"fa_fallback_layers": (r.get("fa") or {}).get("picked"), "linear_fallback": lin.get("picked"),
                 "linear_dynamic": lin.get("dynamic"),
+                "mlp_smooth_layers": (r.get("mlp_smooth") or {}).get("kept"),
                 "bytes_above_int8": (lin.get("bytes") or {}).get("above_int8"),
                 "calib_agreement": (r.get("with_fallback") or {}).get("agreement"),
                 "heldout_calib_agreement": (r.get("with_fallback_heldout") or {}).get("agreement"),

@@ -193,7 +193,8 @@ def test_auto_leaves_the_rerun_fingerprint_as_it_was():
     from pipeline.quant.job import job_state
 
     before = {k: v for k, v in Recipe().to_dict().items()
-              if k not in ("calib_products", "linear_rules", "fa_include", "fa_exclude", "steps", "drop_mtp")}
+              if k not in ("calib_products", "linear_rules", "fa_include", "fa_exclude", "steps", "drop_mtp",
+                           "mlp_smooth_layers", "mlp_smooth_alpha")}
     assert Recipe().fingerprint() == before and "calib_products" in Recipe().to_dict()
     assert Recipe(drop_mtp=True).fingerprint() == {**before, "drop_mtp": True}   # also a later field
     assert Recipe(calib_products="model").fingerprint() == {**before, "calib_products": "model"}

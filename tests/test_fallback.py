@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from jobs import quantize
 from pipeline.assets import EMBEDDED_MODEL_DIR
@@ -36,6 +37,7 @@ MIN_AGREEMENT_GAIN = 0.05          # auto's held-out agreement over the seed com
 MIN_AUTO_AGREEMENT = 0.93          # and at least this much in absolute terms
 ATTN_SQNR_GOAL_DB = 30.0           # auto's lowest per-layer attention SQNR on held-out text (its target: 32 dB
                                    # on the calibration samples)
+MAX_SMOOTHED_SHARE = 0.10         # the issue's size goal: linear weights above int8 with the smoothing ladder
 WEIGHT_FILES = ("quant_model_description.json", "config.json")
 
 
@@ -143,6 +145,27 @@ def test_the_written_recipe_reproduces_the_fallback(outs):
     assert quantize.main(["--model-path", str(src), "--save-path", str(again), "--config-path", str(yaml_file),
                           "--calib-data", CALIB, "--mindie-format", "--no-progress", "--no-estimate"]) == 0
     assert same_output(auto, again)
+
+
+def test_the_ladder_smooths_the_mlp_input_and_keeps_fewer_bytes(outs):
+    """auto smooths the MLP input of the layers where that lowers the measured MLP error (here all: the
+    variant plants outliers in every post-attention norm), the written recipe names them, and the output
+    keeps fewer linear weights above int8 than the ladder without the smoothing (measured 4.2% against
+    47.2%), within the issue's 10%."""
+    from pipeline.quant.evaluation.fallback.share import output_share
+
+    d, src, _, auto = outs
+    report = json.loads((auto / "fallback.json").read_text())
+    ms = report["mlp_smooth"]
+    assert ms["kept"] == ms["candidates"] == [0, 1, 2]
+    assert all(e["with"] < e["without"] for e in ms["mlp_error"].values())
+    written = yaml.safe_load(next(auto.glob("*_best_practice.yaml")).read_text())
+    assert written["dsquant"]["mlp_smooth_layers"] == ms["kept"]
+    plain = run(src, d / "auto-nosmooth", "--fa-fallback", "auto", "--linear-fallback", "auto",
+                "--fallback-mlp-smooth", "none")
+    assert "mlp_smooth" not in json.loads((plain / "fallback.json").read_text())
+    with_, without = output_share(str(auto))["share"], output_share(str(plain))["share"]
+    assert with_ <= MAX_SMOOTHED_SHARE < without, (with_, without)
 
 
 def test_n_picks_exactly_n(outs):

@@ -55,7 +55,7 @@ DATASET_SHA256 = "dataset_sha256"   # dsquant's pin of spec.dataset's content (w
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 # Recipe fields the dsquant section may set (the rest come from spec)
 DSQUANT_KEYS = ("fa_exclude_layers", "dynamic", "quantize_mtp", "drop_mtp", "smooth", "q_ratio", "k_ratio",
-                "v_ratio", "calib_products", "dialect", "calibration")
+                "v_ratio", "calib_products", "dialect", "calibration", "mlp_smooth_layers", "mlp_smooth_alpha")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,10 @@ always FLOAT. ``drop_mtp`` (msModelSlim's ``--quant_mtp none``) leaves the MTP l
 reads its source without it (``CheckpointReader(..., with_mtp=False)``), so it is neither loaded,
 calibrated nor written, and no description entry names it; config.json stays the source's.
 ``smooth`` (the exact per-channel fold of the latent, docs/deepseek.md) changes only FLOAT tensors and is
-applied to the float weights before calibration, not here.
+applied to the float weights before calibration, not here. ``mlp_smooth_layers`` (with
+``mlp_smooth_alpha``) smooths those main layers' post_attention_layernorm into the MLP's gate/up linears and
+the router by power-of-two scales (pipeline.quant.transforms.mlp_smooth), in msModelSlim's passes after the
+recipe's steps: the types stay as they are, the norm and router weights change.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ class Recipe:
     fa_exclude: tuple[str, ...] = ()
     steps: tuple[Step, ...] = ()
     calibration: str = MSMODELSLIM  # how activations propagate while calibrating (CALIBRATIONS)
+    mlp_smooth_layers: tuple[int, ...] = ()   # main layers whose MLP input is smoothed (transforms.mlp_smooth)
+    mlp_smooth_alpha: float = 0.5
 
     def __post_init__(self):
         check_products(self.calib_products)
@@ -104,6 +109,14 @@ class Recipe:
         if len(set(ex)) != len(ex):
             raise QuantError(f"recipe: field 'fa_exclude_layers' repeats a layer: {list(ex)}")
         object.__setattr__(self, "fa_exclude_layers", tuple(sorted(ex)))
+        ms = self.mlp_smooth_layers
+        if not isinstance(ms, (tuple, list)) or len(set(ms)) != len(ms) or any(
+                isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ms):
+            raise QuantError(f"recipe: field 'mlp_smooth_layers' must be a list of distinct layer ids >= 0, got {ms!r}")
+        object.__setattr__(self, "mlp_smooth_layers", tuple(sorted(ms)))
+        a = self.mlp_smooth_alpha
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1:
+            raise QuantError(f"recipe: field 'mlp_smooth_alpha' must be a number in [0, 1], got {a!r}")
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "Recipe":
@@ -113,6 +126,7 @@ class Recipe:
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["fa_exclude_layers"] = list(self.fa_exclude_layers)
+        d["mlp_smooth_layers"] = list(self.mlp_smooth_layers)
         d["linear_rules"] = [r.to_dict() for r in self.linear_rules]
         d["fa_include"], d["fa_exclude"] = list(self.fa_include), list(self.fa_exclude)
         d["steps"] = [step_fingerprint(st) for st in self.steps]
@@ -127,7 +141,8 @@ class Recipe:
         d = self.to_dict()
         if d["calib_products"] == AUTO:
             del d["calib_products"]
-        for f in ("linear_rules", "fa_include", "fa_exclude", "steps", "drop_mtp"):
+        for f in ("linear_rules", "fa_include", "fa_exclude", "steps", "drop_mtp", "mlp_smooth_layers",
+                  "mlp_smooth_alpha"):
             if getattr(self, f) == getattr(Recipe, f):
                 del d[f]
         return d
@@ -179,6 +194,10 @@ class Recipe:
         if bad:
             mtp = "the MTP layer left out (drop_mtp)" if self.drop_mtp else "MTP included"
             raise QuantError(f"recipe: fa_exclude_layers {bad} not in the model (layers 0..{ids[-1]}, {mtp})")
+        bad = [i for i in self.mlp_smooth_layers if i >= cfg.num_hidden_layers]
+        if bad:
+            raise QuantError(f"recipe: mlp_smooth_layers {bad} are not main layers of the model "
+                             f"(0..{cfg.num_hidden_layers - 1}; the MTP layer is never smoothed)")
 
     def fa_layer(self, cfg: DeepseekV3Config, layer_id: int) -> bool:
         """Does ``layer_id`` get FA3 tensors?"""
@@ -196,7 +215,8 @@ class Recipe:
         """Does any output depend on activations? Static W8A8 linears (input scale and offset), FA3
         (its scales) and smoothing (its factors) do; W8A8_DYNAMIC weights and FLOAT tensors do not, so a
         recipe with only those (``dynamic`` with ``fa_quant`` off) is data-free."""
-        if self.smooth or self.steps:  # (QuaRot alone needs none, but its rotations are folded in by the passes)
+        # (QuaRot alone needs none, but its rotations are folded in by the passes)
+        if self.smooth or self.steps or self.mlp_smooth_layers:
             return True
         return any(kind in (W8A8, FAQUANT) for i in layout.all_layer_ids(cfg)
                    for kind in self.layer_types(cfg, i).values())

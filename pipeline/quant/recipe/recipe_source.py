@@ -47,6 +47,7 @@ class RecipeRequest:
     dynamic: bool = False
     smooth: bool = False
     fa_exclude_layers: tuple[int, ...] = ()
+    mlp_smooth_layers: tuple[int, ...] = ()
     dialect: Optional[str] = None
     calib_products: str = "auto"
     calib_data: Optional[str] = None
@@ -188,6 +189,8 @@ def resolve(req: RecipeRequest, model_path: Optional[str], cfg: DeepseekV3Config
                         "written; config.json is the source's")
     recipe = dataclasses.replace(recipe, fa_exclude_layers=extra, smooth=req.smooth or recipe.smooth,
                                  dynamic=req.dynamic or recipe.dynamic,
+                                 mlp_smooth_layers=tuple(sorted(set(recipe.mlp_smooth_layers)
+                                                                | set(req.mlp_smooth_layers))),
                                  dialect=req.dialect or (recipe.dialect if req.config_path or req.quant_type
                                                          else "seed"))
     recipe.check_config(cfg)

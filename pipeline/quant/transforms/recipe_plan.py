@@ -9,7 +9,8 @@ to apply itself, so its callers iterate and call, never asking which step or whi
                        that says which layers it runs on, folds itself into a layer, and names the tensors
                        (:meth:`LayerStep.biases`) and files (:meth:`LayerStep.files`) it adds to the output
     plan.fed_steps     dsquant's own ``smooth`` as msModelSlim's passes run it: after the MTP layer's inputs
-                       are made from the last main layer's outputs, on the layer's float forward
+                       are made from the last main layer's outputs, on the layer's float forward; then the
+                       recipe's ``mlp_smooth_layers`` (:class:`MlpSmoothing`), on the main layers it names
     plan.smoothing     dsquant's own ``smooth`` as the float calibration runs it: a statistics pass of its
                        own over the float model, folded in before the W8A8 / FA3 statistics
                        (:class:`FloatSmoothing`, or :data:`NO_SMOOTHING` when the recipe does not smooth)
@@ -36,6 +37,7 @@ from pipeline.quant.recipe.recipe import MSMODELSLIM, Recipe
 from pipeline.quant.recipe.steps import FlexSmooth, IterSmooth, QuaRot
 from pipeline.quant.transforms.flex_smooth import flex_smooth_layer
 from pipeline.quant.transforms.iter_smooth import iter_smooth_layer, shifts
+from pipeline.quant.transforms.mlp_smooth import mlp_targets, smooth_mlp_input
 from pipeline.quant.transforms.outlier_stats import ActivationRows, ChannelTrace
 from pipeline.quant.transforms.quarot import (
     QUAROT_FILE, build_rotations, description_entry, optional_tensors, rotate_globals, rotate_layer)
@@ -186,6 +188,27 @@ class OwnSmoothing(LayerStep):
         return smooth_layer(tensors, run.layer_id, stats, run.smooth_alpha), None
 
 
+class MlpSmoothing(LayerStep):
+    """The recipe's ``mlp_smooth_layers`` (pipeline.quant.transforms.mlp_smooth): the norm's output observed
+    at the inputs of the linears it feeds on a float forward of the layer as it is, then the scales folded
+    into the norm, those linears and the router."""
+
+    name = "mlp_smooth"
+
+    def __init__(self, cfg: DeepseekV3Config, layers: tuple[int, ...], alpha: float):
+        self.cfg, self.layers, self.alpha = cfg, frozenset(layers), alpha
+
+    def runs_on(self, cfg: DeepseekV3Config, layer_id: int) -> bool:
+        return layer_id in self.layers
+
+    def apply(self, tensors: Tensors, run: LayerRun) -> tuple[Tensors, Optional[list]]:
+        seen = ChannelAbsMax()          # one observer for every target: the max over every token routed
+        run.float_forward(tensors, {t: seen for t in mlp_targets(self.cfg, run.layer_id)}, False)
+        if seen.value is None:
+            raise QuantError(f"mlp_smooth: layer {run.layer_id}'s MLP saw no token")
+        return smooth_mlp_input(tensors, self.cfg, run.layer_id, seen.value, self.alpha)[0], None
+
+
 class NoSmoothing:
     """The float calibration of a recipe without dsquant's smoothing: nothing to collect or fold."""
 
@@ -241,13 +264,16 @@ class RecipePlan:
                 "flex_smooth_quant": lambda st: FlexSmoothing(st, cfg)}
         self.steps: tuple[LayerStep, ...] = tuple(make[st.type](st) for st in recipe.steps)
         self._quarot = next((st for st in recipe.steps if st.type == "quarot"), None)
-        self.fed_steps: tuple[LayerStep, ...] = (OwnSmoothing(cfg, recipe.quantize_mtp),) if recipe.smooth else ()
+        self.fed_steps: tuple[LayerStep, ...] = (
+            ((OwnSmoothing(cfg, recipe.quantize_mtp),) if recipe.smooth else ())
+            + ((MlpSmoothing(cfg, recipe.mlp_smooth_layers, recipe.mlp_smooth_alpha),)
+               if recipe.mlp_smooth_layers else ()))
         self.smoothing = (FloatSmoothing(None if recipe.quantize_mtp else range(cfg.num_hidden_layers))
                           if recipe.smooth else NO_SMOOTHING)
         self.layer_passes = recipe.calibration == MSMODELSLIM
         self.fa3_pass = recipe.fa_quant
         # the statistics forward, plus dsquant's smoothing's own (what the estimate counts)
-        self.calibration_forwards = 2 if recipe.smooth else 1
+        self.calibration_forwards = 1 + bool(recipe.smooth) + bool(recipe.mlp_smooth_layers)
 
     @property
     def changes_weights(self) -> bool:
@@ -286,6 +312,9 @@ class RecipePlan:
     def check_calibration(self, needs_calibration: bool, layerwise: bool) -> None:
         """The calibration the recipe asks for against the job's: the steps run in msModelSlim's passes,
         which run in the one-read job."""
+        if self.recipe.mlp_smooth_layers and not self.layer_passes:
+            raise QuantError("recipe: mlp_smooth_layers run in msModelSlim's layer-by-layer passes: drop "
+                             "--calibration float")
         if self.steps and not self.layer_passes:
             raise QuantError(f"recipe steps {[st.name for st in self.steps]} run in msModelSlim's layer-by-layer "
                              "passes: drop --calibration float (or the steps: --disable-anti)")

@@ -7,6 +7,7 @@ toward the model dtype by measurement, the fewest bytes above int8 that meet an 
     search  each piece's cost per rung, the moves by error reduction per byte, the search validated on
             held-out calibration samples
     share   the share of linear weights a written output keeps above int8
+    smoothing  the zero-byte step before the ladder: MLP input smoothing, kept where it lowers the error
 
 The job's names are exported here.
 """

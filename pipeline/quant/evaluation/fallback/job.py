@@ -23,12 +23,16 @@ figures.
 - FA3 layers (int8 latent -> bf16), ranked by the ``sqnr`` proxy (the attention output with the int8 latent
   against the residual stream it joins); the pick is judged with the linears unquantized, so it is the
   latent's share alone;
-- linears, ``auto``: the ladder (:mod:`.rungs`, :mod:`.search`): each piece (a linear; a q_a/kv_a pair or
-  a gate/up pair, which runtimes fuse; one routed expert at a time) W8A8 -> W8A8_DYNAMIC -> FLOAT, by the
-  ``residual`` proxy's error reduction per byte kept above int8 (W8A8_DYNAMIC keeps the int8 weight: no
-  byte, so it comes first), the fewest bytes above int8 meeting the target on the whole model with the FA3
-  pick applied, on the fitting and the held-out samples; ``N``: the N costliest pieces as before the
-  ladder (routed experts per layer and projection, a layer's q_a/kv_a together) kept FLOAT.
+- linears, ``auto``: first the MLP input smoothing (:mod:`.smoothing`: a second probe with every candidate
+  layer's post_attention_layernorm smoothed into its gate/up linears and router, kept on the layers where it
+  lowers the measured MLP error; the ladder then measures the probe of the recipe with those layers in
+  ``mlp_smooth_layers``, which the written recipe carries), then the ladder (:mod:`.rungs`, :mod:`.search`):
+  each piece (a linear; a q_a/kv_a pair or a gate/up pair, which runtimes fuse; one routed expert at a time)
+  W8A8 -> W8A8_DYNAMIC -> FLOAT, by the ``residual`` proxy's error reduction per byte kept above int8
+  (W8A8_DYNAMIC keeps the int8 weight: no byte, so it comes first), the fewest bytes above int8 meeting the
+  target on the whole model with the FA3 pick applied, on the fitting and the held-out samples; ``N``: the N
+  costliest pieces as before the ladder (routed experts per layer and projection, a layer's q_a/kv_a together)
+  kept FLOAT.
 
 ``auto`` for FA3 takes what each layer's attention bound needs, then the shortest ranked prefix of the rest
 that meets :data:`TARGET` or ``--fallback-target`` (the module doc of pipeline.quant.evaluation.sensitivity
@@ -60,6 +64,7 @@ from pipeline.quant.evaluation.fallback.rungs import dynamic_params, ladder_piec
 from pipeline.quant.evaluation.fallback.search import (ladder_moves, ladder_search, params_at, rung_costs,
                                                      split_samples, state_of, within_budget)
 from pipeline.quant.evaluation.fallback.share import counted, linear_share, output_share
+from pipeline.quant.evaluation.fallback.smoothing import smooth_where_it_helps
 from pipeline.quant.evaluation.sensitivity import (Cost, FakeQuantParams, FloatReference, Target, expert_groups, fa3_costs,
                                         linear_costs, smallest_fallback)
 
@@ -319,9 +324,11 @@ def sweep_probes(dst: str, log: Callable[[str], None] = print) -> list[str]:
 
 def quantize_with_fallback(src: str, dst: str, recipe: Recipe, opts, fa: Choice, linear: Choice,
                            recipe_yaml: Callable[[Recipe], str], target: Target = TARGET,
-                           log: Callable[[str], None] = print) -> Recipe:
+                           log: Callable[[str], None] = print, mlp_smooth: bool = True) -> Recipe:
     """Probe, pick, and write ``dst`` with the amended recipe (module doc); ``recipe_yaml`` renders the
-    recipe file written next to the weights. Returns the amended recipe."""
+    recipe file written next to the weights. With ``linear`` auto and ``mlp_smooth``, the MLP input
+    smoothing of :mod:`.smoothing` is tried first, kept on the layers where it lowers the measured error.
+    Returns the amended recipe."""
     from pipeline.io.checkpoint import CheckpointReader
     from pipeline.io.destination.lock import DestinationLock
     from pipeline.quant.job.options import calibration_samples
@@ -337,16 +344,30 @@ def quantize_with_fallback(src: str, dst: str, recipe: Recipe, opts, fa: Choice,
     samples = calibration_samples(src, opts, cfg.max_position_embeddings)
     with DestinationLock(dst) as lock:            # the probe and the output: one job's, beside each other
         sweep_probes(dst, log)
-        probe = probe_path(dst)
-        try:
-            log(f"fallback: quantizing a probe with the recipe as given ({probe})")
-            weights = FloatWeights(cfg, recipe)
-            quantize_checkpoint(src, probe, recipe, replace(opts, overwrite=False, estimate=False, recipe_file=None),
+        probes: list[str] = []
+
+        def quantize_probe(r: Recipe) -> tuple[str, FloatWeights]:
+            probes.append(probe_path(dst))
+            log(f"fallback: quantizing a probe with the recipe {'as given' if r is recipe else 'smoothed'} "
+                f"({probes[-1]})")
+            weights = FloatWeights(cfg, r)
+            quantize_checkpoint(src, probes[-1], r, replace(opts, overwrite=False, estimate=False, recipe_file=None),
                                 log=lambda m: None, on_layer=weights)
-            report = choose(src, probe, samples, fa, linear, target, log, weights)
-            del weights
+            return probes[-1], weights
+
+        try:
+            probe = quantize_probe(recipe)
+            smoothing = None
+            if linear == AUTO and mlp_smooth:
+                recipe, probe, smoothing = smooth_where_it_helps(recipe, cfg, probe, quantize_probe,
+                                                                 split_samples(samples)[0], log)
+            report = choose(src, probe[0], samples, fa, linear, target, log, probe[1])
+            if smoothing is not None:
+                report["mlp_smooth"] = smoothing
+            del probe
         finally:
-            storage.remove(probe)
+            for p in probes:
+                storage.remove(p)
         lin = report.get("linear") or {}
         final = with_ladder(recipe, report.get("fa", {}).get("picked", []), lin.get("dynamic", []),
                             lin.get("picked", []))
