@@ -97,7 +97,9 @@ def order_for_two_workers(config, items) -> None:
     rank = {m: (0, 0) if m in servers else (1, -sum(i.get_closest_marker("slow") is not None for i in its))
             for m, its in modules.items()}
     items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # stable: the order above within each
-    run_dir = Path(config.option.basetemp).parent   # the worker's basetemp is <the run's>/popen-gwN
+    if not config.option.basetemp:   # xdist gives each worker one, <the run's>/popen-gwN, but with no tmpdir
+        return
+    run_dir = Path(config.option.basetemp).parent
     mine = run_dir / f"{SERVER_MODULES_FILE}.{os.environ['PYTEST_XDIST_WORKER']}"
     mine.write_text(json.dumps(servers))
     mine.replace(run_dir / SERVER_MODULES_FILE)   # both workers write the same list; each write whole
