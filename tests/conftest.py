@@ -13,11 +13,20 @@ over 1.5 s in a fast-tier run: scripts/slow_tests.py keeps the list).
 The modules run in their file order, but those that use the ``ray_cluster`` fixture come after all the
 others, and those that use Serve (the ``serve_http`` fixture) last: the cluster (GCS, raylets, agents:
 ~8% of a core while idle) and Serve (another ~5%) then run only while they are used, not beside every
-test after the first that started them."""
+test after the first that started them.
+
+On two pytest-xdist workers (pyproject's addopts: ``-n 2 --dist loadscope``), the modules that start a
+server run on one worker in that order, and the other modules, whole, on whichever worker is free
+(``order_for_two_workers``, ``pytest_xdist_make_scheduler``); the session fixtures that write a model
+(``embedded_quantized``, ``tiny_quantized``) are made once for both workers (``made_once``)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import pickle
+import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,13 +54,26 @@ SLOW_FOR_TIME = frozenset(s for line in (Path(__file__).parent / "slow_for_time.
                           if (s := line.split("#")[0].strip()))
 
 
+#: Under pytest-xdist (pyproject's addopts: ``-n 2 --dist loadscope``), the one unit of work of every module
+#: with a test that starts Ray, Serve, a server or a torch.distributed group: one worker runs them one after
+#: another (one session cluster; no two of them at once contending for ports and memory).
+SERVERS = "servers"
+#: Where the workers tell the controller which modules those are (in the run's temporary directory).
+SERVER_MODULES_FILE = "server-modules.json"
+
+
+def starts_servers(item) -> bool:
+    module = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
+    test = f"{module}::{item.name.split('[')[0]}"
+    return bool(SERVER_FIXTURES & set(item.fixturenames)) or module in STARTS_SERVERS or test in STARTS_SERVERS
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
         test = f"{module}::{item.name.split('[')[0]}"
-        if SERVER_FIXTURES & set(item.fixturenames) or module in STARTS_SERVERS or test in STARTS_SERVERS \
-                or test in SLOW_FOR_TIME or module in SLOW_FOR_TIME:
+        if starts_servers(item) or test in SLOW_FOR_TIME or module in SLOW_FOR_TIME:
             item.add_marker(pytest.mark.slow)
     order = {}   # module -> 0 (no Ray), 1 (the session's Ray cluster), 2 (Serve on it)
     for item in items:
@@ -59,6 +81,51 @@ def pytest_collection_modifyitems(config, items):
         group = 2 if "serve_http" in uses else 1 if "ray_cluster" in uses else 0
         order[getattr(item, "module", None)] = max(order.get(getattr(item, "module", None), 0), group)
     items.sort(key=lambda item: order[getattr(item, "module", None)])  # stable: file order within each group
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        order_for_two_workers(config, items)
+
+
+def order_for_two_workers(config, items) -> None:
+    """On a pytest-xdist worker: the modules that start servers first (ServersApart makes them one unit of
+    work), then the others, those with the most slow tests (the long ones) first and the short ones last,
+    to even out the two workers' ends (loadscope hands the units out in the order of their first test, with
+    ``--no-loadscope-reorder``); and those modules written down for the controller's ServersApart."""
+    modules: dict = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    servers = sorted(m for m, its in modules.items() if any(starts_servers(i) for i in its))
+    rank = {m: (0, 0) if m in servers else (1, -sum(i.get_closest_marker("slow") is not None for i in its))
+            for m, its in modules.items()}
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # stable: the order above within each
+    if not config.option.basetemp:   # xdist gives each worker one, <the run's>/popen-gwN, but with no tmpdir
+        return
+    run_dir = Path(config.option.basetemp).parent
+    mine = run_dir / f"{SERVER_MODULES_FILE}.{os.environ['PYTEST_XDIST_WORKER']}"
+    mine.write_text(json.dumps(servers))
+    mine.replace(run_dir / SERVER_MODULES_FILE)   # both workers write the same list; each write whole
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope`` with the server modules one scope (ServersApart)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ServersApart(LoadScopeScheduling):
+        """loadscope's units (a test module each, run on one worker: its module fixtures made once), but the
+        modules the workers wrote down as starting servers (order_for_two_workers) are one unit together."""
+
+        servers: frozenset = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.servers is None:   # first asked once every worker has collected (and so written the list)
+                listed = config._tmp_path_factory.getbasetemp() / SERVER_MODULES_FILE   # as xdist finds it
+                self.servers = frozenset(json.loads(listed.read_text()) if listed.exists() else ())
+            module = nodeid.split("::")[0]
+            return SERVERS if module in self.servers else super()._split_scope(nodeid)
+
+    return ServersApart(config, log)
 
 
 @dataclass
@@ -138,16 +205,35 @@ def serve_http(ray_cluster) -> str:
         serve.shutdown()
 
 
+def made_once(tmp_path_factory, name: str, make):
+    """What ``make(directory)`` returns (paths under that new directory), made once per test run: alone, in
+    this session's temporary directory; under pytest-xdist once for all the workers, in the run's directory
+    (the first worker to ask makes it while the others wait on a lock, then each reads it)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return make(tmp_path_factory.mktemp(name))
+    root = tmp_path_factory.getbasetemp().parent / name   # the run's directory: the workers' basetemps' parent
+    made = root.with_name(f"{name}.pickle")
+    with open(root.with_name(f"{name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes
+        if not made.exists():
+            shutil.rmtree(root, ignore_errors=True)   # what a worker that failed making it left
+            root.mkdir()
+            made.write_bytes(pickle.dumps(make(root)))
+        return pickle.loads(made.read_bytes())
+
+
 @pytest.fixture(scope="session")
 def embedded_quantized(tmp_path_factory) -> str:
-    """The embedded model quantized with the default recipe (W8A8 + FA3), once per session; read-only."""
+    """The embedded model quantized with the default recipe (W8A8 + FA3), once per run; read-only."""
     from pipeline.assets import EMBEDDED_MODEL_DIR
     from pipeline.quant.recipe.recipe import Recipe
     from pipeline.quant.job.run import QuantizeOptions, quantize_checkpoint
 
-    dst = str(tmp_path_factory.mktemp("embedded-quantized") / "q")
-    quantize_checkpoint(str(EMBEDDED_MODEL_DIR), dst, Recipe(), QuantizeOptions(), log=lambda m: None)
-    return dst
+    def make(d: Path) -> str:
+        quantize_checkpoint(str(EMBEDDED_MODEL_DIR), str(d / "q"), Recipe(), QuantizeOptions(), log=lambda m: None)
+        return str(d / "q")
+
+    return made_once(tmp_path_factory, "embedded-quantized", make)
 
 
 @pytest.fixture(scope="session")
@@ -164,15 +250,17 @@ def calib4(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_quantized(tmp_path_factory) -> str:
     """tests/fixtures' tiny checkpoint quantized with the default recipe and options on
-    tests/fixtures/calib.json, once per session; read-only (copy it where a test writes)."""
+    tests/fixtures/calib.json, once per run; read-only (copy it where a test writes)."""
     from pipeline.quant.recipe.recipe import Recipe
     from pipeline.quant.job.run import QuantizeOptions, quantize_checkpoint
     from tiny import FIXTURES, TINY_FIXTURE
 
-    dst = str(tmp_path_factory.mktemp("tiny-quantized") / "q")
-    quantize_checkpoint(str(TINY_FIXTURE), dst, Recipe(), QuantizeOptions(calib_path=str(FIXTURES / "calib.json")),
-                        log=lambda m: None)
-    return dst
+    def make(d: Path) -> str:
+        quantize_checkpoint(str(TINY_FIXTURE), str(d / "q"), Recipe(),
+                            QuantizeOptions(calib_path=str(FIXTURES / "calib.json")), log=lambda m: None)
+        return str(d / "q")
+
+    return made_once(tmp_path_factory, "tiny-quantized", make)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -47,13 +47,22 @@ class SharedHead(nn.Module):
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=dtype)
 
 
+def embedding(num: int, dim: int, device=None, dtype=None) -> nn.Embedding:
+    """``nn.Embedding``; on the meta device (the device argument's or the one in force) without its random
+    init, which means nothing there and which torch runs on meta through reference ops whose first call
+    imports torch._dynamo, the slowest part of torch to import, in every process that builds a model."""
+    if torch.empty(0, device=device).is_meta:
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim, device=device, dtype=dtype))
+    return nn.Embedding(num, dim, device=device, dtype=dtype)
+
+
 class MTPLayer(DecoderLayer):
     """A full (MoE) decoder layer plus its own embedding, input norms, projection and head."""
 
     def __init__(self, cfg: DeepseekV3Config, layer_id: int, device=None, dtype=None):
         super().__init__(cfg, layer_id, device, dtype)
         h = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, h, device=device, dtype=dtype)
+        self.embed_tokens = embedding(cfg.vocab_size, h, device, dtype)
         self.enorm = RMSNorm(h, cfg.rms_norm_eps, device, dtype)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps, device, dtype)
         self.eh_proj = nn.Linear(2 * h, h, bias=False, device=device, dtype=dtype)
@@ -70,7 +79,7 @@ class MTPLayer(DecoderLayer):
 class DeepseekV3Model(nn.Module):
     def __init__(self, cfg: DeepseekV3Config, device=None, dtype=None, with_mtp: bool = True):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
         layers: list[nn.Module] = [DecoderLayer(cfg, i, device, dtype) for i in range(cfg.num_hidden_layers)]
         if with_mtp:
             layers += [MTPLayer(cfg, i, device, dtype) for i in cfg.mtp_layer_ids]

@@ -22,9 +22,10 @@ from pipeline.config import DeepseekV3Config, yarn_mscale
 
 
 def inv_frequencies(cfg: DeepseekV3Config) -> torch.Tensor:
-    """The d/2 rotation frequencies (float32), YaRN-adjusted when configured."""
+    """The d/2 rotation frequencies (float32), YaRN-adjusted when configured; computed on the CPU whatever
+    device is in force (a model built on the meta device included: see causal_lm.embedding)."""
     d, theta = cfg.qk_rope_head_dim, cfg.rope_theta
-    freqs = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    freqs = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d))
     ys = cfg.rope_scaling
     if ys is None or ys.factor <= 1:
         return freqs
@@ -36,7 +37,7 @@ def inv_frequencies(cfg: DeepseekV3Config) -> torch.Tensor:
     high = min(math.ceil(corr(ys.beta_slow)), d - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     return freqs / ys.factor * ramp + freqs * (1 - ramp)
 
 

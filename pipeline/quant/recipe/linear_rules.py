@@ -13,6 +13,7 @@ output could not be written in msModelSlim's W8A8 layout.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -63,6 +64,7 @@ def rule_from_dict(raw: Any, where: str) -> LinearRule:
     return LinearRule(raw.get("kind"), tuple(raw.get("include", ("*",))), tuple(raw.get("exclude", ())))
 
 
+@functools.cache   # asked for every linear a recipe without rules of its own types (immutable: frozen rules)
 def default_rules() -> tuple[LinearRule, ...]:
     """msModelSlim's DeepSeek mix: static W8A8 attention except kv_b_proj, dynamic MLP except the router."""
     return (LinearRule(W8A8, ("*self_attn*",), ("*kv_b_proj",)), LinearRule(W8A8_DYNAMIC, ("*mlp*",), ("*gate",)))
