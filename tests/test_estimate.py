@@ -47,9 +47,9 @@ def test_estimate_is_the_documented_formula():
     one = estimate_job(reader, recipe, samples, PROBE, single_read=True)
     assert one.read_bytes == stored and one.calibration_read_s == 0
     assert one.calibration_compute_s == est.calibration_compute_s
-    io_s = stored / (0.5 * GB) + est.write_bytes / (0.25 * GB)
-    assert one.total_s == pytest.approx(max(io_s, one.calibration_compute_s + est.float_bytes / (2.0 * GB)),
-                                        rel=1e-2, abs=0.02)
+    # one layer at a time on the job's thread (the tiny fixture is bf16: nothing to dequantize), written meanwhile
+    assert one.total_s == pytest.approx(max(est.write_bytes / (0.25 * GB), one.calibration_compute_s + stored / (0.5 * GB)
+                                            + est.float_bytes / (2.0 * GB)), rel=1e-2, abs=0.02)
     assert "from the one read" in "\n".join(one.to_text())
 
     free = estimate_job(reader, Recipe(dynamic=True, fa_quant=False), [], PROBE)
@@ -130,3 +130,53 @@ def test_progress_is_whole_lines_when_stderr_is_not_a_terminal(capsys):
     err = capsys.readouterr().err
     assert "\r" not in err and err.count("\n") <= 2
     assert err.splitlines()[-1].startswith("weights: 100% (1k/1k B") and err.rstrip().endswith("5/5 units)")
+
+
+def test_memory_estimate_of_the_layerwise_job_is_its_documented_formula():
+    """layerwise_peak: the largest of (a layer's float weights + the weights its steps rewrite + its quantized
+    weights fake-quantized in md + one sample's working set), + every sample's hidden states in and out, +
+    the fixed part; quarot rewrites every weight, so it counts each layer's weights twice."""
+    from pipeline.quant.job.estimate import FIXED_PEAK_BYTES, layerwise_peak
+    from pipeline.quant.recipe.steps import QuaRot
+
+    reader = CheckpointReader(str(TINY_FIXTURE))
+    cfg = reader.config
+    samples = [[1] * 30, [2] * 50]
+    plain = Recipe()
+    units, outputs = unit_costs(reader, plain, 40)
+    layers = [u for u in units if u.layer_id is not None]
+
+    def fake(u):   # bf16: two bytes for each int8 weight value written
+        outs = dict(outputs[u.unit])
+        return sum(2 * b for n, b in outs.items() if n.endswith(".weight") and n + "_scale" in outs)
+
+    assert all(fake(u) > 0 for u in layers if u.layer_id < cfg.num_hidden_layers)
+    hidden = 2 * 80 * cfg.hidden_size * 2
+    want = max(u.float_bytes + fake(u) + u.act_bytes for u in layers)
+    assert layerwise_peak(reader, plain, units, outputs, 80)[0] == want + hidden + FIXED_PEAK_BYTES
+    est = estimate_job(reader, plain, samples, PROBE, single_read=True)
+    assert est.peak_bytes == want + hidden + FIXED_PEAK_BYTES and "memory: peak ~" in "\n".join(est.to_text())
+    assert estimate_job(reader, plain, samples, PROBE).peak_bytes == 0     # two-pass: the planner's model
+
+    rotated = Recipe(steps=(QuaRot(),))
+    r_units, r_outputs = unit_costs(reader, rotated, 40)
+    got = layerwise_peak(reader, rotated, r_units, r_outputs, 80)[0] - hidden - FIXED_PEAK_BYTES
+    assert got == max(2 * u.float_bytes + fake(u) + u.act_bytes for u in r_units if u.layer_id is not None)
+
+
+def test_the_memory_estimate_counts_the_mlp_smoothing_rewrites():
+    """mlp_smooth replaces its norm, the gate/up weights it feeds and the router by new tensors: the layers
+    it names count those bytes once more."""
+    from pipeline.quant.job.estimate import layerwise_peak
+    from pipeline.quant.transforms.recipe_plan import resolve
+
+    reader = CheckpointReader(str(TINY_FIXTURE))
+    cfg = reader.config
+    plain, smoothed = Recipe(), Recipe(mlp_smooth_layers=tuple(range(cfg.num_hidden_layers)))
+    rewritten = resolve(smoothed, cfg).rewritten(1)
+    assert {"model.layers.1.mlp.experts.0.gate_proj.weight", "model.layers.1.mlp.gate.weight"} <= rewritten
+    units, outputs = unit_costs(reader, plain, 40)
+    s_units, s_outputs = unit_costs(reader, smoothed, 40)
+    base = layerwise_peak(reader, plain, units, outputs, 80)[0]
+    more = layerwise_peak(reader, smoothed, s_units, s_outputs, 80)[0]
+    assert more > base

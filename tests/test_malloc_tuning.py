@@ -1,4 +1,4 @@
-"""pipeline.engine.malloc_tuning: on glibc the settings take (mallopt accepts each), once per process;
+"""pipeline.io.heap: on glibc the settings take (mallopt accepts each), once per process;
 DSQUANT_MALLOC_TUNING=0 leaves malloc alone. Each case in a fresh interpreter (the settings are per
 process), loading the module by its path (no torch import)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-MODULE = Path(__file__).resolve().parents[1] / "pipeline" / "engine" / "malloc_tuning.py"
+MODULE = Path(__file__).resolve().parents[1] / "pipeline" / "io" / "heap.py"
 PROBE = ("import importlib.util as u; s = u.spec_from_file_location('m', {path!r}); m = u.module_from_spec(s); "
          "s.loader.exec_module(m); print(m.tune(), m.tune())")
 

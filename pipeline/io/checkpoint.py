@@ -151,6 +151,18 @@ class CheckpointReader:
         """The files holding a layer's stored tensors (None: the tensors outside any layer)."""
         return sorted({self._file_of[n] for n in self._by_layer.get(layer_id, [])})
 
+    def read_ahead(self, layer_id: Optional[int]) -> bool:
+        """Have the page cache read a unit's stored bytes in the background (:func:`storage.will_need`, one
+        span per file), so that its ``read_layer`` finds them there while this process holds nothing more.
+        False where the source cannot take the hint (object storage)."""
+        spans: dict[str, tuple[int, int]] = {}
+        for n in self._by_layer.get(layer_id, []):
+            file = self._file_of[n]
+            info = self._header(file).info(n)
+            lo, hi = spans.get(file, (info.start, info.end))
+            spans[file] = (min(lo, info.start), max(hi, info.end))
+        return all([storage.will_need(f, *span) for f, span in spans.items()])
+
     def header(self, name: str) -> tuple[str, tuple[int, ...]]:
         """(safetensors dtype string, e.g. "BF16" or "F8_E4M3"; shape) as stored, from the header only."""
         info = self._header(self.file_of(name)).info(name)

@@ -344,6 +344,21 @@ def read_range(path: str, start: int, end: int) -> bytes | np.ndarray:
     return fs.cat_file(p, start=start, end=end)
 
 
+def will_need(path: str, start: int, end: int) -> bool:
+    """Ask the kernel to read bytes [start, end) of a local file into the page cache in the background
+    (posix_fadvise WILLNEED): a read ahead that costs no memory of this process. False where it cannot
+    (object storage, a system without posix_fadvise): the caller reads ahead itself or not at all."""
+    fs, p = filesystem(path)
+    if not isinstance(fs, LocalFileSystem) or not hasattr(os, "posix_fadvise") or end <= start:
+        return False
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
+    return True
+
+
 def file_sha256(path: str, chunk: int = 64 * 1024 ** 2) -> tuple[int, str]:
     """(size, sha256) of a stored file, read in chunks."""
     import hashlib

@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from pipeline.engine import malloc_tuning
+from pipeline.io import heap
 from pipeline.engine.cache.blocks import BlockAllocator
 from pipeline.engine.cache.prefix_cache import PrefixCachingAllocator
 from pipeline.engine.config import EngineConfig
@@ -111,7 +111,7 @@ class LLMEngine:
             log.info("engine on %s: kernels %s; decode graph %s", config.device, config.kernels.describe(),
                      "on" if config.decode_graph else "off")
         if torch.device(config.device).type == "cpu":
-            malloc_tuning.tune()        # steps reuse freed activations' pages (malloc_tuning)
+            heap.tune()        # steps reuse freed activations' pages (pipeline.io.heap)
         cap = config.num_blocks * config.block_size
         max_len = min(config.max_model_len or cap, cfg.max_position_embeddings)
         self.allocator = (PrefixCachingAllocator if config.prefix_caching else BlockAllocator)(config.num_blocks)

@@ -11,7 +11,7 @@ value instead of float32's 4 and the packed copy's 2).
 - Embeddings, norms and the router are float32, as in the float model (pipeline.model.build_model).
 
 The modules are those native_swap.use_native_float_ops makes of the float32 model, with the same bits:
-the same outputs. After each layer the heap's free pages are handed back (malloc_tuning.release).
+the same outputs. After each layer the heap's free pages are handed back (heap.release).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from pipeline.config import DeepseekV3Config
-from pipeline.engine import malloc_tuning
+from pipeline.io import heap
 from pipeline.engine.native import cpu_float, cpu_float_ffn
 from pipeline.engine.native.cpu_float import NativeLinear
 from pipeline.io.checkpoint import FP8_NAME, CheckpointReader
@@ -53,7 +53,7 @@ def load(reader: CheckpointReader, with_mtp: bool) -> DeepseekV3ForCausalLM:
         del head
     for i in list(range(cfg.num_hidden_layers)) + (cfg.mtp_layer_ids if with_mtp else []):
         _load_layer(model.model.layers[i], f"model.layers.{i}.", reader.read_layer(i), cfg, reader.path)
-        malloc_tuning.release()
+        heap.release()
     missing = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
     if missing:
         raise ValueError(f"{reader.path}: tensors missing for {missing[:5]}")

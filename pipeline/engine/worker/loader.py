@@ -30,7 +30,7 @@ from torch import nn
 from pipeline import layout
 from pipeline.config import DeepseekV3Config
 from pipeline.model import DeepseekV3ForCausalLM, build_model
-from pipeline.engine import malloc_tuning
+from pipeline.io import heap
 from pipeline.engine.config import Kernels, resolve
 from pipeline.engine.layers.moe import fuse_moe_layers
 from pipeline.engine.layers.native_swap import compact_linears, use_kernels
@@ -132,11 +132,11 @@ def packs_at_load(kernels: Kernels, device: str) -> bool:
 def pack_layer(unit: nn.Module, pack: bool) -> None:
     """The end of a layer's loading: its int8 linears packed for the C kernels, the pack their only copy
     (compact_linears), where ``pack`` (:func:`packs_at_load`); then the heap's free pages handed back (its
-    read buffer's and temporaries: malloc_tuning.release), so that the next layer's peak does not stack on
+    read buffer's and temporaries: heap.release), so that the next layer's peak does not stack on
     them."""
     if pack:
         compact_linears(unit)
-    malloc_tuning.release()
+    heap.release()
 
 
 def bits_at_load(kernels: Kernels, device: str, dtype: torch.dtype) -> bool:

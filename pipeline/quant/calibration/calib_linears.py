@@ -54,19 +54,32 @@ class FloatLinears:
         return F.linear(x, self.t[name + ".weight"], None if b is None else b.to(x.dtype))
 
 
-class _Quantized:
-    """What the quantized passes share: the layer's tensors, each linear's type, fake-quantized weights."""
+class FakeQuantWeights:
+    """Each quantized linear's weight as its int8 values times its per-channel scale, in md, made on first
+    use and kept for the calls after it: one layer's worth, shared by a layer's passes."""
 
-    def __init__(self, tensors: Mapping[str, Tensor], kinds: Mapping[str, str]):
-        self.t, self.kinds = tensors, kinds
-        self._w: dict[str, Tensor] = {}
+    def __init__(self, tensors: Mapping[str, Tensor]):
+        self.t = tensors
+        self._w: dict[tuple[str, torch.dtype], Tensor] = {}
 
-    def weight(self, name: str, md: torch.dtype) -> Tensor:
-        w = self._w.get(name)
+    def __call__(self, name: str, md: torch.dtype) -> Tensor:
+        w = self._w.get((name, md))
         if w is None:
             q, ws, _ = quantize_weight_per_channel(self.t[name + ".weight"], name + ".weight")
-            w = self._w[name] = q.to(md) * ws.to(md)
+            # q.to(md) * ws.to(md) without the widened q: the same values (an int8 is exact in md), one
+            # weight-sized block allocated, not two
+            w = self._w[name, md] = torch.mul(q, ws.to(md), out=torch.empty(q.shape, dtype=md))
         return w
+
+
+class _Quantized:
+    """What the quantized passes share: the layer's tensors, each linear's type, fake-quantized weights
+    (``weights``: those of an earlier pass over the same tensors)."""
+
+    def __init__(self, tensors: Mapping[str, Tensor], kinds: Mapping[str, str],
+                 weights: Optional[FakeQuantWeights] = None):
+        self.t, self.kinds = tensors, kinds
+        self.weight = weights if weights is not None and weights.t is tensors else FakeQuantWeights(tensors)
 
     def bias(self, name: str, md: torch.dtype) -> Optional[Tensor]:
         b = self.t.get(name + ".bias")
@@ -79,8 +92,9 @@ class _Quantized:
 class CalibLinears(_Quantized):
     """The calibration pass (module doc); ``ranges`` holds each W8A8 linear's running (lo, hi) in md."""
 
-    def __init__(self, tensors: Mapping[str, Tensor], kinds: Mapping[str, str]):
-        super().__init__(tensors, kinds)
+    def __init__(self, tensors: Mapping[str, Tensor], kinds: Mapping[str, str],
+                 weights: Optional[FakeQuantWeights] = None):
+        super().__init__(tensors, kinds, weights)
         self.ranges: dict[str, tuple[Tensor, Tensor]] = {}
         self.counts: dict[str, int] = {}
 
@@ -109,8 +123,8 @@ class DeployedLinears(_Quantized):
     """The linears after their calibration (module doc); ``params`` {W8A8 linear: (s, o) in md}."""
 
     def __init__(self, tensors: Mapping[str, Tensor], kinds: Mapping[str, str],
-                 params: Mapping[str, tuple[Tensor, Tensor]]):
-        super().__init__(tensors, kinds)
+                 params: Mapping[str, tuple[Tensor, Tensor]], weights: Optional[FakeQuantWeights] = None):
+        super().__init__(tensors, kinds, weights)
         self.params = params
 
     def __call__(self, name: str, x: Tensor) -> Tensor:

@@ -26,7 +26,8 @@ from torch import Tensor
 from pipeline.config import DeepseekV3Config
 from pipeline.format.description import FAQUANT, W8A8, W8A8_DYNAMIC
 from pipeline.quant.calibration import remote_numerics as rn
-from pipeline.quant.calibration.calib_linears import CalibLinears, DeployedLinears, FloatLinears, final_params
+from pipeline.quant.calibration.calib_linears import (CalibLinears, DeployedLinears, FakeQuantWeights, FloatLinears,
+                                                      final_params)
 from pipeline.quant.numerics.observers import RecallWindow, Stats
 from pipeline.quant.numerics.products import KeptWeights, calibration_products
 from pipeline.quant.recipe.recipe import Recipe
@@ -129,8 +130,9 @@ class LayerCalibrator:
             kinds = {p: k for p, k in types.items() if k in (W8A8, W8A8_DYNAMIC)}
             stats: dict = {}
             params = {}
+            weights = FakeQuantWeights(t)   # one layer's fake-quantized weights, for both passes
             if any(k == W8A8 for k in kinds.values()):
-                calib = CalibLinears(t, kinds)
+                calib = CalibLinears(t, kinds, weights)
                 outs = self._forward(t, i, samples, calib, absorbed=False, attention_only=plan.fa3_pass)
                 stats.update(calib.minmax())
                 params = final_params(calib.ranges, t[next(iter(kinds)) + ".weight"].dtype)
@@ -144,7 +146,7 @@ class LayerCalibrator:
                     w = RecallWindow.observe(x[0].reshape(x.shape[1], -1), ratio, name)
                     windows[name] = windows[name].merge(w) if name in windows else w
 
-                last = self._forward(t, i, samples, DeployedLinears(t, kinds, params), absorbed=fa_layer,
+                last = self._forward(t, i, samples, DeployedLinears(t, kinds, params, weights), absorbed=fa_layer,
                                      fa=fa if fa_layer else None)
                 stats.update(windows)
         nxt = None

@@ -1,5 +1,5 @@
-"""Reading a checkpoint's units for the layer-by-layer jobs: each unit's stored size, the next layer read
-on a thread while the caller works on this one, and a layer's tensors as the float model holds them."""
+"""Reading a checkpoint's units for the layer-by-layer jobs: each unit's stored size, the next layer on its
+way while the caller works on this one, and a layer's tensors as the float model holds them."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from pipeline import layout
+from pipeline.io import heap
 from pipeline.io.checkpoint import CheckpointReader
 from pipeline.io.fp8 import BlockRows
 from pipeline.io.safetensors_io import itemsize
@@ -26,20 +27,35 @@ def unit_bytes(reader: CheckpointReader) -> dict[Optional[int], int]:
     return out
 
 
-def prefetched(ids: list[int], load: Callable[[int], dict], enabled: bool) -> Iterator[tuple[int, dict]]:
-    """(i, load(i)) for each id, the next one loading in a background thread while the caller works on
-    this one (one deep). Closing the generator waits for that thread; its errors surface here."""
-    if not enabled:
-        yield from ((i, load(i)) for i in ids)
+def prefetched(ids: list[int], load: Callable[[int], dict], enabled: bool,
+               ahead: Optional[Callable[[int], bool]] = None) -> Iterator[tuple[int, dict]]:
+    """(i, load(i)) for each id, the next one on its way while the caller works on this one. With
+    ``ahead`` (``CheckpointReader.read_ahead``) that takes the hint, the page cache reads it in the
+    background and this process holds one layer; else a thread loads it (one deep: a second layer held).
+    Once the caller is done with a layer, the heap's freed blocks go back to the system
+    (:func:`pipeline.io.heap.release`), so that the next layer's peak does not stack on them. Closing the
+    generator waits for that thread; its errors surface here."""
+    if not ids:
+        return
+    hint = enabled and ahead is not None and ahead(ids[0])
+    if hint or not enabled:
+        for k, i in enumerate(ids):
+            tensors = load(i)
+            if hint and k + 1 < len(ids):
+                ahead(ids[k + 1])
+            yield i, tensors
+            del tensors
+            heap.release()
         return
     with ThreadPoolExecutor(1, thread_name_prefix="prefetch-layer") as pool:
-        nxt = pool.submit(load, ids[0]) if ids else None
+        nxt = pool.submit(load, ids[0])
         try:
             for k, i in enumerate(ids):
                 tensors = nxt.result()
                 nxt = pool.submit(load, ids[k + 1]) if k + 1 < len(ids) else None
                 yield i, tensors
                 del tensors
+                heap.release()
         finally:
             if nxt is not None:
                 nxt.cancel()

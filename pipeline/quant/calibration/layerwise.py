@@ -139,7 +139,7 @@ def calibrate_float(reader: CheckpointReader, recipe: Recipe, samples: Sequence[
         def load(i: int) -> dict:
             return reader.read_layer(i, deferred=deferred_weights(cfg, i, recipe, smoothing.kept_weights(i)))
 
-        with closing(prefetched(layout.all_layer_ids(cfg), load, prefetch)) as layers:
+        with closing(prefetched(layout.all_layer_ids(cfg), load, prefetch, reader.read_ahead)) as layers:
             for i, tensors in layers:
                 nbytes += sizes.get(i, 0)
                 is_mtp = i >= cfg.num_hidden_layers

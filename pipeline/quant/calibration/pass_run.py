@@ -72,7 +72,7 @@ def run_passes(reader: CheckpointReader, recipe: Recipe, samples: Sequence[Seque
             deferred = frozenset() if transforms else deferred_weights(cfg, i, recipe)
             return reader.read_layer(i, deferred=deferred)
 
-        with closing(prefetched(list(layer_ids), load, prefetch)) as layers:
+        with closing(prefetched(list(layer_ids), load, prefetch, reader.read_ahead)) as layers:
             for i, tensors in layers:
                 nbytes += sizes.get(i, 0)
                 if i in calibrated or (transforms and i < cfg.num_hidden_layers):

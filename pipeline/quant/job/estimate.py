@@ -17,9 +17,11 @@ sample on the job's device. Then:
                   own threads while it quantizes (pipeline.quant.job.run); the disk does one after the other
     one read      (``single_read``: the single-process job's layer-wise calibration, pipeline.quant.calibration.layerwise)
                   every stored byte read once, for both: calibration_read_s = 0, and
-                  total = max(read + write, compute + quantize): the next layer is read and the output
-                  written on their own threads while this layer is calibrated and quantized, so
-                  weights_s = max(read + write, compute + quantize) - compute
+                  total = max(write, compute + read + dequantize + quantize): one layer at a time on the
+                  job's thread (the page cache reads the next one ahead, so no second layer is held; an
+                  FP8 source dequantized at the probe's rate; 2.5 bytes of memory new to the process
+                  per float byte, at the probe's first-touch rate), the writer's thread writing meanwhile,
+                  so weights_s = total - compute
     distributed   compute and quantize shared by the stage actors (an ideal overlap, so a lower bound of
                   those parts), the I/O not (one source, one destination), plus RAY_START_S
 
@@ -32,14 +34,16 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from pipeline.io import storage
+from pipeline.config import model_dtype
 from pipeline.io.checkpoint import CheckpointReader
-from pipeline.quant.job.costs import unit_costs
+from pipeline.io.safetensors_io import CheckpointError, itemsize
+from pipeline.quant.job.costs import LayerCost, unit_costs
 from pipeline.quant.numerics.products import AUTO, calibration_products
 from pipeline.quant.transforms.recipe_plan import resolve
 
@@ -49,6 +53,10 @@ PROBE_WRITE = 32 * 2**20      # bytes written (and fsync'd) by the probe beside 
 FORWARD_EFFICIENCY = 0.25     # the calibration forward's rate over the probe's matmul rate (eager
                               # attention, observers, one sample at a time); measured, see the README
 RAY_START_S = 10.0            # a private Ray and its actors, measured on a 2-CPU machine
+FIXED_PEAK_BYTES = 10**9      # the layer-wise job's memory beside its layer and samples (layerwise_peak)
+PROBE_FRESH = 64 * 2**20      # bytes first touched by the probe
+FRESH_PER_FLOAT_BYTE = 2.5    # the one-read job's new memory per float byte: the weights, their fake-quantized
+                              # copy, the int8 output
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,8 @@ class Probe:
     quantize_gbps: float      # bf16 bytes/s through the per-channel int8 quantizer
     matmul_tflops: float      # bf16 matmul on the job's device
     seconds: float            # what the probe took
+    dequant_gbps: float = 0.0 # bf16 bytes/s out of FP8 blocks (BlockRows.materialize); 0: not probed
+    fresh_gbps: float = 0.0   # bytes/s of memory new to the process, first touched (page faults); 0: not probed
 
 
 def _timed(fn, min_s: float = 0.05, max_reps: int = 20) -> float:
@@ -131,8 +141,16 @@ def probe(reader: CheckpointReader, device: str = "cpu", tokens: int = 256, dst:
             torch.cuda.synchronize()
 
     tflops = 2 * a.shape[0] * h * inner / _timed(mm) / 1e12
+    from pipeline.io.fp8 import BlockRows
+
+    fp8 = torch.randn(inner, h, generator=g).to(torch.float8_e4m3fn)
+    rows = BlockRows(fp8, torch.ones(math.ceil(inner / 128), math.ceil(h / 128)), name="probe")
+    dequant_gbps = fp8.numel() * 2 / _timed(rows.materialize) / GB
+    t = time.perf_counter()
+    torch.empty(PROBE_FRESH, dtype=torch.uint8).fill_(1)     # above glibc's mmap threshold: new pages
+    fresh_gbps = PROBE_FRESH / max(time.perf_counter() - t, 1e-6) / GB
     return Probe(round(read_gbps, 3), round(write_gbps, 3), round(quantize_gbps, 3), round(tflops, 4),
-                 round(time.perf_counter() - t0, 3))
+                 round(time.perf_counter() - t0, 3), round(dequant_gbps, 3), round(fresh_gbps, 3))
 
 
 @dataclass(frozen=True)
@@ -150,6 +168,8 @@ class Estimate:
     actors: int               # 0: the single-process job
     probe: Probe
     single_read: bool = False # layer-wise calibration: one read feeds calibration and weights
+    peak_bytes: int = 0       # memory of the layer-wise job (:func:`layerwise_peak`; 0: not estimated)
+    peak_layer: str = ""      # the unit that sets it
 
     @property
     def total_s(self) -> float:
@@ -162,7 +182,7 @@ class Estimate:
         p = self.probe
         where = f"{self.actors} stage actors" if self.actors else "one process"
         lines = [f"estimate ({where}; probe {p.seconds:.1f}s: read {p.read_gbps:.3g} GB/s, write "
-                 f"{p.write_gbps:.3g} GB/s, quantize "
+                 f"{p.write_gbps:.3g} GB/s, dequantize FP8 {p.dequant_gbps:.3g} GB/s, quantize "
                  f"{p.quantize_gbps:.3g} GB/s, bf16 matmul {p.matmul_tflops * 1e3:.3g} GFLOP/s):"]
         if self.single_read:
             lines.append(f"  calibration: layer by layer from the one read, {self.calib_samples} samples "
@@ -182,6 +202,10 @@ class Estimate:
                          f"write {_bytes(self.write_bytes)}: ~{_dur(self.weights_s)}")
         lines.append(f"  total: ~{_dur(self.total_s)}" + (f" (Ray start-up ~{_dur(self.ray_s)} included)"
                                                           if self.ray_s else ""))
+        if self.peak_bytes:
+            lines.append(f"  memory: peak ~{self.peak_bytes / GB:.2f} GB (layer {self.peak_layer}: its weights in the "
+                         "model dtype, their fake-quantized copy for the calibration passes, the samples' "
+                         "activations; docs/performance.md)")
         return lines
 
 
@@ -200,7 +224,7 @@ def estimate_job(reader: CheckpointReader, recipe, samples: Sequence[Sequence[in
     job (one read; only with samples and no actors)."""
     tokens = sum(len(s) for s in samples)
     mean_len = max(1, round(tokens / len(samples))) if samples else 1
-    units, _ = unit_costs(reader, recipe, min(mean_len, reader.config.max_position_embeddings))
+    units, outputs = unit_costs(reader, recipe, min(mean_len, reader.config.max_position_embeddings))
     stored = sum(u.stored_bytes for u in units)
     floats = sum(u.float_bytes for u in units)
     written = sum(u.output_bytes for u in units)
@@ -215,13 +239,66 @@ def estimate_job(reader: CheckpointReader, recipe, samples: Sequence[Sequence[in
     quant_s = floats / (max(pr.quantize_gbps, 1e-3) * GB) / share
     weights_s = max(io_s, quant_s)
     single_read = bool(single_read and samples and not actors)
+    peak, peak_unit = 0, ""
     if single_read:
-        calib_read_s, weights_s = 0.0, max(io_s, calib_s + quant_s) - calib_s
+        # one layer at a time on the job's thread: read (the page cache reads the next one ahead), an FP8
+        # source dequantized, calibrated, quantized; the writer's thread writes meanwhile
+        fp8 = sum(math.prod(reader.header(n)[1]) * 2 for n in reader.tensor_names() if reader.header(n)[0] == "F8_E4M3")
+        dequant_s = fp8 / (pr.dequant_gbps * GB) if pr.dequant_gbps else 0.0
+        # each layer's memory is new to the process (the heap is handed back between layers): its float
+        # weights, their fake-quantized copy and the int8 output, first touched
+        fresh_s = FRESH_PER_FLOAT_BYTE * floats / (pr.fresh_gbps * GB) if pr.fresh_gbps else 0.0
+        calib_read_s = 0.0
+        weights_s = max(written / write_rate,
+                        calib_s + stored / read_rate + dequant_s + quant_s + fresh_s) - calib_s
+        peak, peak_unit = layerwise_peak(reader, recipe, units, outputs, tokens)
     return Estimate(read_bytes=stored * (2 if samples and not single_read else 1), float_bytes=floats,
                     write_bytes=written, calib_samples=len(samples), calib_tokens=tokens, calib_flops=flops,
                     calibration_read_s=round(calib_read_s, 2), calibration_compute_s=round(calib_s, 2),
                     weights_s=round(weights_s, 2), ray_s=RAY_START_S if actors else 0.0, actors=actors, probe=pr,
-                    single_read=single_read)
+                    single_read=single_read, peak_bytes=peak, peak_layer=peak_unit)
+
+
+def layerwise_peak(reader: CheckpointReader, recipe, units: Sequence[LayerCost],
+                   outputs: Mapping[str, Sequence[tuple[str, int]]], tokens: int) -> tuple[int, str]:
+    """(peak bytes, the unit that sets it) of the single-process layer-wise job (docs/performance.md, "The
+    quantize job at real width"). One layer is held at a time (the next one is read ahead by the page cache;
+    from object storage a thread reads it: one more layer), and within it, at most:
+
+        its weights in the model dtype                       float_bytes
+        + what the recipe's steps rewrite, beside the originals  (all of them when it rotates)
+        + its quantized weights fake-quantized in md          2 x their int8 bytes, for the passes after
+        + one sample's working set                            act_bytes
+      + every sample's hidden states, in and out            2 x tokens x hidden x md (x2 with ``smooth``)
+      + FIXED_PEAK_BYTES                                     the interpreter, torch, the globals' residue
+    """
+    cfg = reader.config
+    plan = resolve(recipe, cfg)
+    md = torch.finfo(model_dtype(cfg)).bits // 8
+    streams = plan.calibration_forwards    # the smoothing pass keeps a stream of its own
+    hidden = 2 * tokens * cfg.hidden_size * md * streams
+    local = all(not storage.is_url(f) for f in reader.files)
+    best, where = 0, ""
+    layers = [u for u in units if u.layer_id is not None]
+    for k, u in enumerate(layers):
+        outs = dict(outputs[u.unit])
+        fake = sum(md * b for n, b in outs.items() if n.endswith(".weight") and n + "_scale" in outs)
+        rewritten = plan.rewritten(u.layer_id)
+        steps = u.float_bytes if rewritten is None else sum(_float_bytes(reader, n, md) for n in rewritten)
+        nxt = 0 if local or k + 1 == len(layers) else layers[k + 1].float_bytes
+        need = u.float_bytes + steps + fake + u.act_bytes + nxt
+        if need > best:
+            best, where = need, u.unit
+    return int(best + hidden + FIXED_PEAK_BYTES), where
+
+
+def _float_bytes(reader: CheckpointReader, name: str, md: int) -> int:
+    """Bytes of a stored tensor once read in the model dtype (FP8 dequantized); 0 if the source lacks it."""
+    try:
+        dt, shape = reader.header(name)
+    except CheckpointError:
+        return 0
+    return math.prod(shape) * (md if dt == "F8_E4M3" else itemsize(dt))
 
 
 def job_estimate(reader: CheckpointReader, recipe, samples: Sequence[Sequence[int]], device: Optional[str],

@@ -37,13 +37,13 @@ from pipeline.quant.recipe.recipe import MSMODELSLIM, Recipe
 from pipeline.quant.recipe.steps import FlexSmooth, IterSmooth, QuaRot
 from pipeline.quant.transforms.flex_smooth import flex_smooth_layer
 from pipeline.quant.transforms.iter_smooth import iter_smooth_layer, shifts
-from pipeline.quant.transforms.mlp_smooth import mlp_targets, smooth_mlp_input
+from pipeline.quant.transforms.mlp_smooth import NORM, ROUTER, mlp_targets, smooth_mlp_input
 from pipeline.quant.transforms.outlier_stats import ActivationRows, ChannelTrace
 from pipeline.quant.transforms.quarot import (
     QUAROT_FILE, build_rotations, description_entry, optional_tensors, rotate_globals, rotate_layer)
 from pipeline.quant.transforms.smooth import (
     ChannelAbsMax, apply_smoothing, collect_smoothing_stats, smooth_layer, smoothed_weights)
-from pipeline.quant.transforms.subgraphs import step_subgraphs
+from pipeline.quant.transforms.subgraphs import step_subgraphs, subgraph_weights
 
 Tensors = dict[str, Tensor]
 
@@ -79,6 +79,10 @@ class LayerStep:
         """``{bias tensor name: shape}`` the step adds to layer ``layer_id``, from the config alone."""
         return {}
 
+    def rewrites(self, cfg: DeepseekV3Config, layer_id: int) -> Optional[frozenset[str]]:
+        """The weights of layer ``layer_id`` the step replaces by new tensors (None: every one)."""
+        return frozenset()
+
     def files(self) -> Optional[tuple[dict[str, bytes], dict]]:
         """(files beside the weights, the description's ``optional`` object), or None: the step writes none."""
         return None
@@ -94,6 +98,9 @@ class Rotate(LayerStep):
 
     def apply(self, tensors: Tensors, run: LayerRun) -> tuple[Tensors, Optional[list]]:
         return rotate_layer(tensors, run.layer_id, self.plan.cfg, self.plan.rotations), None
+
+    def rewrites(self, cfg: DeepseekV3Config, layer_id: int) -> Optional[frozenset[str]]:
+        return None
 
     def files(self) -> Optional[tuple[dict[str, bytes], dict]]:
         """QuaRot's ``optional/quarot.safetensors`` holding ``global_rotation``, as msModelSlim exports it."""
@@ -118,6 +125,9 @@ class AntiOutlier(LayerStep):
 
     def fold(self, tensors: Tensors, layer_id: int, observers: dict, choices: dict) -> Tensors:
         raise NotImplementedError
+
+    def rewrites(self, cfg: DeepseekV3Config, layer_id: int) -> Optional[frozenset[str]]:
+        return subgraph_weights(step_subgraphs(self.step, cfg, layer_id))
 
     def apply(self, tensors: Tensors, run: LayerRun) -> tuple[Tensors, Optional[list]]:
         subgraphs = step_subgraphs(self.step, self.cfg, run.layer_id)
@@ -187,6 +197,9 @@ class OwnSmoothing(LayerStep):
         run.absorbed_forward(tensors, observers, fa)
         return smooth_layer(tensors, run.layer_id, stats, run.smooth_alpha), None
 
+    def rewrites(self, cfg: DeepseekV3Config, layer_id: int) -> Optional[frozenset[str]]:
+        return smoothed_weights(layer_id)
+
 
 class MlpSmoothing(LayerStep):
     """The recipe's ``mlp_smooth_layers`` (pipeline.quant.transforms.mlp_smooth): the norm's output observed
@@ -207,6 +220,12 @@ class MlpSmoothing(LayerStep):
         if seen.value is None:
             raise QuantError(f"mlp_smooth: layer {run.layer_id}'s MLP saw no token")
         return smooth_mlp_input(tensors, self.cfg, run.layer_id, seen.value, self.alpha)[0], None
+
+    def rewrites(self, cfg: DeepseekV3Config, layer_id: int) -> Optional[frozenset[str]]:
+        p = layout.layer_prefix(layer_id)
+        router = (p + ROUTER + ".weight",) if cfg.is_moe_layer(layer_id) else ()
+        return frozenset((*(t + ".weight" for t in mlp_targets(cfg, layer_id)), *router,
+                          p + NORM + ".weight"))
 
 
 class NoSmoothing:
@@ -274,6 +293,18 @@ class RecipePlan:
         self.fa3_pass = recipe.fa_quant
         # the statistics forward, plus dsquant's smoothing's own (what the estimate counts)
         self.calibration_forwards = 1 + bool(recipe.smooth) + bool(recipe.mlp_smooth_layers)
+
+    def rewritten(self, layer_id: int) -> Optional[frozenset[str]]:
+        """The weights of layer ``layer_id`` the steps replace by new tensors while the original ones are
+        still held (what the estimate counts twice); None: every one (quarot)."""
+        names: set[str] = set()
+        for step in (*self.steps, *self.fed_steps):
+            if step.runs_on(self.cfg, layer_id):
+                got = step.rewrites(self.cfg, layer_id)
+                if got is None:
+                    return None
+                names |= got
+        return frozenset(names)
 
     @property
     def changes_weights(self) -> bool:

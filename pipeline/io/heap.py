@@ -1,10 +1,11 @@
-"""glibc malloc settings for a CPU engine process: keep freed memory instead of handing it back.
+"""The process heap (glibc malloc) of a CPU engine process and of the layer-by-layer jobs.
 
-An engine step allocates and frees activations of megabytes per layer (a 2048-token prefill: ~6 MB per
-[2048, 768] float32 tensor). glibc serves such blocks with mmap, or trims them off the heap's top, so
-the next step faults the same pages in again, zero-filled by the kernel: a large prefill step takes
-measurably longer than with the settings below. vLLM's CPU build preloads
-tcmalloc for the same reason (its docs); here glibc's own knobs, set once per process:
+:func:`tune` (an engine process): keep freed memory instead of handing it back. An engine step allocates
+and frees activations of megabytes per layer (a 2048-token prefill: ~6 MB per [2048, 768] float32 tensor).
+glibc serves such blocks with mmap, or trims them off the heap's top, so the next step faults the same
+pages in again, zero-filled by the kernel: a large prefill step takes measurably longer than with the
+settings below. vLLM's CPU build preloads tcmalloc for the same reason (its docs); here glibc's own
+knobs, set once per process:
 
   M_MMAP_THRESHOLD  32 MiB (glibc's ceiling): smaller blocks come from the heap
   M_TRIM_THRESHOLD  1 GiB: the heap's free top is kept up to that much
@@ -12,9 +13,10 @@ tcmalloc for the same reason (its docs); here glibc's own knobs, set once per pr
 
 ``DSQUANT_MALLOC_TUNING=0`` leaves malloc as it is. Other C libraries (musl, macOS): nothing is done.
 
-Loading is the other way round: a layer's temporaries (blocks under glibc's mmap threshold, which it
-raises as large blocks are freed) come from the heap and, freed between blocks still held, stay in the
-process. :func:`release` hands such free pages back (malloc_trim), what a loader calls after each layer.
+Loading and quantizing layer by layer are the other way round: a layer's temporaries (blocks under glibc's
+mmap threshold, which it raises as large blocks are freed) come from the heap and, freed between blocks
+still held, stay in the process, so the next layer's peak stacks on them. :func:`release` hands such free
+pages back (malloc_trim), what the engine's loader and the quantize job's layer loop call after each layer.
 """
 
 from __future__ import annotations
