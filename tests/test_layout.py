@@ -241,7 +241,7 @@ def test_quantizer_packages_depend_on_earlier_ones(graph):
 # (pipeline.quant.transforms.recipe_plan.resolve). Everywhere else follows the plan's steps, which apply
 # themselves, and asks the recipe's methods (layer_types, quantized_layer...), never these fields.
 RECIPE_HOMES = ("pipeline/quant/recipe/", "pipeline/quant/transforms/recipe_plan.py")
-BEHAVIOUR_FIELDS = ("smooth", "calibration", "steps", "fa_quant", "quantize_mtp")
+BEHAVIOUR_FIELDS = ("smooth", "calibration", "steps", "fa_quant", "quantize_mtp", "dynamic")
 STEP_CLASSES = ("QuaRot", "IterSmooth", "FlexSmooth", "Step")
 CALIBRATION_NAMES = ("MSMODELSLIM", "FLOAT_PASS")
 

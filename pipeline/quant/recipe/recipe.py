@@ -204,6 +204,12 @@ class Recipe:
         return bool(self.fa_quant and layer_id not in self.fa_exclude_layers and self.fa_pattern_layer(layer_id)
                     and self.quantized_layer(cfg, layer_id))
 
+    @property
+    def ascend_dialect(self) -> bool:
+        """Does the output follow vllm-ascend's ascendV1 naming (float32 scales, quant_bias / deq_scale
+        pairs; docs/format.md) rather than the seed's?"""
+        return self.dialect == "ascendV1"
+
     def writes_fa3(self, cfg: Optional[DeepseekV3Config]) -> bool:
         """Does any layer of the model ``cfg`` get FA3 tensors (every layer, the MTP layer(s) included)?
         Without a config: does the recipe ask for FA3 at all."""

@@ -116,7 +116,7 @@ def quantize_layer_pieces(cfg: DeepseekV3Config, layer_id: int, tensors: Mapping
     _check_tensors(tensors, {**layout.layer_shapes(cfg, layer_id), **resolve(recipe, cfg).biases(layer_id)},
                    f"layer {layer_id}", quantized)
     md = model_dtype(cfg)
-    ascend = recipe.dialect == "ascendV1"
+    ascend = recipe.ascend_dialect
     lp = layout.layer_prefix(layer_id)
     is_mtp = layer_id >= cfg.num_hidden_layers
     names_of: dict[str, list[str]] = {}
@@ -197,7 +197,7 @@ def layer_output_specs(cfg: DeepseekV3Config, layer_id: Optional[int],
     if layer_id is None:
         return [TensorSpec(n, DTYPE_NAMES[dt], tuple(shape)) for n, (dt, shape) in inputs.items()]
     md = model_dtype(cfg)
-    ascend = recipe.dialect == "ascendV1"
+    ascend = recipe.ascend_dialect
     sc = torch.float32 if ascend else md
     deq = torch.float32 if md == torch.bfloat16 else torch.int64
     lp = layout.layer_prefix(layer_id)

@@ -10,8 +10,8 @@ and head, counted as one more pass of every token through it):
 
     embedding     all-reduce SUM bf16 [t, hidden] over tp (vocab-parallel lookup; main and MTP)
     attention     o_proj row-parallel: all-reduce SUM int32 [t, hidden] over tp (its int32 products,
-                  exact); a dynamic (per-token) o_proj (``recipe.dynamic``) first all-reduces MAX its
-                  float32 per-token absmax [t]
+                  exact); a dynamic (per-token) o_proj (its type in ``recipe.layer_types``) first
+                  all-reduces MAX its float32 per-token absmax [t]
     dense MLP     down_proj row-parallel (W8A8_DYNAMIC): MAX float32 [t], then SUM int32 [t, hidden], tp
     MoE layer     shared expert's down_proj as the dense MLP's; dispatch (dp > 1): all-gather bf16
                   [t, hidden] of every dp group over the dp peers (every rank then holds all dp * t
@@ -42,6 +42,7 @@ from typing import Optional, Sequence
 
 from pipeline import layout
 from pipeline.config import DeepseekV3Config
+from pipeline.format.description import W8A8_DYNAMIC
 from pipeline.parallel import ParallelConfig
 from pipeline.quant.recipe.recipe import Recipe
 
@@ -101,10 +102,11 @@ def decode_collectives(cfg: DeepseekV3Config, parallel: ParallelConfig, recipe: 
         out.append(Collective(where, op, dtype, shape, group, n, calls, payload, payload * _ring(op, n),
                               _spans_nodes(gs, ranks_per_node), combine))
 
-    o_dynamic = recipe.dynamic
+    o_dynamic = [i for i in ids if recipe.layer_types(cfg, i).get(layout.layer_prefix(i) + "self_attn.o_proj")
+                 == W8A8_DYNAMIC]
     add("embedding (vocab-parallel)", "all-reduce SUM", "bf16", f"[t, {h}]", "tp", heads, 2 * h)
     if o_dynamic:
-        add("attention o_proj absmax", "all-reduce MAX", "float32", "[t]", "tp", len(ids), 4)
+        add("attention o_proj absmax", "all-reduce MAX", "float32", "[t]", "tp", len(o_dynamic), 4)
     add("attention o_proj", "all-reduce SUM", "int32", f"[t, {h}]", "tp", len(ids), 4 * h)
     add("dense MLP down_proj absmax", "all-reduce MAX", "float32", "[t]", "tp", len(dense), 4)
     add("dense MLP down_proj", "all-reduce SUM", "int32", f"[t, {h}]", "tp", len(dense), 4 * h)
