@@ -78,8 +78,10 @@ class _Quantized:
 
     def __init__(self, tensors: Mapping[str, Tensor], kinds: Mapping[str, str],
                  weights: Optional[FakeQuantWeights] = None):
+        if weights is not None and weights.t is not tensors:
+            raise ValueError("fake-quantized weights shared between passes over different tensors")
         self.t, self.kinds = tensors, kinds
-        self.weight = weights if weights is not None and weights.t is tensors else FakeQuantWeights(tensors)
+        self.weight = weights if weights is not None else FakeQuantWeights(tensors)
 
     def bias(self, name: str, md: torch.dtype) -> Optional[Tensor]:
         b = self.t.get(name + ".bias")

@@ -243,7 +243,9 @@ def estimate_job(reader: CheckpointReader, recipe, samples: Sequence[Sequence[in
     if single_read:
         # one layer at a time on the job's thread: read (the page cache reads the next one ahead), an FP8
         # source dequantized, calibrated, quantized; the writer's thread writes meanwhile
-        fp8 = sum(math.prod(reader.header(n)[1]) * 2 for n in reader.tensor_names() if reader.header(n)[0] == "F8_E4M3")
+        md = torch.finfo(model_dtype(reader.config)).bits // 8
+        stored_as = (reader.header(n) for n in reader.tensor_names())
+        fp8 = sum(math.prod(shape) * md for dt, shape in stored_as if dt == "F8_E4M3")
         dequant_s = fp8 / (pr.dequant_gbps * GB) if pr.dequant_gbps else 0.0
         # each layer's memory is new to the process (the heap is handed back between layers): its float
         # weights, their fake-quantized copy and the int8 output, first touched
